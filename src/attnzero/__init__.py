@@ -1,0 +1,24 @@
+"""attnzero — attention from zero (从零实现 Attention).
+
+``softmax(Q Kᵀ / √d_k + bias) V``, written to be read line by line (``reference.py``) and computed
+fast with little memory by the other backends. Layout (B, H, L, D); masks say where attention MAY
+go (True / non-zero = attend); a query row with nothing to attend to gives 0, never NaN.
+"""
+
+from . import masks
+from .functional import attention, attention_weights, scaled_dot_product_attention
+from .masks import Mask
+from .modules import MultiHeadAttention, ScaledDotProductAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mask",
+    "MultiHeadAttention",
+    "ScaledDotProductAttention",
+    "__version__",
+    "attention",
+    "attention_weights",
+    "masks",
+    "scaled_dot_product_attention",
+]

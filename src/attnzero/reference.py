@@ -1,0 +1,99 @@
+"""The formula, materialised: ``softmax(Q Kᵀ · scale + bias) V`` — the golden of every test.
+
+Read it next to the seeds (scores → scale → bias/mask → softmax → weighted sum). It differs from
+them only where they go wrong:
+
+* a query row whose keys are all blocked gets probabilities 0, output 0, lse −inf and zero
+  gradients, where ``masked_fill(-inf)`` + ``softmax`` gives NaN;
+* the softmax subtracts the row maximum, and for float16/bfloat16 inputs the scores and the
+  softmax statistics are float32 (only P is rounded back before P·V);
+* GQA/MQA: the G = Hq / Hkv query heads that share a key/value head are stacked along the
+  sequence axis, so one matmul serves the whole group and K/V are never copied.
+
+Letters: B batch, Hq / Hkv query / key-value heads, G = Hq // Hkv, Lq / Lk query / key length,
+D head dim of q and k, Dv head dim of v. Inputs are trusted: ``functional.py`` validated them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import dropout
+from .masks import Mask, keep_block
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax statistics: float32 for 16- and 32-bit inputs, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def probabilities(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | Mask | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """P = softmax(scale · Q Kᵀ + bias, blocked → 0) and its log-sum-exp, in the accumulator dtype.
+    Returns ``p (B, Hq, Lq, Lk)`` and ``lse (B, Hq, Lq)``."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    acc = accum_dtype(q.dtype)
+
+    # 1. scores = Q Kᵀ · scale. Group g of key/value head n is query head n·G + g.
+    q_grouped = q.reshape(B, Hkv, G * Lq, D)  # (B, Hkv, G·Lq, D)
+    s = q_grouped.to(acc) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G·Lq, Lk)
+    s = s.view(B, Hq, Lq, Lk) * scale  # (B, Hq, Lq, Lk)
+
+    # 2. bias, then blocked pairs → −inf (mask, causal and window together).
+    if bias is not None:
+        s = s + bias.to(acc)
+    keep = keep_block(mask, causal, window, Lq, Lk, (0, Lq), (0, Lk), q.device)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+
+    # 3. softmax with the row max subtracted. A row with any kept key has sum l >= 1 (its max
+    #    contributes exp(0) = 1); a fully blocked row has l = 0, and m = −inf is replaced by 0 so
+    #    that exp never sees −inf − (−inf).
+    m = s.amax(dim=-1, keepdim=True).detach()  # (B, Hq, Lq, 1); softmax does not depend on m
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    l = e.sum(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
+    l_safe = l.clamp_min(1.0)  # = l for every row that has a key; 1 for blocked rows
+    p = e / l_safe  # blocked rows: 0 / 1 = 0
+    lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)  # (B, Hq, Lq)
+    return p, lse
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V."""
+    p, lse = probabilities(q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale)
+    B, Hq, Lq, Lk = p.shape
+    Hkv, Dv = v.shape[1], v.shape[3]
+
+    # 4. dropout on the probabilities, rescaled by 1 / (1 - p) (dropout.py says which entries).
+    if dropout_p > 0.0:
+        kept = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device)
+        p = p * kept / (1.0 - dropout_p)
+
+    # 5. weighted sum of values, one matmul per key/value head (its G query heads stacked).
+    p_grouped = p.to(v.dtype).reshape(B, Hkv, (Hq // Hkv) * Lq, Lk)  # (B, Hkv, G·Lq, Lk)
+    out = (p_grouped @ v).view(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
+    return out, lse
