@@ -1,0 +1,433 @@
+"""The same function as ``reference.py``, tiled: an online softmax over key/value blocks
+(FlashAttention-2), in plain PyTorch, with its own backward. Extra memory is O(L), not O(L²).
+
+Read ``MATH.md`` next to this file. In one sentence: walk the keys in blocks, keep for every query
+row a running max ``m``, a running sum ``l`` and an unnormalised output ``acc``, rescale what was
+accumulated whenever the max grows, and divide by ``l`` at the end. The backward never stores P: it
+recomputes each block of it from the saved output and log-sum-exp.
+
+Letters: B batch, Hq / Hkv query / key-value heads, G = Hq // Hkv, Lq / Lk query / key length,
+D head dim of q and k, Dv of v; ``r`` / ``c`` the rows / columns of one block. Inside, a *chunk* is a
+few (batch, key/value head) pairs processed together by batched matmuls, and the G query heads that
+share a key/value head are stacked along the row axis (as ``reference.py`` does), so one matmul per
+block serves the whole group and K/V are never repeated: a block of scores is ``(N, G·r, c)`` with
+N the number of (batch, kv head) pairs in the chunk.
+
+Precision: scores, softmax statistics and accumulators are float32 for 16/32-bit inputs and
+float64 for float64 (``reference.accum_dtype``). Exponentials are base 2 inside: ``log2 e`` is
+folded into the scale and the bias once, so ``exp(x) = exp2(x·log2 e)`` (torch's ``exp2`` is about
+three times faster than ``exp`` on CPU); the log-sum-exp is converted back to natural log outside.
+
+Skipping: for each block of query rows only the key columns that causal / window can reach are
+visited, so causal does about half the work; a block is masked only where some pair in it is
+blocked. ``COUNTS`` counts the blocks visited (for tests and curious readers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import dropout
+from .masks import Mask, block_of, keep_block
+from .reference import accum_dtype
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
+LN2 = 0.6931471805599453  # ln(2):    ln(x) = log2(x) · LN2
+NEG_INF = float("-inf")
+
+# Block sizes (rows per query head, key columns, elements of one score block). Chosen by measuring
+# on a 2-core AVX-512 CPU (docs/benchmarks.md): a score block of ~1-2 M floats keeps the batched
+# matmuls near their peak while the softmax passes over it stay cheap relative to Python overhead.
+_SIZES: dict[str, int] = {"rows": 256, "cols": 512, "elems": 1 << 20}
+
+# Blocks visited since the last reset: {"forward": n, "backward": n}. Read by tests.
+COUNTS: dict[str, int] = {"forward": 0, "backward": 0}
+
+
+@contextmanager
+def block_sizes(rows: int | None = None, cols: int | None = None, elems: int | None = None) -> Iterator[None]:
+    """Temporarily force the block sizes (tests use tiny blocks to hit every boundary)."""
+    old = dict(_SIZES)
+    for key, value in (("rows", rows), ("cols", cols), ("elems", elems)):
+        if value is not None:
+            _SIZES[key] = int(value)
+    try:
+        yield
+    finally:
+        _SIZES.update(old)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Batches ``[b0, b1)`` × key/value heads ``[n0, n1)``; either one batch or every head, so that
+    the (batch, head) pairs flatten into one axis of N = (b1 - b0)·(n1 - n0) without copying."""
+
+    b0: int
+    b1: int
+    n0: int
+    n1: int
+    G: int
+
+    @property
+    def n(self) -> int:
+        return (self.b1 - self.b0) * (self.n1 - self.n0)
+
+    def kv(self, t: Tensor, cols: tuple[int, int]) -> Tensor:
+        """Key columns ``cols`` of k or v (B, Hkv, Lk, E) → (N, c, E)."""
+        x = t[self.b0 : self.b1, self.n0 : self.n1, cols[0] : cols[1]]  # (nb, nh, c, E)
+        return x.reshape(self.n, x.shape[2], x.shape[3])  # (N, c, E)
+
+    def heads(self, t: Tensor) -> Tensor:
+        """The chunk's batches and query heads of a tensor broadcastable to (B, Hq, ...):
+        dims of size 1 stay size 1."""
+        if t.ndim < 4:
+            return t
+        bs = slice(self.b0, self.b1) if t.shape[0] > 1 else slice(None)
+        hs = slice(self.n0 * self.G, self.n1 * self.G) if t.shape[1] > 1 else slice(None)
+        return t[bs, hs]
+
+    def rows(self, t: Tensor, rows: tuple[int, int]) -> Tensor:
+        """Query rows of a (B, Hq, Lq, E) tensor → (N, G·r, E), the group's heads stacked."""
+        x = t[self.b0 : self.b1, self.n0 * self.G : self.n1 * self.G, rows[0] : rows[1]]  # (nb, nh·G, r, E)
+        return x.reshape(self.n, -1, x.shape[-1])  # (N, G·r, E)
+
+    def put(self, dst: Tensor, rows: tuple[int, int], src: Tensor) -> None:
+        """Write (N, G·r, ...) back into rows ``rows`` of dst (B, Hq, Lq, ...)."""
+        view = dst[self.b0 : self.b1, self.n0 * self.G : self.n1 * self.G, rows[0] : rows[1]]  # (nb, nh·G, r, ...)
+        view.copy_(src.reshape(view.shape))
+
+
+def _chunks(B: int, Hkv: int, G: int, per_head: int) -> list[_Chunk]:
+    """Split the B·Hkv (batch, kv head) pairs into chunks of about ``elems / per_head`` pairs."""
+    n = max(1, _SIZES["elems"] // max(1, per_head))
+    if n >= Hkv:
+        nb = max(1, n // Hkv)
+        return [_Chunk(b, min(B, b + nb), 0, Hkv, G) for b in range(0, B, nb)]
+    return [_Chunk(b, b + 1, h, min(Hkv, h + n), G) for b in range(B) for h in range(0, Hkv, n)]
+
+
+def _key_range(
+    rows: tuple[int, int], Lq: int, Lk: int, causal: bool, window: tuple[int | None, int | None] | None
+) -> tuple[int, int]:
+    """The key columns ``[lo, hi)`` that any query row in ``rows`` may see under causal / window
+    (bottom-right aligned: query ``i`` sits at ``i + Lk - Lq``)."""
+    first, last = rows[0] + Lk - Lq, rows[1] - 1 + Lk - Lq  # positions of the block's first and last row
+    lo, hi = 0, Lk
+    if causal:
+        hi = min(hi, last + 1)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = max(lo, first - left)
+        if right is not None:
+            hi = min(hi, last + right + 1)
+    return lo, hi
+
+
+def _all_kept(rows: tuple[int, int], cols: tuple[int, int], Lq: int, Lk: int, causal: bool,
+              window: tuple[int | None, int | None] | None) -> bool:
+    """True when causal / window keep every pair of the block (so it needs no masking from them)."""
+    first, last = rows[0] + Lk - Lq, rows[1] - 1 + Lk - Lq
+    ok = not causal or cols[1] - 1 <= first
+    if window is not None:
+        left, right = window
+        ok = ok and (left is None or cols[0] >= last - left) and (right is None or cols[1] - 1 <= first + right)
+    return ok
+
+
+class _Problem:
+    """The trusted arguments of one call, and how to read one block of scores from them."""
+
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | Mask | None,
+        bias: Tensor | None,
+        causal: bool,
+        window: tuple[int | None, int | None] | None,
+        scale: float,
+        dropout_p: float,
+        dropout_seed: int,
+    ) -> None:
+        self.q, self.k, self.v = q, k, v
+        self.B, self.Hq, self.Lq, self.D = q.shape
+        self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+        self.G = self.Hq // self.Hkv
+        self.acc = accum_dtype(q.dtype)
+        self.mask, self.bias, self.causal, self.window = mask, bias, causal, window
+        self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
+        self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
+        # Rows whose max may be −inf (a blocked pair, or a −inf bias) need the safe-max guard.
+        self.may_block = mask is not None or bias is not None or causal or window is not None
+
+    def chunks(self, rows: int) -> list[_Chunk]:
+        return _chunks(self.B, self.Hkv, self.G, self.G * rows * _SIZES["cols"])
+
+    def row_blocks(self) -> Iterator[tuple[int, int]]:
+        step = _SIZES["rows"]
+        for i0 in range(0, self.Lq, step):
+            yield i0, min(self.Lq, i0 + step)
+
+    def col_blocks(self, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
+        lo, hi = _key_range(rows, self.Lq, self.Lk, self.causal, self.window)
+        step = _SIZES["cols"]
+        for j0 in range(lo, hi, step):
+            yield j0, min(hi, j0 + step)
+
+    def scaled_q(self, c: _Chunk, rows: tuple[int, int]) -> Tensor:
+        """q · scale · log2 e for the block's rows, (N, G·r, D), in the accumulator dtype."""
+        return torch.mul(c.rows(self.q, rows).to(self.acc), self.scale2)
+
+    def scores(self, c: _Chunk, qb: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+        """s₂ = (scale · q kᵀ + bias) · log2 e for one block, blocked pairs −inf: (N, G·r, c)."""
+        kb = c.kv(self.k, cols).to(self.acc)  # (N, c, D)
+        s = torch.bmm(qb, kb.transpose(1, 2))  # (N, G·r, c)
+        r, nc = rows[1] - rows[0], cols[1] - cols[0]
+        s4 = s.view(c.b1 - c.b0, -1, r, nc)  # (nb, nh·G, r, c): one query head per slice of dim 1
+        if self.bias is not None:
+            s4.add_(c.heads(block_of(self.bias, rows, cols)), alpha=LOG2E)
+        whole = _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window)
+        keep = keep_block(
+            self.mask,
+            self.causal and not whole,
+            None if whole else self.window,
+            self.Lq,
+            self.Lk,
+            rows,
+            cols,
+            s.device,
+        )
+        if keep is not None:
+            s4.masked_fill_(c.heads(keep).logical_not(), NEG_INF)
+        return s
+
+    def dropout_scale(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+        """Z / (1 - p) for one block, (N, G·r, c): the entries ``dropout.keep_mask`` keeps for the
+        full (B, Hq, Lq, Lk) problem, read one query head at a time through its counter
+        ``((b·Hq + h)·Lq + i)·Lk + j`` (a (1, 1, B·Hq·Lq, Lk) problem has the same counters)."""
+        flat = (1, 1, self.B * self.Hq * self.Lq, self.Lk)
+        parts = []
+        for b in range(c.b0, c.b1):
+            for h in range(c.n0 * self.G, c.n1 * self.G):
+                base = (b * self.Hq + h) * self.Lq
+                keep = dropout.keep_mask(
+                    self.dropout_seed, self.dropout_p, flat, (base + rows[0], base + rows[1]), cols, self.q.device
+                )
+                parts.append(keep[0, 0])  # (r, c)
+        z = torch.stack(parts).view(c.n, -1, cols[1] - cols[0])  # (N, G·r, c)
+        return z.to(self.acc) * (1.0 / (1.0 - self.dropout_p))
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: int,
+) -> tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))`` by an online softmax over key blocks.
+    A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
+    pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=q.device)
+    for c in pb.chunks(_SIZES["rows"]):
+        for rows in pb.row_blocks():
+            o_blk, lse_blk = _forward_rows(pb, c, rows)
+            c.put(out, rows, o_blk)
+            c.put(lse, rows, lse_blk)
+    return out, lse
+
+
+def _forward_rows(pb: _Problem, c: _Chunk, rows: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """One block of query rows against every key block it can see: (N, G·r, Dv) and (N, G·r)."""
+    n_rows = pb.G * (rows[1] - rows[0])
+    qb = pb.scaled_q(c, rows)  # (N, G·r, D)
+    m = torch.full((c.n, n_rows, 1), NEG_INF, dtype=pb.acc, device=qb.device)  # running max (base 2)
+    l = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qb.device)  # running sum
+    acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qb.device)  # unnormalised output
+    first = True
+    for cols in pb.col_blocks(rows):
+        COUNTS["forward"] += 1
+        s = pb.scores(c, qb, rows, cols)  # (N, G·r, c), base 2
+        # m_new = max(m, max_j s_ij); a row that has seen only blocked keys keeps m = −inf, and
+        # exp2 sees the safe 0 instead (never −inf − (−inf)).
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (N, G·r, 1)
+        m_safe = torch.where(m_new == NEG_INF, 0.0, m_new) if pb.may_block else m_new
+        p = s.sub_(m_safe).exp2_()  # p_ij = exp2(s_ij - m_new), in place
+        if first:
+            l = p.sum(dim=-1, keepdim=True)
+        else:
+            alpha = torch.exp2(m - m_safe)  # rescales what was accumulated so far
+            l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            acc.mul_(alpha)
+        if pb.dropout_p > 0.0:
+            p = p * pb.dropout_scale(c, rows, cols)  # the normaliser l keeps every entry
+        vb = c.kv(pb.v, cols).to(pb.acc)  # (N, c, Dv)
+        acc.baddbmm_(p, vb)  # acc += p · v
+        m = m_new
+        first = False
+    # O = acc / l and lse = (m + log2 l) · ln 2; rows with l = 0 saw no key: 0 and −inf.
+    out = acc.div_(torch.where(l > 0, l, 1.0))
+    lse = torch.where(l > 0, (m + torch.log2(l)) * LN2, NEG_INF).squeeze(-1)  # (N, G·r)
+    return out, lse
+
+
+def backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    mask: Tensor | Mask | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: int,
+    bias_grad: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` from the saved ``out`` and ``lse``, recomputing P block by block.
+    dk / dv are summed over each GQA group; dbias has bias's (broadcast) shape, None without bias
+    (or when ``bias_grad`` is False)."""
+    pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
+    dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
+    want_dbias = bias is not None and bias_grad
+    dbias = torch.zeros(bias.shape, dtype=pb.acc, device=q.device) if want_dbias and bias is not None else None
+    for c in pb.chunks(_SIZES["rows"]):
+        for rows in pb.row_blocks():
+            dq_blk = _backward_rows(pb, c, rows, dout, out, lse, dk, dv, dbias)
+            c.put(dq, rows, dq_blk)
+    dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
+    db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
+    return dq, dk.to(k.dtype), dv.to(v.dtype), db
+
+
+def _backward_rows(
+    pb: _Problem,
+    c: _Chunk,
+    rows: tuple[int, int],
+    dout: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    dbias: Tensor | None,
+) -> Tensor:
+    """Gradients from one block of query rows: returns dq (N, G·r, D); adds into dk, dv, dbias."""
+    qb = pb.scaled_q(c, rows)  # (N, G·r, D)
+    dob = c.rows(dout, rows).to(pb.acc)  # (N, G·r, Dv)
+    ob = c.rows(out, rows).to(pb.acc)  # (N, G·r, Dv)
+    d_i = (dob * ob).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id · O_id, (N, G·r, 1)
+    lse2 = c.rows(lse.unsqueeze(-1), rows) * LOG2E  # (N, G·r, 1), base 2
+    lse2 = torch.where(lse2 == NEG_INF, float("inf"), lse2)  # blocked rows: p = exp2(s - inf) = 0
+    dq_acc = torch.zeros((c.n, qb.shape[1], pb.D), dtype=pb.acc, device=qb.device)
+    for cols in pb.col_blocks(rows):
+        COUNTS["backward"] += 1
+        s = pb.scores(c, qb, rows, cols)  # (N, G·r, c), base 2
+        p = s.sub_(lse2).exp2_()  # p_ij = exp(s_ij - lse_i), recomputed
+        kb = c.kv(pb.k, cols).to(pb.acc)  # (N, c, D)
+        vb = c.kv(pb.v, cols).to(pb.acc)  # (N, c, Dv)
+        dk_blk = c.kv(dk, cols)  # (N, c, D), a view into dk
+        dv_blk = c.kv(dv, cols)  # (N, c, Dv), a view into dv
+        dp = torch.bmm(dob, vb.transpose(1, 2))  # dp_ij = dO_i · v_j, (N, G·r, c)
+        if pb.dropout_p > 0.0:
+            z = pb.dropout_scale(c, rows, cols)  # Z / (1 - p)
+            dv_blk.baddbmm_((p * z).transpose(1, 2), dob)  # dV_j += Σ_i p̃_ij dO_i
+            dp.mul_(z)
+        else:
+            dv_blk.baddbmm_(p.transpose(1, 2), dob)  # dV_j += Σ_i p_ij dO_i
+        ds = dp.sub_(d_i).mul_(p)  # ds_ij = p_ij (dp_ij - D_i), gradient of the natural-log score
+        dq_acc.baddbmm_(ds, kb)  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
+        dk_blk.baddbmm_(ds.transpose(1, 2), qb)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
+        if dbias is not None:
+            _add_dbias(dbias, c, rows, cols, ds)
+    return dq_acc.mul_(pb.scale2 * LN2)  # scale2 · ln 2 = scale
+
+
+def _add_dbias(dbias: Tensor, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int], ds: Tensor) -> None:
+    """dbias += ds, summed over the dims where bias broadcasts (size 1)."""
+    ds4 = ds.view(c.b1 - c.b0, -1, rows[1] - rows[0], cols[1] - cols[0])  # (nb, nh·G, r, c)
+    dims = [d for d in range(4) if dbias.shape[d] == 1 and ds4.shape[d] > 1]
+    part = ds4.sum(dim=dims, keepdim=True) if dims else ds4
+    target = c.heads(block_of(dbias, rows, cols))  # a view into dbias
+    target.add_(part)
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias: Tensor | None,
+        options: dict[str, Any],
+    ) -> tuple[Tensor, Tensor]:
+        out, lse = forward(q, k, v, bias=bias, **options)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        del dlse  # lse is returned as non-differentiable
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        dq, dk, dv, dbias = backward(
+            dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3], **ctx.options
+        )
+        return dq, dk, dv, dbias, None
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """The backend entry used by ``functional.py``: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``,
+    differentiable in q, k, v and bias (lse is not)."""
+    options: dict[str, Any] = {
+        "mask": mask,
+        "causal": causal,
+        "window": window,
+        "scale": scale,
+        "dropout_p": dropout_p,
+        "dropout_seed": dropout_seed,
+    }
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias)
+    )
+    if not needs_grad:
+        return forward(q, k, v, bias=bias, **options)
+    out, lse = _FlashAttention.apply(q, k, v, bias, options)
+    return out, lse
+
+
+__all__ = ["COUNTS", "attention", "backward", "block_sizes", "forward"]
