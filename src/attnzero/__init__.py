@@ -6,15 +6,19 @@ go (True / non-zero = attend); a query row with nothing to attend to gives 0, ne
 """
 
 from . import masks
+from .cache import KVCache
 from .functional import attention, attention_weights, scaled_dot_product_attention
 from .masks import Mask
 from .modules import MultiHeadAttention, ScaledDotProductAttention
+from .rotary import RotaryEmbedding
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
     "Mask",
     "MultiHeadAttention",
+    "RotaryEmbedding",
     "ScaledDotProductAttention",
     "__version__",
     "attention",

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import checks
+from . import checks, rotary
+from .cache import KVCache
 from .functional import BACKENDS, BackendName, attention, attention_weights
 from .masks import Mask
+from .rotary import RotaryEmbedding
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -88,6 +90,12 @@ class MultiHeadAttention(nn.Module):
         bias: whether the four projections have a bias.
         kdim, vdim: widths of the key and value inputs (default d_model).
         backend: the ``az.attention`` backend.
+        rope: rotary positions on queries and keys: False (none), True (``RotaryEmbedding(d_k)``,
+            half-split as Llama) or a ``RotaryEmbedding`` of head dim ``d_k``.
+
+    Decoding: ``forward(x, cache=az.KVCache(B, max_len, num_kv_heads, d_k))`` appends the new
+    keys/values (after rotary) to the cache and attends causally to everything cached; the
+    positions of the new tokens start at ``len(cache)``.
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         backend: BackendName = "auto",
+        rope: bool | RotaryEmbedding = False,
     ) -> None:
         super().__init__()
         for name, val in (("d_model", d_model), ("num_heads", num_heads)):
@@ -129,6 +138,7 @@ class MultiHeadAttention(nn.Module):
         self.W_k = nn.Linear(self.kdim, kv_heads * self.d_k, bias=bias)
         self.W_v = nn.Linear(self.vdim, kv_heads * self.d_k, bias=bias)
         self.W_o = nn.Linear(num_heads * self.d_k, d_model, bias=bias)
+        self.rope: RotaryEmbedding | None = rotary.resolve(rope, self.d_k)
 
     def _split_heads(self, x: Tensor, heads: int) -> Tensor:
         B, L, _ = x.shape
@@ -144,6 +154,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attention of ``query`` (B, Lq, d_model) over ``key`` (B, Lk, kdim) / ``value``
         (B, Lk, vdim); both default to ``query`` (self-attention).
@@ -153,13 +164,25 @@ class MultiHeadAttention(nn.Module):
         a real token (the opposite of ``nn.MultiheadAttention``'s). ``causal``: bottom-right causal.
         Returns (B, Lq, d_model), or ``(output, weights (B, num_heads, Lq, Lk))`` when
         ``need_weights`` — the weights before dropout.
+
+        ``cache``: a ``KVCache`` for decoding (self-attention only; key/value omitted or ``query``
+        itself). The new L tokens take positions ``len(cache) .. len(cache)+L-1``, their keys and
+        values are appended, and attention is causal (bottom-right) over all ``len(cache)+L``
+        cached tokens, whatever ``causal`` says; ``mask`` then broadcasts to (B, num_heads, L,
+        len(cache)+L). Everything is checked before the cache is written: a call that raises
+        leaves it as it was. With ``rope``, queries sit at the bottom-right positions
+        ``Lk - Lq + i`` (after the cached ones) and keys at ``j``.
         """
+        if cache is not None:
+            self._check_cache(cache, query, key, value, key_padding_mask)
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value, key_padding_mask)
-        B, Lq, Lk = query.shape[0], query.shape[1], key.shape[1]
+        B, Lq = query.shape[0], query.shape[1]
+        past = 0 if cache is None else len(cache)  # tokens cached before this call
+        Lk = past + key.shape[1]  # keys attended to: the cached ones and the new ones
         keep = checks.mask(mask, (B, self.num_heads, Lq, Lk), query.device)
-        is_causal = checks.flag("causal", causal)
+        is_causal = checks.flag("causal", causal) or cache is not None
         want_weights = checks.flag("need_weights", need_weights)
         if key_padding_mask is not None:
             pad = (key_padding_mask != 0).reshape(B, 1, 1, Lk)  # (B, 1, 1, Lk), True = real token
@@ -168,10 +191,23 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.W_q(query), self.num_heads)  # (B, Hq, Lq, d_k)
         k = self._split_heads(self.W_k(key), self.num_kv_heads)  # (B, Hkv, Lk, d_k)
         v = self._split_heads(self.W_v(value), self.num_kv_heads)  # (B, Hkv, Lk, d_k)
-        out = attention(
-            q, k, v, mask=keep, causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-        )
+        if self.rope is not None:
+            # Keys at past + j, queries bottom-right at Lk - Lq + i; a shift common to both (for
+            # Lq > Lk) keeps positions >= 0 and changes no score, which sees only differences.
+            shift = max(0, Lq - Lk)
+            q = self.rope.rotate_from(q, Lk - Lq + shift)
+            k = self.rope.rotate_from(k, past + shift)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, Hkv, past + Lq, d_k) each: every cached token
+        try:
+            out = attention(
+                q, k, v, mask=keep, causal=is_causal,
+                dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+            )
+        except BaseException:
+            if cache is not None:
+                cache.truncate(past)  # undo this call's append
+            raise
         assert isinstance(out, Tensor)
         out = out.transpose(1, 2).reshape(B, Lq, self.num_heads * self.d_k)  # (B, Lq, Hq·d_k)
         output = self.W_o(out)  # (B, Lq, d_model)
@@ -203,6 +239,34 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(
                     f"key_padding_mask: device {key_padding_mask.device} does not match query's {query.device}"
                 )
+
+    def _check_cache(self, cache: Any, query: Any, key: Any, value: Any, key_padding_mask: Any) -> None:
+        """``cache`` can take this call's keys/values (checked before anything is computed)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected an attnzero KVCache or None, got {type(cache).__name__}")
+        for name, x in (("key", key), ("value", value)):
+            if x is not None and x is not query:
+                raise ValueError(f"{name}: expected None with cache= (self-attention), got a separate tensor")
+        if key_padding_mask is not None:
+            raise ValueError(
+                "key_padding_mask: expected None with cache= (pass mask= broadcastable to "
+                "(B, num_heads, L, len(cache) + L) instead), got a tensor"
+            )
+        checks.tensor("query", query, 3, "(B, L, d_model)")
+        B, L = query.shape[0], query.shape[1]
+        weight = self.W_q.weight
+        for what, want, got in (
+            ("batch_size", B, cache.batch_size),
+            ("num_kv_heads", self.num_kv_heads, cache.num_kv_heads),
+            ("head_dim", self.d_k, cache.head_dim),
+        ):
+            if want != got:
+                raise ValueError(f"cache: expected {what} {want} (the module's / query's), got {got}")
+        if cache.dtype != weight.dtype:
+            raise TypeError(f"cache: expected dtype {weight.dtype} (the module's weights'), got {cache.dtype}")
+        if cache.device != weight.device:
+            raise ValueError(f"cache: expected device {weight.device} (the module's weights'), got {cache.device}")
+        cache.check_room(L)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, *, backend: BackendName = "auto") -> MultiHeadAttention:
