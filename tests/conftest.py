@@ -1,0 +1,354 @@
+"""Shared test machinery: the backends under test, the tolerance rule of DESIGN.md, input factories
+and an independent, deliberately naive attention used to check the golden itself.
+
+The tolerance rule (DESIGN.md, "Numerics and tests"): inputs are drawn, rounded to dtype X, and the
+golden is ``backend="reference"`` on those rounded inputs in float64. A backend run in dtype X passes
+when ``err(backend_X) <= 2 × err(reference_X) + floor`` for outputs (3× for gradients), errors being
+max-abs differences against the golden. NaN never passes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+import attnzero as az
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the suite may touch the network
+
+# Every golden test is parametrized over this list: adding a backend is a one-line change here.
+BACKENDS: list[str] = ["reference"]
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
+
+# Absolute floor of the tolerance rule, in units of max(1, |golden|): about one rounding of the
+# result in dtype X (a backend may round once differently where the reference happens to be
+# exact). float64's reference *is* the golden (error 0), so its floor is what float64 reordering of
+# the sums costs.
+FLOOR: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 2 * torch.finfo(torch.float32).eps,
+    torch.float16: torch.finfo(torch.float16).eps,
+    torch.bfloat16: torch.finfo(torch.bfloat16).eps,
+}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request: pytest.FixtureRequest) -> None:
+    """Random inputs per test, reproducible from the test's id; set ATTNZERO_TEST_SEED to draw
+    other ones."""
+    base = int(os.environ.get("ATTNZERO_TEST_SEED", "0"))
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) ^ base)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tolerance rule
+
+
+def max_err(x: torch.Tensor, golden: torch.Tensor) -> float:
+    """Max |x - golden| in float64; equal infinities (lse of a blocked row) count as 0 error."""
+    x64, g64 = x.detach().to(torch.float64), golden.detach().to(torch.float64)
+    same_inf = torch.isinf(g64) & (x64 == g64)
+    d = torch.where(same_inf, torch.zeros_like(g64), (x64 - g64).abs())
+    return float(d.max()) if d.numel() else 0.0
+
+
+def assert_close_to_golden(
+    out_x: torch.Tensor,
+    out_ref_x: torch.Tensor,
+    golden: torch.Tensor,
+    *,
+    grad: bool = False,
+    name: str = "out",
+    floor: float | None = None,
+) -> None:
+    """DESIGN.md's rule: err(out_x) <= 2 × err(out_ref_x) + floor (3× for gradients); NaN fails.
+
+    ``out_x`` is the backend under test in dtype X, ``out_ref_x`` the reference backend in dtype X,
+    ``golden`` the reference in float64 on the same (rounded) inputs."""
+    assert out_x.shape == golden.shape, f"{name}: shape {tuple(out_x.shape)} != golden {tuple(golden.shape)}"
+    assert not torch.isnan(golden).any(), f"{name}: the golden itself has NaN"
+    assert not torch.isnan(out_x).any(), f"{name}: NaN in the backend's result"
+    assert not torch.isnan(out_ref_x).any(), f"{name}: NaN in the reference's result"
+    assert torch.equal(torch.isinf(out_x), torch.isinf(golden)), f"{name}: infinities differ from the golden"
+    factor = 3.0 if grad else 2.0
+    fin = golden[torch.isfinite(golden)]
+    magnitude = max(1.0, float(fin.abs().max())) if fin.numel() else 1.0
+    fl = (FLOOR[out_x.dtype] if floor is None else floor) * magnitude
+    err, ref_err = max_err(out_x, golden), max_err(out_ref_x, golden)
+    assert err <= factor * ref_err + fl, (
+        f"{name} ({out_x.dtype}): error {err:.3e} > {factor:g} × reference error {ref_err:.3e} + floor {fl:.1e}"
+    )
+
+
+def assert_reference_sane(
+    out_ref_x: torch.Tensor, golden: torch.Tensor, *, grad: bool = False, name: str = "out"
+) -> None:
+    """The reference backend in a low precision stays within a few roundings of the golden (this
+    keeps the baseline of the tolerance rule honest: a sloppy reference would loosen every test)."""
+    assert not torch.isnan(out_ref_x).any(), f"{name}: NaN in the reference's result"
+    fin = golden[torch.isfinite(golden)]
+    magnitude = max(1.0, float(fin.abs().max())) if fin.numel() else 1.0
+    eps = torch.finfo(out_ref_x.dtype).eps
+    bound = (64 if grad else 16) * eps * magnitude
+    err = max_err(out_ref_x, golden)
+    assert err <= bound, f"{name}: reference in {out_ref_x.dtype} is {err:.3e} from the golden (bound {bound:.1e})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float64, layout: str = "contiguous") -> torch.Tensor:
+    """Standard normal tensor of ``shape``, contiguous or laid out non-contiguously:
+
+    * ``"transpose"``: stored as (B, L, H, D) and viewed as (B, H, L, D) (what a module's head split
+      produces);
+    * ``"strided"``: an ``as_strided`` view into a larger buffer with padded rows;
+    * ``"sliced"``: every other element of a twice-as-wide last dim.
+    """
+    if layout == "contiguous":
+        return torch.randn(*shape, dtype=dtype)
+    if layout == "transpose":
+        assert len(shape) == 4
+        B, H, L, D = shape
+        return torch.randn(B, L, H, D, dtype=dtype).transpose(1, 2)  # (B, L, H, D) -> (B, H, L, D)
+    if layout == "strided":
+        *lead, L, D = shape
+        row = D + 3  # 3 unused elements after each row
+        n_lead = math.prod(lead)
+        buf = torch.randn(n_lead * L * row + 5, dtype=dtype)
+        strides: list[int] = []
+        acc = L * row
+        for s in reversed(lead):
+            strides.insert(0, acc)
+            acc *= s
+        return torch.as_strided(buf, (*lead, L, D), (*strides, row, 1), storage_offset=5)
+    if layout == "sliced":
+        return torch.randn(*shape[:-1], 2 * shape[-1], dtype=dtype)[..., ::2]
+    raise ValueError(layout)
+
+
+def qkv(
+    B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, Dv: int | None = None, *, layout: str = "contiguous"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)."""
+    Dv = D if Dv is None else Dv
+    return randn(B, Hq, Lq, D, layout=layout), randn(B, Hkv, Lk, D, layout=layout), randn(B, Hkv, Lk, Dv, layout=layout)
+
+
+def random_keep(*shape: int, p_keep: float = 0.7) -> torch.Tensor:
+    return torch.rand(*shape) < p_keep
+
+
+# ---------------------------------------------------------------------------------------------
+# An independent attention: explicit repeat of K/V heads, dense masks built from torch.tril/triu,
+# torch.softmax. Written differently from reference.py on purpose, so it checks the golden.
+
+
+def dense_keep(
+    Lq: int,
+    Lk: int,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+) -> torch.Tensor | None:
+    """Combined dense keep-mask; causal and window bottom-right aligned (offset Lk - Lq)."""
+    keep: torch.Tensor | None = None if mask is None else (mask != 0)
+    off = Lk - Lq
+    ones = torch.ones(Lq, Lk, dtype=torch.bool)
+    if causal:
+        c = ones.tril(diagonal=off)
+        keep = c if keep is None else keep & c
+    if window is not None:
+        left, right = window
+        w = ones.clone()
+        if right is not None:
+            w = w.tril(diagonal=off + right)
+        if left is not None:
+            w = w.triu(diagonal=off - left)
+        keep = w if keep is None else keep & w
+    return keep
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    keep: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    drop_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of softmax(scale · Q Kᵀ + bias) V with blocked pairs removed, in q's dtype."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, D)
+    v = v.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, Dv)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
+    if bias is not None:
+        s = s + bias
+    if keep is None:
+        keep = torch.ones((), dtype=torch.bool)
+    keep = keep.expand_as(s)
+    row_any = keep.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
+    # Blocked rows: softmax over zeros (harmless), then multiplied by 0, so no NaN in either pass.
+    s_safe = torch.where(row_any, s.masked_fill(~keep, float("-inf")), torch.zeros_like(s))
+    p = torch.softmax(s_safe, dim=-1) * row_any
+    lse = torch.logsumexp(s.detach().masked_fill(~keep, float("-inf")), dim=-1)
+    if drop_keep is not None:
+        p = p * drop_keep / (1.0 - dropout_p)
+    return p @ v, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# One golden comparison: forward (out, lse) and backward (dq, dk, dv, dbias)
+
+
+@dataclass
+class Result:
+    out: torch.Tensor
+    lse: torch.Tensor
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def run_attention(
+    backend: str,
+    dtype: torch.dtype,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor | None,
+    *,
+    bias: torch.Tensor | None = None,
+    seed: int | None = None,
+    **kwargs: Any,
+) -> Result:
+    """az.attention on copies of the inputs cast to ``dtype`` (layout kept: ``.to`` of a
+    non-contiguous tensor keeps its strides only when the dtype is unchanged, so strided inputs are
+    re-laid-out with the same strides); grads of q, k, v (and bias) w.r.t. ``<out, dout>``."""
+    leaves = {"q": q, "k": k, "v": v}
+    if bias is not None:
+        leaves["bias"] = bias
+    xs = {n: _cast_keep_strides(t, dtype).requires_grad_(dout is not None) for n, t in leaves.items()}
+    if seed is not None:
+        torch.manual_seed(seed)
+    out, lse = az.attention(xs["q"], xs["k"], xs["v"], bias=xs.get("bias"), backend=backend, return_lse=True, **kwargs)
+    res = Result(out.detach(), lse.detach())
+    if dout is not None:
+        names = list(xs)
+        gs = torch.autograd.grad(out, [xs[n] for n in names], dout.to(dtype), allow_unused=True)
+        res.grads = {n: (torch.zeros_like(xs[n]) if g is None else g) for n, g in zip(names, gs)}
+    return res
+
+
+def _cast_keep_strides(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.is_contiguous():
+        return t.detach().to(dtype).clone()
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype)  # same (non-contiguous) strides
+    out.copy_(t.detach())
+    return out
+
+
+def round_to(dtype: torch.dtype, *ts: torch.Tensor | None) -> list[Any]:
+    """Round float64 tensors to ``dtype`` and back (the golden sees exactly the rounded inputs)."""
+    return [None if t is None else t.to(dtype).to(torch.float64) for t in ts]
+
+
+def check_against_golden(
+    backend: str,
+    dtype: torch.dtype,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    grads: bool = True,
+    seed: int | None = None,
+    naive: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    **kwargs: Any,
+) -> tuple[Result, Result]:
+    """Run golden (float64 reference), reference in ``dtype`` and ``backend`` in ``dtype``; apply the
+    tolerance rule to out, lse and every gradient. ``naive(q, k, v, bias)`` (float64, on the rounded
+    inputs) when given must match the golden to float64 rounding, forward and backward.
+    Returns (golden, backend result)."""
+    (br,) = round_to(dtype, bias)
+    # Round q, k, v to dtype and back, keeping the caller's (possibly non-contiguous) layout.
+    qr, kr, vr = (_cast_keep_strides(_cast_keep_strides(t, dtype), torch.float64) for t in (q, k, v))
+    dout = None
+    if grads:
+        Dv = v.shape[-1]
+        dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], Dv, dtype=torch.float64).to(dtype).to(torch.float64)
+    gold = run_attention("reference", torch.float64, qr, kr, vr, dout, bias=br, seed=seed, **kwargs)
+    assert gold.lse.dtype == torch.float64
+
+    if naive is not None:
+        _check_naive(gold, naive, qr, kr, vr, br, dout)
+
+    ref = (
+        gold
+        if dtype == torch.float64
+        else run_attention("reference", dtype, qr, kr, vr, dout, bias=br, seed=seed, **kwargs)
+    )
+    res = (
+        ref if backend == "reference" else run_attention(backend, dtype, qr, kr, vr, dout, bias=br, seed=seed, **kwargs)
+    )
+
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for r in (ref, res):
+        assert r.out.dtype == dtype and r.out.shape == (*q.shape[:3], v.shape[-1])
+        assert r.lse.dtype == lse_dtype and r.lse.shape == q.shape[:3]
+    if dtype != torch.float64:
+        assert_reference_sane(ref.out, gold.out)
+    assert_close_to_golden(res.out, ref.out, gold.out, name="out")
+    assert_close_to_golden(res.lse, ref.lse, gold.lse, name="lse", floor=FLOOR[torch.float32])
+    for n, g in gold.grads.items():
+        assert res.grads[n].dtype == dtype
+        if dtype != torch.float64:
+            assert_reference_sane(ref.grads[n], g, grad=True, name=f"d{n}")
+        assert_close_to_golden(res.grads[n], ref.grads[n], g, grad=True, name=f"d{n}")
+    return gold, res
+
+
+def _check_naive(
+    gold: Result,
+    naive: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    dout: torch.Tensor | None,
+) -> None:
+    leaves = [t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v)]
+    b = None if bias is None else bias.detach().clone().requires_grad_(dout is not None)
+    out, lse = naive(*leaves, b)
+    torch.testing.assert_close(gold.out, out.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gold.lse, lse.detach(), rtol=1e-10, atol=1e-10)
+    if dout is not None:
+        wrt = [*leaves] + ([b] if b is not None else [])
+        gs = torch.autograd.grad(out, wrt, dout, allow_unused=True)
+        for name, g in zip(["q", "k", "v", "bias"], gs):
+            want = torch.zeros_like(gold.grads[name]) if g is None else g
+            if want.shape != gold.grads[name].shape:  # a broadcast bias: naive sums the same way
+                want = want.sum_to_size(gold.grads[name].shape)
+            torch.testing.assert_close(gold.grads[name], want, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def shapes_id(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape))
