@@ -1,0 +1,297 @@
+"""az.KVCache and ``MultiHeadAttention(..., cache=)``: prefill + token-by-token decoding equals one
+causal pass (MHA, GQA, MQA; with and without rotary), and a call that raises leaves the cache
+exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import attnzero as az
+from attnzero import modules
+
+
+def snapshot(cache: az.KVCache) -> tuple[int, torch.Tensor, torch.Tensor]:
+    return len(cache), cache.k.clone(), cache.v.clone()
+
+
+def assert_untouched(cache: az.KVCache, snap: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+    n, k, v = snap
+    assert len(cache) == n
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)  # the whole storage, not only [:n]
+
+
+def filled(B: int = 2, T: int = 10, H: int = 3, D: int = 8, n: int = 4, **kw: Any) -> az.KVCache:
+    cache = az.KVCache(B, T, H, D, **kw)
+    dtype = kw.get("dtype", torch.float32)
+    cache.update(torch.randn(B, H, n, D, dtype=dtype), torch.randn(B, H, n, D, dtype=dtype))
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache on its own
+
+
+def test_storage_shapes_and_length() -> None:
+    cache = az.KVCache(2, 16, 3, 8, dtype=torch.float64)
+    assert cache.k.shape == cache.v.shape == (2, 3, 16, 8)
+    assert cache.k.dtype == torch.float64 and cache.device == torch.device("cpu")
+    assert len(cache) == 0 and cache.remaining == 16
+    assert cache.keys().shape == (2, 3, 0, 8)
+
+
+def test_update_appends_and_returns_views_of_the_filled_part() -> None:
+    cache = az.KVCache(2, 16, 3, 8)
+    chunks = [(torch.randn(2, 3, n, 8), torch.randn(2, 3, n, 8)) for n in (5, 1, 1, 4)]
+    for i, (k, v) in enumerate(chunks):
+        k_all, v_all = cache.update(k, v)
+        n = sum(c[0].shape[2] for c in chunks[: i + 1])
+        assert len(cache) == n and k_all.shape == v_all.shape == (2, 3, n, 8)
+        assert k_all.data_ptr() == cache.k.data_ptr()  # a view of the storage, no copy
+        torch.testing.assert_close(k_all, torch.cat([c[0] for c in chunks[: i + 1]], dim=2), rtol=0, atol=0)
+        torch.testing.assert_close(v_all, torch.cat([c[1] for c in chunks[: i + 1]], dim=2), rtol=0, atol=0)
+    assert cache.remaining == 5
+
+
+def test_update_accepts_non_contiguous_input() -> None:
+    cache = az.KVCache(2, 8, 4, 16)
+    k = torch.randn(2, 5, 4, 16).transpose(1, 2)  # (2, 4, 5, 16) strided, as a module's head split
+    v = torch.randn(2, 5, 4, 16).transpose(1, 2)
+    k_all, v_all = cache.update(k, v)
+    assert torch.equal(k_all, k) and torch.equal(v_all, v)
+
+
+def test_reset_and_truncate() -> None:
+    cache = filled(n=6)
+    k6 = cache.keys().clone()
+    cache.truncate(2)
+    assert len(cache) == 2 and torch.equal(cache.keys(), k6[:, :, :2])
+    with pytest.raises(ValueError, match=r"length: expected an int in \[0, 2\], got 3"):
+        cache.truncate(3)
+    cache.reset()
+    assert len(cache) == 0 and cache.remaining == cache.max_len
+    k, v = torch.randn(2, 3, 10, 8), torch.randn(2, 3, 10, 8)
+    k_all, _ = cache.update(k, v)  # the whole capacity is available again
+    assert torch.equal(k_all, k)
+
+
+def test_overflow_raises_and_leaves_the_cache_as_it_was() -> None:
+    cache = filled(T=10, n=7)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"cache: 4 new tokens do not fit: it holds 7 of max_len 10 \(3 free\)"):
+        cache.update(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8))
+    assert_untouched(cache, snap)
+    cache.update(torch.randn(2, 3, 3, 8), torch.randn(2, 3, 3, 8))  # exactly full is fine
+    assert len(cache) == 10 and cache.remaining == 0
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="1 new tokens do not fit"):
+        cache.update(torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))
+    assert_untouched(cache, snap)
+
+
+BAD_UPDATES: list[tuple[str, Callable[[], tuple[Any, Any]], type[Exception], str]] = [
+    ("head_dim", lambda: (torch.randn(2, 3, 1, 6), torch.randn(2, 3, 1, 6)), ValueError,
+     r"k: expected head dim 8 \(the cache's\), got 6 in shape \(2, 3, 1, 6\)"),
+    ("v head_dim", lambda: (torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 4)), ValueError,
+     r"v: expected head dim 8 \(the cache's\), got 4"),
+    ("batch", lambda: (torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)), ValueError,
+     r"k: expected batch 2 \(the cache's\), got 1"),
+    ("heads", lambda: (torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)), ValueError,
+     r"k: expected heads 3 \(the cache's\), got 4"),
+    ("dtype", lambda: (torch.randn(2, 3, 1, 8, dtype=torch.float64), torch.randn(2, 3, 1, 8)), TypeError,
+     r"k: expected dtype torch\.float32 \(the cache's\), got torch\.float64"),
+    ("v dtype", lambda: (torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8).half()), TypeError,
+     r"v: expected dtype torch\.float32 \(the cache's\), got torch\.float16"),
+    ("device", lambda: (torch.randn(2, 3, 1, 8, device="meta"), torch.randn(2, 3, 1, 8, device="meta")), ValueError,
+     r"k: expected device cpu \(the cache's\), got meta"),
+    ("lengths", lambda: (torch.randn(2, 3, 2, 8), torch.randn(2, 3, 1, 8)), ValueError,
+     r"v: expected length 2 \(k's\), got 1"),
+    ("ndim", lambda: (torch.randn(2, 3, 8), torch.randn(2, 3, 8)), ValueError, r"k: expected 4 dims \(B, Hkv, L, D\)"),
+    ("not a tensor", lambda: ([1.0], torch.randn(2, 3, 1, 8)), TypeError, "k: expected a torch.Tensor, got list"),
+    ("integer", lambda: (torch.ones(2, 3, 1, 8, dtype=torch.long),) * 2, TypeError, "k: expected a floating dtype"),
+    ("empty", lambda: (torch.randn(2, 3, 0, 8), torch.randn(2, 3, 0, 8)), ValueError, "k: expected a non-empty tensor"),
+]
+
+
+@pytest.mark.parametrize(("k_v", "error", "message"), [b[1:] for b in BAD_UPDATES], ids=[b[0] for b in BAD_UPDATES])
+def test_bad_update_raises_without_touching_the_cache(
+    k_v: Callable[[], tuple[Any, Any]], error: type[Exception], message: str
+) -> None:
+    cache = filled()
+    snap = snapshot(cache)
+    k, v = k_v()
+    with pytest.raises(error, match=message):
+        cache.update(k, v)
+    assert_untouched(cache, snap)
+
+
+def test_bad_construction() -> None:
+    for name, args in (
+        ("batch_size", (0, 4, 2, 8)), ("max_len", (1, -1, 2, 8)), ("num_kv_heads", (1, 4, 2.0, 8)),
+        ("head_dim", (1, 4, 2, True)),
+    ):
+        with pytest.raises(ValueError, match=f"{name}: expected a positive int"):
+            az.KVCache(*args)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dtype: expected a floating dtype .* got torch\.int64"):
+        az.KVCache(1, 4, 2, 8, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_dtypes(dtype: torch.dtype) -> None:
+    cache = az.KVCache(1, 4, 2, 8, dtype=dtype)
+    k = torch.randn(1, 2, 3, 8).to(dtype)
+    k_all, _ = cache.update(k, k)
+    assert k_all.dtype == dtype and torch.equal(k_all, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# MultiHeadAttention(..., cache=): prefill + decode == one causal pass
+
+
+def decode_in_pieces(m: az.MultiHeadAttention, x: torch.Tensor, pieces: list[int], cache: az.KVCache) -> torch.Tensor:
+    outs, t = [], 0
+    for n in pieces:
+        out = m(x[:, t : t + n], cache=cache)
+        assert isinstance(out, torch.Tensor)
+        outs.append(out)
+        t += n
+    assert t == x.shape[1] and len(cache) == t
+    return torch.cat(outs, dim=1)  # (B, L, d_model)
+
+
+@pytest.mark.parametrize(("Hq", "Hkv"), [(4, 4), (4, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("rope", ["none", "half", "interleaved"])
+@pytest.mark.parametrize("prefill", [1, 7, 16])
+def test_prefill_then_decode_equals_one_causal_pass(Hq: int, Hkv: int, rope: str, prefill: int) -> None:
+    d_model, B, L = 16 * Hq, 2, 23
+    rot = {"none": False, "half": True, "interleaved": az.RotaryEmbedding(16, interleaved=True)}[rope]
+    m = az.MultiHeadAttention(d_model, Hq, 0.0, num_kv_heads=Hkv, rope=rot).eval()
+    x = torch.randn(B, L, d_model)
+    with torch.no_grad():
+        full = m(x, causal=True)
+        cache = az.KVCache(B, 32, Hkv, 16)
+        got = decode_in_pieces(m, x, [prefill] + [1] * (L - prefill), cache)
+    assert got.shape == full.shape
+    assert float((got - full).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash", "auto"])
+def test_chunked_prefill_float64_any_backend(backend: str) -> None:
+    """Chunks of any size (chunked prefill, speculative verification) all match, in float64 to
+    rounding; the long piece goes through auto's choice for long inputs too."""
+    if backend == "flash":
+        pytest.importorskip("attnzero.flash", reason="the flash backend is not in this tree yet")
+    m = az.MultiHeadAttention(48, 6, 0.0, num_kv_heads=2, rope=True, backend=backend).double()  # type: ignore[arg-type]
+    x = torch.randn(3, 200, 48, dtype=torch.float64)
+    full = m(x, causal=True)
+    cache = az.KVCache(3, 256, 2, 8, dtype=torch.float64)
+    got = decode_in_pieces(m, x, [150, 1, 13, 1, 1, 30, 4], cache)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
+
+
+def test_cache_implies_causal_and_mask_spans_the_whole_cache() -> None:
+    """With a cache, ``mask`` broadcasts to (B, H, L, len(cache) + L): blocking a cached key for
+    one batch row matches the full pass with the same keep-mask."""
+    m = az.MultiHeadAttention(32, 4, 0.0).double()
+    B, L = 2, 12
+    x = torch.randn(B, L, 32, dtype=torch.float64)
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[1, 0, 0, 2] = False  # batch row 1 never attends to token 2
+    full = m(x, mask=keep, causal=True)
+    cache = az.KVCache(B, L, 4, 8, dtype=torch.float64)
+    outs = [m(x[:, :5], mask=keep[..., :5], cache=cache)]  # causal=False by default: the cache makes it causal
+    for t in range(5, L):
+        outs.append(m(x[:, t : t + 1], mask=keep[..., : t + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-12)
+
+
+def test_need_weights_with_cache() -> None:
+    m = az.MultiHeadAttention(32, 4, 0.0, rope=True).double()
+    x = torch.randn(1, 9, 32, dtype=torch.float64)
+    full, w_full = m(x, causal=True, need_weights=True)
+    cache = az.KVCache(1, 16, 4, 8, dtype=torch.float64)
+    m(x[:, :8], cache=cache)
+    out, w = m(x[:, 8:], cache=cache, need_weights=True)
+    assert w.shape == (1, 4, 1, 9)
+    torch.testing.assert_close(out, full[:, 8:], rtol=0, atol=1e-12)
+    torch.testing.assert_close(w, w_full[:, :, 8:], rtol=0, atol=1e-12)
+
+
+def test_seed_call_style_with_cache() -> None:
+    """``mha(x, x, x, cache=c)`` — the seeds' self-attention call — is accepted."""
+    m = az.MultiHeadAttention(32, 4, 0.0).double()
+    x = torch.randn(1, 3, 32, dtype=torch.float64)
+    cache = az.KVCache(1, 8, 4, 8, dtype=torch.float64)
+    torch.testing.assert_close(m(x, x, x, cache=cache), m(x, causal=True), rtol=0, atol=1e-12)
+
+
+def bad_module_calls() -> list[tuple[str, Callable[[az.MultiHeadAttention, az.KVCache], Any], type[Exception], str]]:
+    x1 = torch.randn(2, 1, 32)
+    return [
+        ("overflow", lambda m, c: m(torch.randn(2, 5, 32), cache=c), ValueError,
+         r"cache: 5 new tokens do not fit: it holds 4 of max_len 8 \(4 free\)"),
+        ("d_model", lambda m, c: m(torch.randn(2, 1, 24), cache=c), ValueError, "query: expected last dim 32, got 24"),
+        ("batch", lambda m, c: m(torch.randn(3, 1, 32), cache=c), ValueError,
+         r"cache: expected batch_size 3 \(the module's / query's\), got 2"),
+        ("heads", lambda m, c: m(x1, cache=az.KVCache(2, 8, 4, 8)), ValueError,
+         r"cache: expected num_kv_heads 2 .* got 4"),
+        ("head_dim", lambda m, c: m(x1, cache=az.KVCache(2, 8, 2, 16)), ValueError,
+         r"cache: expected head_dim 8 .* got 16"),
+        ("cache device", lambda m, c: m(x1, cache=az.KVCache(2, 8, 2, 8, device="meta")), ValueError,
+         r"cache: expected device cpu \(the module's weights'\), got meta"),
+        ("dtype", lambda m, c: m(x1.double(), cache=c), TypeError, "query: dtype torch.float64 does not match"),
+        ("device", lambda m, c: m(x1.to("meta"), cache=c), ValueError, "query: device meta does not match"),
+        ("mask", lambda m, c: m(x1, mask=torch.ones(2, 1, 1, 3, dtype=torch.bool), cache=c), ValueError,
+         r"mask: shape \(2, 1, 1, 3\) is not broadcastable to \(B, Hq, Lq, Lk\) = \(2, 4, 1, 5\)"),
+        ("cross", lambda m, c: m(x1, torch.randn(2, 1, 32), cache=c), ValueError,
+         r"key: expected None with cache= \(self-attention\)"),
+        ("padding", lambda m, c: m(x1, key_padding_mask=torch.ones(2, 5, dtype=torch.bool), cache=c), ValueError,
+         "key_padding_mask: expected None with cache="),
+        ("not a cache", lambda m, c: m(x1, cache=(c.k, c.v)), TypeError,
+         "cache: expected an attnzero KVCache or None, got tuple"),
+        ("causal flag", lambda m, c: m(x1, causal=1, cache=c), TypeError, "causal: expected a bool, got 1"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"), [b[1:] for b in bad_module_calls()], ids=[b[0] for b in bad_module_calls()]
+)
+def test_failed_module_call_leaves_the_cache_as_it_was(
+    call: Callable[[az.MultiHeadAttention, az.KVCache], Any], error: type[Exception], message: str
+) -> None:
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2, rope=True)
+    cache = az.KVCache(2, 8, 2, 8)
+    m(torch.randn(2, 4, 32), cache=cache)
+    snap = snapshot(cache)
+    with pytest.raises(error, match=message):
+        call(m, cache)
+    assert_untouched(cache, snap)
+    m(torch.randn(2, 1, 32), cache=cache)  # and it still works afterwards
+    assert len(cache) == 5
+
+
+def test_cache_dtype_mismatch_with_module() -> None:
+    m = az.MultiHeadAttention(32, 4, 0.0)
+    cache = az.KVCache(1, 8, 4, 8, dtype=torch.float64)
+    message = r"cache: expected dtype torch\.float32 \(the module's weights'\), got torch\.float64"
+    with pytest.raises(TypeError, match=message):
+        m(torch.randn(1, 2, 32), cache=cache)
+    assert len(cache) == 0
+
+
+def test_error_inside_attention_rolls_the_append_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = az.MultiHeadAttention(32, 4, 0.0)
+    cache = az.KVCache(1, 8, 4, 8)
+    m(torch.randn(1, 3, 32), cache=cache)
+    stored = cache.keys().clone()
+
+    def broken(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(modules, "attention", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        m(torch.randn(1, 2, 32), cache=cache)
+    assert len(cache) == 3 and torch.equal(cache.keys(), stored)
