@@ -1,0 +1,388 @@
+"""az.masks: every builder against a hand-written expectation, combinations, blocks, printing, ALiBi."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnzero as az
+from attnzero.masks import Mask, alibi_slopes, block_of, keep_block
+
+
+def grid(rows: str) -> torch.Tensor:
+    """A keep-mask written by hand: one string per query row, 'x' = keep, '.' = blocked."""
+    return torch.tensor([[c == "x" for c in r.split()] for r in rows.strip().splitlines()])
+
+
+def dense(m: Mask) -> torch.Tensor:
+    """The (Lq, Lk) grid of a mask that is the same for every batch and head."""
+    t = m.to_tensor()
+    assert t.dtype == torch.bool and t.shape == m.shape
+    return t[0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal, both alignments
+
+
+def test_causal_square_is_the_lower_triangle_in_both_alignments() -> None:
+    want = grid("""
+        x . . .
+        x x . .
+        x x x .
+        x x x x""")
+    assert torch.equal(dense(az.masks.causal(4)), want)
+    assert torch.equal(dense(az.masks.causal(4, 4, align="bottom_right")), want)
+    assert torch.equal(dense(az.masks.causal(4, 4, align="top_left")), want)
+
+
+def test_causal_bottom_right_more_keys() -> None:
+    m = az.masks.causal(4, 6)  # the default alignment: the last query sits at the last key
+    assert m.shape == (1, 1, 4, 6)
+    want = grid("""
+        x x x . . .
+        x x x x . .
+        x x x x x .
+        x x x x x x""")
+    assert torch.equal(dense(m), want)
+    assert torch.equal(dense(az.masks.causal(4, 6, align="bottom_right")), want)
+
+
+def test_causal_top_left_more_keys() -> None:
+    want = grid("""
+        x . . . . .
+        x x . . . .
+        x x x . . .
+        x x x x . .""")
+    assert torch.equal(dense(az.masks.causal(4, 6, align="top_left")), want)
+
+
+def test_causal_more_queries_than_keys() -> None:
+    bottom_right = grid("""
+        . . .
+        . . .
+        x . .
+        x x .
+        x x x""")  # the first Lq - Lk queries see nothing
+    top_left = grid("""
+        x . .
+        x x .
+        x x x
+        x x x
+        x x x""")
+    assert torch.equal(dense(az.masks.causal(5, 3)), bottom_right)
+    assert torch.equal(dense(az.masks.causal(5, 3, align="top_left")), top_left)
+
+
+def test_print_causal_grid() -> None:
+    assert str(az.masks.causal(4, 6)) == (
+        "causal (bottom-right) 4×6\n■ ■ ■ · · ·\n■ ■ ■ ■ · ·\n■ ■ ■ ■ ■ ·\n■ ■ ■ ■ ■ ■"
+    )
+    assert str(az.masks.causal(4, 6, align="top_left")) == (
+        "causal (top-left) 4×6\n■ · · · · ·\n■ ■ · · · ·\n■ ■ ■ · · ·\n■ ■ ■ ■ · ·"
+    )
+
+
+def test_print_statement_shows_the_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    print(az.masks.causal(4, 6))
+    out = capsys.readouterr().out
+    assert out.splitlines()[1:] == ["■ ■ ■ · · ·", "■ ■ ■ ■ · ·", "■ ■ ■ ■ ■ ·", "■ ■ ■ ■ ■ ■"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding window
+
+
+def test_window_left_only() -> None:
+    want = grid("""
+        x . . . .
+        x x . . .
+        x x x . .
+        . x x x .
+        . . x x x""")
+    assert torch.equal(dense(az.masks.window(5, 5, 2)), want)
+    assert torch.equal(dense(az.masks.window(5, 5, left=2, right=0)), want)
+
+
+def test_window_both_sides() -> None:
+    want = grid("""
+        x x . . .
+        x x x . .
+        x x x x .
+        . x x x x
+        . . x x x""")
+    assert torch.equal(dense(az.masks.window(5, 5, 2, 1)), want)
+
+
+def test_window_unbounded_sides() -> None:
+    left_none = grid("""
+        x x . .
+        x x x .
+        x x x x
+        x x x x""")
+    right_none = grid("""
+        x x x x
+        x x x x
+        . x x x
+        . . x x""")
+    assert torch.equal(dense(az.masks.window(4, 4, None, 1)), left_none)
+    assert torch.equal(dense(az.masks.window(4, 4, 1, None)), right_none)
+    assert dense(az.masks.window(4, 4, None, None)).all()
+    assert torch.equal(dense(az.masks.window(4, 4, None, 0)), dense(az.masks.causal(4)))
+
+
+def test_window_is_bottom_right_aligned() -> None:
+    want = grid("""
+        . x x . . .
+        . . x x . .
+        . . . x x .
+        . . . . x x""")  # query i sits at p = i + 2; keeps p - 1 <= j <= p
+    assert torch.equal(dense(az.masks.window(4, 6, 1, 0)), want)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_window_rejects_bad_sides(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"left: expected None or an int >= 0, got"):
+        az.masks.window(4, 4, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"right: expected None or an int >= 0, got"):
+        az.masks.window(4, 4, 1, bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding and documents
+
+
+def test_padding_from_lengths() -> None:
+    m = az.masks.padding([2, 4, 0])
+    assert m.shape == (3, 1, 1, 4)
+    want = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(m.to_tensor()[:, 0, 0], want)
+    m6 = az.masks.padding(torch.tensor([3, 1]), kv_len=6)
+    assert m6.shape == (2, 1, 1, 6)
+    assert torch.equal(m6.to_tensor()[:, 0, 0], torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]]).bool())
+
+
+@pytest.mark.parametrize(
+    ("lengths", "kv_len", "match"),
+    [([3, -1], None, "non-negative"), ([5], 4, "<= kv_len 4"), ([[1, 2]], None, "1-D"), ([1.5], None, "1-D")],
+)
+def test_padding_rejects_bad_lengths(lengths: list[int], kv_len: int | None, match: str) -> None:
+    with pytest.raises(ValueError, match=rf"lengths: .*{match}"):
+        az.masks.padding(lengths, kv_len)
+
+
+def test_document_1d() -> None:
+    want = grid("""
+        x x . . .
+        x x . . .
+        . . x x x
+        . . x x x
+        . . x x x""")
+    m = az.masks.document([0, 0, 1, 1, 1])
+    assert m.shape == (1, 1, 5, 5)
+    assert torch.equal(dense(m), want)
+    assert str(m).splitlines()[1:] == ["■ ■ · · ·", "■ ■ · · ·", "· · ■ ■ ■", "· · ■ ■ ■", "· · ■ ■ ■"]
+
+
+def test_document_batched_with_kv_ids() -> None:
+    ids = torch.tensor([[0, 1, 1], [2, 2, 3]])  # (B=2, Lq=3)
+    kv_ids = torch.tensor([[0, 0, 1, 1], [2, 3, 3, 3]])  # (B=2, Lk=4)
+    m = az.masks.document(ids, kv_ids)
+    assert m.shape == (2, 1, 3, 4)
+    t = m.to_tensor()[:, 0]
+    assert torch.equal(t[0], grid("x x . .\n. . x x\n. . x x"))
+    assert torch.equal(t[1], grid("x . . .\nx . . .\n. x x x"))
+    # 1-D query ids against batched key ids broadcast over the batch.
+    m2 = az.masks.document([2, 3], kv_ids)
+    assert m2.shape == (2, 1, 2, 4)
+    assert torch.equal(m2.to_tensor()[1, 0], grid("x . . .\n. x x x"))
+    assert torch.equal(m2.to_tensor()[0, 0], grid(". . . .\n. . . ."))
+
+
+def test_document_combined_with_causal_packs_causal_sequences() -> None:
+    m = az.masks.document([0, 0, 0, 1, 1]) & az.masks.causal(5)
+    want = grid("""
+        x . . . .
+        x x . . .
+        x x x . .
+        . . . x .
+        . . . x x""")
+    assert torch.equal(dense(m), want)
+
+
+def test_document_rejects_bad_ids() -> None:
+    with pytest.raises(ValueError, match=r"ids: expected \(L,\) or \(B, L\) integer ids, got"):
+        az.masks.document([0.5, 1.0])
+    with pytest.raises(ValueError, match=r"kv_ids: batch 3 does not match ids' 2"):
+        az.masks.document(torch.zeros(2, 4, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# and_ / or_ / ~, tensors mixed in
+
+
+def test_and_or_not() -> None:
+    c = az.masks.causal(4)
+    w = az.masks.window(4, 4, 1, 1)
+    tri = grid("x . . .\nx x . .\nx x x .\nx x x x")
+    band = grid("x x . .\nx x x .\n. x x x\n. . x x")
+    assert torch.equal(dense(az.masks.and_(c, w)), tri & band)
+    assert torch.equal(dense(c & w), tri & band)
+    assert torch.equal(dense(az.masks.or_(c, w)), tri | band)
+    assert torch.equal(dense(c | w), tri | band)
+    assert torch.equal(dense(~c), ~tri)
+    assert torch.equal(dense(az.masks.and_(c, w, ~az.masks.window(4, 4, 0, 0))), tri & band & ~torch.eye(4).bool())
+    assert "not" in (~c).name and "and" in (c & w).name and "or" in (c | w).name
+
+
+def test_combining_with_tensors_broadcasts() -> None:
+    pad = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).view(2, 1, 1, 4)  # int 0/1, non-zero = keep
+    m = az.masks.causal(4) & pad
+    assert m.shape == (2, 1, 4, 4)
+    t = m.to_tensor()
+    tri = torch.ones(4, 4).tril().bool()
+    assert torch.equal(t[0, 0], tri & pad[0, 0].bool()) and torch.equal(t[1, 0], tri & pad[1, 0].bool())
+    m2 = az.masks.or_(torch.zeros(1, 3, 4, 4, dtype=torch.bool), az.masks.causal(4))
+    assert m2.shape == (1, 3, 4, 4) and torch.equal(m2.to_tensor()[0, 2], tri)
+
+
+def test_combining_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match=r"and_: mask shapes .* do not broadcast together"):
+        az.masks.and_(az.masks.causal(4), az.masks.causal(5))
+    with pytest.raises(ValueError, match=r"or_: expected at least one mask, got none"):
+        az.masks.or_()
+    with pytest.raises(TypeError, match=r"mask: expected an attnzero Mask or a torch.Tensor, got list"):
+        az.masks.and_(az.masks.causal(2), [[1, 0], [1, 1]])  # type: ignore[arg-type]
+
+
+def test_from_tensor_any_dtype() -> None:
+    t = torch.tensor([[0.0, 2.5], [-1.0, 0.0]])
+    m = az.masks.from_tensor(t)
+    assert m.shape == (1, 1, 2, 2)
+    assert torch.equal(dense(m), t != 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks: what backends evaluate
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: az.masks.causal(13, 21),
+        lambda: az.masks.causal(21, 13, align="top_left"),
+        lambda: az.masks.window(13, 21, 3, 2),
+        lambda: az.masks.padding([5, 21, 0], 21),
+        lambda: az.masks.document(
+            torch.randint(0, 3, (2, 13)).sort(-1).values, torch.randint(0, 3, (2, 21)).sort(-1).values
+        ),
+        lambda: ~az.masks.causal(13, 21) | az.masks.from_tensor(torch.rand(3, 1, 13, 21) < 0.3),
+    ],
+    ids=["causal", "causal_top_left", "window", "padding", "document", "combined"],
+)
+def test_block_equals_slice_of_dense(make: object) -> None:
+    m = make()  # type: ignore[operator]
+    full = m.to_tensor()
+    Lq, Lk = m.shape[2], m.shape[3]
+    for rows, cols in [((0, Lq), (0, Lk)), ((3, 9), (5, 12)), ((Lq - 1, Lq), (0, 1)), ((2, 3), (Lk - 4, Lk))]:
+        blk = m.block(rows, cols)
+        want = full[:, :, rows[0] : rows[1], cols[0] : cols[1]]
+        assert torch.equal(blk.expand(want.shape), want), (rows, cols)
+
+
+def test_keep_block_combines_mask_causal_and_window() -> None:
+    Lq, Lk = 11, 16
+    dense_mask = torch.rand(2, 1, Lq, Lk) < 0.6
+    i, j = torch.arange(Lq).view(-1, 1), torch.arange(Lk).view(1, -1)
+    p = i + Lk - Lq
+    want = dense_mask & (j <= p) & (j >= p - 3)
+    for mask in (dense_mask, az.masks.from_tensor(dense_mask)):
+        for rows, cols in [((0, Lq), (0, Lk)), ((2, 7), (4, 13))]:
+            got = keep_block(mask, True, (3, None), Lq, Lk, rows, cols, torch.device("cpu"))
+            assert got is not None
+            ref = want[:, :, rows[0] : rows[1], cols[0] : cols[1]]
+            assert torch.equal(got.expand(ref.shape), ref)
+    assert keep_block(None, False, None, Lq, Lk, (0, Lq), (0, Lk), torch.device("cpu")) is None
+
+
+def test_block_of_keeps_broadcast_dims() -> None:
+    t = torch.randn(2, 1, 1, 9)
+    assert block_of(t, (3, 5), (2, 6)).shape == (2, 1, 1, 4)
+    t2 = torch.randn(1, 3, 7, 9)
+    assert torch.equal(block_of(t2, (3, 5), (2, 6)), t2[:, :, 3:5, 2:6])
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def test_print_batched_and_truncated() -> None:
+    s = str(az.masks.padding([1, 2]))
+    assert s.splitlines() == ["padding 1×2 (B=2, H=1)", "[b=0, h=0]", "■ ·", "[b=1, h=0]", "■ ■"]
+    big = az.masks.to_string(az.masks.causal(5, 7), max_size=3)
+    lines = big.splitlines()
+    assert lines[0] == "causal (bottom-right) 5×7"
+    assert lines[1:4] == ["■ ■ ■ …", "■ ■ ■ …", "■ ■ ■ …"] and lines[4] == "⋮"
+    assert az.masks.to_string(torch.tensor([[True, False]])).splitlines()[1] == "■ ·"
+    assert repr(az.masks.causal(2, 3)) == "Mask(causal (bottom-right), shape=(1, 1, 2, 3))"
+
+
+# ---------------------------------------------------------------------------------------------
+# ALiBi
+
+
+def test_alibi_slopes_power_of_two() -> None:
+    got = alibi_slopes(8)
+    assert torch.equal(got, torch.tensor([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256]))
+    assert torch.allclose(alibi_slopes(16)[:2], torch.tensor([2**-0.5, 2**-1.0]))
+    assert math.isclose(float(alibi_slopes(16)[-1]), 2**-8)
+
+
+@pytest.mark.parametrize(
+    ("n", "want"),
+    [
+        # The paper's rule: slopes of the largest power of two below n, then every other slope of
+        # the next power of two, until there are n.
+        (6, [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]),
+        (12, [2.0**-e for e in range(1, 9)] + [2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5]),
+        (3, [2**-4, 2**-8, 2**-2]),
+        (1, [2**-8]),
+    ],
+)
+def test_alibi_slopes_not_power_of_two(n: int, want: list[float]) -> None:
+    torch.testing.assert_close(alibi_slopes(n), torch.tensor(want, dtype=torch.float32))
+
+
+def test_alibi_values_bottom_right() -> None:
+    H, Lq, Lk = 4, 3, 5
+    b = az.masks.alibi(H, Lq, Lk)
+    assert b.shape == (1, H, Lq, Lk) and b.dtype == torch.float32
+    slopes = [2**-2, 2**-4, 2**-6, 2**-8]
+    for h in range(H):
+        for i in range(Lq):
+            p = i + Lk - Lq  # the query's position, bottom-right aligned
+            for j in range(Lk):
+                assert math.isclose(float(b[0, h, i, j]), -slopes[h] * abs(p - j), abs_tol=1e-7)
+    # The last query sits at the last key: its own position gets 0.
+    assert not b[0, :, -1, -1].any()
+    assert torch.equal(az.masks.alibi(2, 4), az.masks.alibi(2, 4, 4))
+
+
+def test_alibi_as_bias_prefers_near_keys() -> None:
+    q = torch.zeros(1, 8, 1, 4)  # uniform scores: only the bias speaks
+    k = torch.randn(1, 8, 6, 4)
+    w = az.attention_weights(q, k, bias=az.masks.alibi(8, 1, 6))
+    assert bool((w[0, :, 0].diff(dim=-1) > 0).all())  # weight grows toward the query's position
+
+
+def test_builders_reject_bad_lengths() -> None:
+    with pytest.raises(ValueError, match=r"q_len: expected a positive int, got 0"):
+        az.masks.causal(0)
+    with pytest.raises(ValueError, match=r"kv_len: expected a positive int, got -2"):
+        az.masks.window(3, -2)
+    with pytest.raises(ValueError, match=r"align: expected 'bottom_right' or 'top_left', got 'left'"):
+        az.masks.causal(3, align="left")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"num_heads: expected a positive int, got 0"):
+        az.masks.alibi(0, 3)
