@@ -1,0 +1,167 @@
+"""az.scaled_dot_product_attention is a drop-in for torch.nn.functional.scaled_dot_product_attention:
+same semantics (bool mask keeps True, float mask is added, is_causal top-left, enable_gqa, scale),
+same results to float32 rounding, except that a row with every key blocked gives 0, never NaN."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnzero as az
+
+B, H, D, DV = 2, 6, 16, 12
+
+
+def _mask(kind: str, Lq: int, Lk: int, dtype: torch.dtype) -> torch.Tensor | None:
+    shapes = {"bool4": (B, H, Lq, Lk), "bool2": (Lq, Lk), "bool_keys": (B, 1, 1, Lk), "bool_heads": (H, Lq, Lk)}
+    if kind == "none":
+        return None
+    if kind.startswith("bool"):
+        m = torch.rand(shapes[kind]) < 0.7
+        m[..., 0] = True  # every row keeps a key (rows with none are tested below)
+        return m
+    shape = (B, H, Lq, Lk) if kind == "float4" else (Lq, Lk)
+    m = torch.randn(shape, dtype=dtype)
+    m[torch.rand(shape) < 0.2] = float("-inf")
+    m[..., 0] = 0.0
+    return m
+
+
+MASKS = ["none", "bool4", "bool2", "bool_keys", "bool_heads", "float4", "float2"]
+CASES = [
+    (lq_lk, mask, causal, gqa, scale)
+    for lq_lk, mask, causal, gqa, scale in itertools.product(
+        [(5, 5), (3, 8), (8, 3)], MASKS, [False, True], [False, True], [None, 0.7]
+    )
+    if not (causal and mask != "none")  # torch refuses attn_mask together with is_causal
+]
+
+
+def _ids(case: tuple[object, ...]) -> str:
+    (lq, lk), mask, causal, gqa, scale = case  # type: ignore[misc]
+    return f"{lq}x{lk}-{mask}{'-causal' if causal else ''}{'-gqa' if gqa else ''}{'-scale' if scale else ''}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_matches_torch_float32_and_float64(case: tuple[tuple[int, int], str, bool, bool, float | None]) -> None:
+    (Lq, Lk), mask_kind, causal, gqa, scale = case
+    Hkv = 2 if gqa else H
+    q = torch.randn(B, H, Lq, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, DV, dtype=torch.float64, requires_grad=True)
+    mask = _mask(mask_kind, Lq, Lk, torch.float64)
+    kw = dict(attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    ours = az.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    assert ours.shape == theirs.shape == (B, H, Lq, DV)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), dout), torch.autograd.grad(theirs, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # float32: the same to float32 rounding (torch's default float32 tolerances).
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    kw32 = dict(kw, attn_mask=None if mask is None else (mask if mask.dtype == torch.bool else mask.float()))
+    ours32 = az.scaled_dot_product_attention(q32, k32, v32, **kw32)  # type: ignore[arg-type]
+    theirs32 = F.scaled_dot_product_attention(q32, k32, v32, **kw32)  # type: ignore[arg-type]
+    assert ours32.dtype == torch.float32
+    torch.testing.assert_close(ours32, theirs32)
+
+
+@pytest.mark.parametrize(("Lq", "Lk"), [(3, 8), (8, 3), (6, 6)])
+def test_is_causal_is_top_left(Lq: int, Lk: int) -> None:
+    q, k, v = torch.randn(1, 1, Lq, 8), torch.randn(1, 1, Lk, 8), torch.randn(1, 1, Lk, 8)
+    top_left = torch.ones(Lq, Lk, dtype=torch.bool).tril()
+    ours = az.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, az.scaled_dot_product_attention(q, k, v, attn_mask=top_left))
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    if Lq != Lk:  # and not az.attention's bottom-right causal
+        assert not torch.allclose(ours, az.attention(q, k, v, causal=True))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "kv_lead", "mask_shape"),
+    [
+        ((7, 16), (), (7, 9)),  # 2-D (L, E)
+        ((3, 7, 16), (3,), (7, 9)),  # 3-D (N, L, E)
+        ((3, 7, 16), (3,), (3, 7, 9)),
+        ((2, 3, 4, 7, 16), (2, 3, 4), (2, 3, 4, 7, 9)),  # 5-D (A, B, H, L, E)
+        ((2, 3, 4, 7, 16), (2, 3, 4), (7, 9)),
+        ((2, 3, 4, 7, 16), (2, 3, 4), (3, 1, 7, 9)),
+    ],
+)
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_other_ranks(
+    q_shape: tuple[int, ...], kv_lead: tuple[int, ...], mask_shape: tuple[int, ...], mask_dtype: torch.dtype
+) -> None:
+    q = torch.randn(q_shape)
+    k, v = torch.randn(*kv_lead, 9, 16), torch.randn(*kv_lead, 9, 5)
+    if mask_dtype == torch.bool:
+        mask = torch.rand(mask_shape) < 0.7
+        mask[..., 0] = True
+    else:
+        mask = torch.randn(mask_shape)
+    ours = az.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert ours.shape == theirs.shape == (*q_shape[:-1], 5)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(
+        az.scaled_dot_product_attention(q, k, v, is_causal=True),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    )
+
+
+def test_gqa_five_dims_and_three_dims() -> None:
+    q, k, v = torch.randn(2, 3, 6, 5, 8), torch.randn(2, 3, 2, 7, 8), torch.randn(2, 3, 2, 7, 8)
+    torch.testing.assert_close(
+        az.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    )
+    q3, k3 = torch.randn(4, 5, 8), torch.randn(2, 7, 8)
+    torch.testing.assert_close(
+        az.scaled_dot_product_attention(q3, k3, k3, enable_gqa=True),
+        F.scaled_dot_product_attention(q3, k3, k3, enable_gqa=True),
+    )
+
+
+def test_fully_masked_rows_give_zero() -> None:
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(2, 2, 5, 5) < 0.7
+    keep[..., 0] = True
+    keep[:, :, 2] = False  # row 2: nothing to attend to
+    additive = torch.zeros(2, 2, 5, 5).masked_fill(~keep, float("-inf"))
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # 0 or NaN, depending on torch's path
+    for m in (keep, additive):
+        ours = az.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        assert not torch.isnan(ours).any()
+        assert not ours[:, :, 2].any()
+        rows = [0, 1, 3, 4]
+        torch.testing.assert_close(ours[:, :, rows], theirs[:, :, rows])
+        (g,) = torch.autograd.grad(ours.sum(), (q,))
+        assert not torch.isnan(g).any() and not g[:, :, 2].any()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_reproducible_with_the_same_seed(p: float) -> None:
+    q, k, v = (torch.randn(2, 2, 9, 8) for _ in range(3))
+    torch.manual_seed(3)
+    a = az.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    torch.manual_seed(3)
+    b = az.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    torch.manual_seed(4)
+    c = az.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.allclose(a, az.scaled_dot_product_attention(q, k, v))
+    # Statistically the same mean as without dropout (uniform weights, values 1).
+    ones = torch.ones(1, 4, 256, 1)
+    out = az.scaled_dot_product_attention(torch.zeros(1, 4, 128, 8), torch.randn(1, 4, 256, 8), ones, dropout_p=p)
+    assert abs(out.mean().item() - 1.0) < 0.02
+
+
+def test_dropout_zero_is_deterministic_and_default() -> None:
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    assert torch.equal(
+        az.scaled_dot_product_attention(q, k, v, dropout_p=0.0), az.scaled_dot_product_attention(q, k, v)
+    )
