@@ -1,0 +1,411 @@
+"""Ring attention over ``torch.distributed``: a sequence too long for one device, split across W ranks.
+
+Each rank holds a slice of the sequence — its queries and the keys/values of the same positions.
+The key/value blocks travel around a ring of ranks (rank r sends to r+1 and receives from r-1), so
+after W steps every rank has seen every block, and no rank ever holds more than two blocks::
+
+    step 0:  rank 0 holds K/V 0   rank 1 holds K/V 1   rank 2 holds K/V 2
+    step 1:  rank 0 holds K/V 2   rank 1 holds K/V 0   rank 2 holds K/V 1
+    step 2:  rank 0 holds K/V 1   rank 1 holds K/V 2   rank 2 holds K/V 0
+
+At each step a rank attends its queries to the block it holds with the flash backend, which returns
+the block's output and log-sum-exp; the partial results merge by log-sum-exp (MATH.md, "Merging
+partial results"), in float32 (float64 for float64 inputs). The send/receive of the next block is
+posted before the current block is computed, so communication overlaps computation.
+
+The backward walks the same ring. Each rank recomputes, block by block, its contribution to dQ (kept
+at home) and to the dK/dV of the block it holds; those dK/dV partial sums travel with the block and
+one last hop brings each block's finished dK/dV back to its owner.
+
+Layouts (the sequence is cut into equal chunks; W = world size)::
+
+    "contiguous"  W chunks,  rank r holds chunk r:             r0 r0 | r1 r1 | r2 r2
+    "zigzag"      2W chunks, rank r holds chunks r, 2W-1-r:     r0 | r1 | r2 | r2 | r1 | r0
+
+With ``causal=True`` a block is either full, diagonal (causal inside) or skipped entirely, decided
+from the global chunk positions. Contiguous is simple but unbalanced (rank W-1 does W times the work
+of rank 0); zigzag gives every rank the same work: against a block from an earlier rank all of its
+queries see only that rank's early chunk, against a block from a later rank only its own late chunk
+of queries sees anything (and it sees both chunks).
+
+Letters: B batch, Hq / Hkv query / key-value heads, L this rank's slice length, D head dim of q and
+k, Dv head dim of v. Set the timeout of every wait with ``torch.distributed.init_process_group(...,
+timeout=...)``: a rank that raises or dies makes the others fail with a clear error within it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import checks
+from .reference import accum_dtype
+
+__all__ = ["gather", "ring_attention", "shard"]
+
+Layout = Literal["contiguous", "zigzag"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+
+# Tags of the point-to-point messages (gloo matches sends and receives by tag; NCCL ignores them).
+_TAG_KV = 0  # k, v
+_TAG_DKV = 2  # dk, dv
+
+# dtypes that the shape agreement can name (anything else is reported as "other").
+_DTYPES = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+)  # fmt: skip
+_MAX_DIMS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring: who sends to whom, and transfers that can be waited on with a clear error
+
+
+@dataclass(frozen=True)
+class _Ring:
+    group: Any  # a ProcessGroup, or None for the default group
+    rank: int  # this rank's index in the group
+    world: int  # number of ranks in the group
+    to_next: int  # global rank of (rank + 1) % world
+    from_prev: int  # global rank of (rank - 1) % world
+
+    @staticmethod
+    def of(group: Any) -> _Ring:
+        """The ring of ``group`` (None = the default group), checked."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "group: expected an initialised torch.distributed process group "
+                "(call torch.distributed.init_process_group first), got none"
+            )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group: expected None or a torch.distributed ProcessGroup, got {type(group).__name__}")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise ValueError("group: expected a process group that this rank belongs to, got one without it")
+
+        def global_rank(r: int) -> int:
+            return r if group is None else dist.get_global_rank(group, r)
+
+        return _Ring(group, rank, world, global_rank((rank + 1) % world), global_rank((rank - 1) % world))
+
+    def start(self, tensors: list[Tensor], tag: int, what: str) -> _Transfer:
+        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous rank."""
+        if self.world == 1:  # a ring of one: the "next rank" is this one
+            return _Transfer(self, [], tensors, what)
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends]
+        ops = [dist.P2POp(dist.isend, t, self.to_next, self.group, tag + i) for i, t in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, self.from_prev, self.group, tag + i) for i, t in enumerate(recvs)]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self.lost(what, e) from e
+        return _Transfer(self, works, recvs, what)
+
+    def lost(self, what: str, e: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"ring_attention: rank {self.rank} of {self.world} could not exchange {what} with its ring "
+            f"neighbours (ranks {(self.rank - 1) % self.world} and {(self.rank + 1) % self.world}): another rank "
+            "raised, died, or did not reach this step within the process group's timeout "
+            f"(init_process_group(timeout=...)). Cause: {e}"
+        )
+
+
+@dataclass
+class _Transfer:
+    ring: _Ring
+    works: list[Any]
+    received: list[Tensor]
+    what: str
+
+    def wait(self) -> list[Tensor]:
+        """Block until the exchange is done; the tensors received from the previous rank."""
+        try:
+            for w in self.works:
+                w.wait()
+        except RuntimeError as e:
+            raise self.ring.lost(self.what, e) from e
+        return self.received
+
+
+def _agree(ring: _Ring, device: torch.device, what: str, fields: dict[str, int]) -> None:
+    """Every rank passes the same ``fields`` (shapes, dtype, flags), or every rank raises
+    ``ValueError`` naming the field and each rank's value. One tiny all_gather of integers."""
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)  # (F,)
+    everyone = [torch.empty_like(mine) for _ in range(ring.world)]
+    try:
+        dist.all_gather(everyone, mine, group=ring.group)
+    except RuntimeError as e:
+        raise ring.lost(f"the {what} arguments' shapes", e) from e
+    table = torch.stack(everyone).tolist()  # (W, F)
+    for i, name in enumerate(fields):
+        column = [row[i] for row in table]
+        if len(set(column)) > 1:
+            given = ", ".join(f"rank {r}: {_decode(name, x)}" for r, x in enumerate(column))
+            raise ValueError(f"{what}: expected the same {name} on every rank of the group, got {given}")
+
+
+def _decode(name: str, x: int) -> str:
+    if name == "dtype":
+        return str(_DTYPES[x]) if 0 <= x < len(_DTYPES) else "another dtype"
+    if name == "scale":
+        return repr(struct.unpack("<d", struct.pack("<q", x))[0])
+    if name in ("causal", "requires_grad"):
+        return str(bool(x))
+    if name == "layout":
+        return repr(LAYOUTS[x])
+    return str(x)
+
+
+def _shape_fields(prefix: str, x: Tensor) -> dict[str, int]:
+    """ndim, dtype and the sizes of every dim but the batch-free ones (all of them here)."""
+    fields = {f"{prefix} ndim": x.ndim, "dtype": _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1}
+    for d in range(_MAX_DIMS):
+        fields[f"{prefix} size of dim {d}"] = x.shape[d] if d < x.ndim else 0
+    return fields
+
+
+def _comm_device(ring: _Ring, x: Tensor) -> torch.device:
+    """Where the small agreement tensor lives: the inputs' device for NCCL, the CPU otherwise."""
+    return x.device if dist.get_backend(ring.group) == "nccl" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which part of the block from rank `src` do this rank's queries see?
+
+_Block = tuple[slice, slice, bool]  # (query rows, key columns, causal inside the block)
+
+
+def _blocks(rank: int, src: int, L: int, causal: bool, layout: str) -> list[_Block]:
+    """The pieces of (this rank's queries) × (rank ``src``'s keys) that may attend; L = slice length.
+
+    Positions are global chunk indices; "full" means every pair is kept, "diagonal" that the slice
+    is one sequence against itself (so local causal = global causal), "skip" that no pair is kept."""
+    every = slice(0, L)
+    if not causal:
+        return [(every, every, False)]  # full
+    if src == rank:
+        return [(every, every, True)]  # diagonal: both layouts keep positions increasing in a slice
+    if layout == "contiguous":
+        return [(every, every, False)] if src < rank else []  # earlier chunk: full; later: skip
+    # zigzag: this rank holds chunks (r, 2W-1-r), src holds (s, 2W-1-s), each L/2 long.
+    half = L // 2
+    if src < rank:
+        # s < r and 2W-1-s > 2W-1-r >= r: every query sees src's early chunk s, none its late one.
+        return [(every, slice(0, half), False)]
+    # s > r: chunk r sees neither s nor 2W-1-s; the late chunk 2W-1-r sees both (s, 2W-1-s < 2W-1-r).
+    return [(slice(half, L), every, False)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward around the ring
+
+
+def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """In place: (out, lse) ← merge of (out, lse) and a block's (out_b, lse_b), MATH.md's rule.
+    out (B, Hq, l, Dv) and lse (B, Hq, l) in the accumulator dtype."""
+    new = torch.logaddexp(lse, lse_b)  # (B, Hq, l); -inf only when both parts are -inf
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # never exp(-inf - (-inf))
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.add_(torch.exp(lse_b - safe).unsqueeze(-1) * out_b.to(out.dtype))
+    lse.copy_(new)
+
+
+def _ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str
+) -> tuple[Tensor, Tensor]:
+    """This rank's (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) in the accumulator dtype)."""
+    from . import flash
+
+    B, Hq, L, _ = q.shape
+    acc = accum_dtype(q.dtype)
+    out = torch.zeros(B, Hq, L, v.shape[-1], dtype=acc, device=q.device)  # (B, Hq, L, Dv)
+    lse = torch.full((B, Hq, L), float("-inf"), dtype=acc, device=q.device)  # (B, Hq, L)
+    kv = [k, v]
+    for step in range(ring.world):
+        # Post the exchange of the block for step + 1 first, then compute with the one we hold.
+        nxt = ring.start(kv, _TAG_KV, "key/value blocks") if step + 1 < ring.world else None
+        src = (ring.rank - step) % ring.world  # whose keys/values we hold now
+        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout):
+            out_b, lse_b = flash.forward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
+            )  # fmt: skip
+            _merge(out[:, :, rows], lse[:, :, rows], out_b, lse_b)
+        if nxt is not None:
+            kv = nxt.wait()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    causal: bool, scale: float, ring: _Ring, layout: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv) of this rank's slices. Blocks travel as in the forward; each block's dK/dV
+    partial sum travels one hop behind it and reaches its owner after W hops."""
+    from . import flash
+
+    L = q.shape[2]
+    acc = accum_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, Hq, L, D)
+    kv = [k, v]
+    dkv: _Transfer | None = None  # the dK/dV partial sums in flight
+    for step in range(ring.world):
+        nxt = ring.start(kv, _TAG_KV, "key/value blocks") if step + 1 < ring.world else None
+        src = (ring.rank - step) % ring.world
+        dk_b = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, Hkv, L, D) of src's block
+        dv_b = torch.zeros(v.shape, dtype=acc, device=v.device)  # (B, Hkv, L, Dv)
+        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout):
+            # flash.backward recomputes P = exp(s - lse) with the GLOBAL out and lse, which gives
+            # exactly this block's share of dq, dk, dv.
+            dq_p, dk_p, dv_p, _ = flash.backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_p
+            dk_b[:, :, cols] += dk_p
+            dv_b[:, :, cols] += dv_p
+        if dkv is not None:  # the sums of the ranks that held src's block before us
+            dk_in, dv_in = dkv.wait()
+            dk_b += dk_in
+            dv_b += dv_in
+        dkv = ring.start([dk_b, dv_b], _TAG_DKV, "dK/dV partial sums")
+        if nxt is not None:
+            kv = nxt.wait()
+    assert dkv is not None
+    dk, dv = dkv.wait()  # after W hops: this rank's own block, summed over every rank's queries
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str
+    ) -> Tensor:
+        out, lse = _ring_forward(q, k, v, causal, scale, ring, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale, ring, layout)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    group: Any = None,
+    layout: Layout = "contiguous",
+) -> Tensor:
+    """Attention over a sequence split across the ranks of ``group``; every rank calls it at once.
+
+    Args:
+        q: (B, Hq, L, D), this rank's slice of the queries (dim 2; see ``layout``).
+        k: (B, Hkv, L, D), the keys of the same positions. v: (B, Hkv, L, Dv). Query head ``h`` reads
+            key/value head ``h // (Hq // Hkv)`` (GQA / MQA). Every rank passes the same shapes.
+        causal: position i sees position j iff j <= i, positions counted over the whole sequence.
+        scale: defaults to ``1 / sqrt(D)``.
+        group: a ``torch.distributed`` process group (None = the default one).
+        layout: how the sequence of length W·L was cut (``shard`` does it): ``"contiguous"`` — rank r
+            holds chunk r of W; ``"zigzag"`` — rank r holds chunks r and 2W-1-r of 2W (L even), which
+            balances the causal work.
+
+    Returns:
+        this rank's slice (B, Hq, L, Dv) of the attention output over the whole sequence, in q's
+        dtype; differentiable w.r.t. q, k, v (the backward is a second trip around the ring, so
+        every rank must run it). Equal to ``az.attention`` on the whole sequence.
+
+    Raises ``ValueError`` / ``TypeError`` for bad arguments and, on every rank, for shapes, dtypes
+    or flags that differ between ranks; ``RuntimeError`` when another rank raised, died or timed out.
+    """
+    B, Hq, Hkv, L, Lk = checks.qkv(q, k, v)
+    if Lk != L:
+        raise ValueError(f"k: expected this rank's slice of the same sequence as q (length {L}), got length {Lk}")
+    is_causal = checks.flag("causal", causal)
+    sc = checks.scale(scale, q.shape[-1])
+    lay = checks.choice("layout", layout, LAYOUTS)
+    if lay == "zigzag" and L % 2:
+        raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so expected an even length, got {L}")
+    ring = _Ring.of(group)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    _agree(ring, _comm_device(ring, q), "ring_attention", {
+        "B": B, "Hq": Hq, "Hkv": Hkv, "L": L, "D": q.shape[3], "Dv": v.shape[3],
+        "dtype": _DTYPES.index(q.dtype), "causal": int(is_causal), "layout": LAYOUTS.index(lay),
+        "scale": struct.unpack("<q", struct.pack("<d", sc))[0], "requires_grad": int(grad),
+    })  # fmt: skip
+    out = _RingAttention.apply(q, k, v, is_causal, sc, ring, lay)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def _chunks(name: str, x: Any, layout: str, ring: _Ring, length_of: str) -> int:
+    """Checks ``x`` and returns the chunk length along dim 2."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.ndim < 3 or x.ndim > _MAX_DIMS:
+        raise ValueError(f"{name}: expected 3 to {_MAX_DIMS} dims (B, H, L, ...), got shape {tuple(x.shape)}")
+    parts = ring.world if layout == "contiguous" else 2 * ring.world
+    L = x.shape[2]
+    if length_of == "whole":
+        if L % parts:
+            raise ValueError(
+                f"{name}: expected a length (dim 2) divisible by {parts} ({layout} layout over {ring.world} "
+                f"ranks), got {L}"
+            )
+        return L // parts
+    if layout == "zigzag" and L % 2:
+        raise ValueError(
+            f"{name}: the zigzag layout holds two equal chunks per rank, so expected an even length, got {L}"
+        )
+    return L if layout == "contiguous" else L // 2
+
+
+def shard(x: Tensor, layout: Layout = "contiguous", group: Any = None) -> Tensor:
+    """This rank's part, along dim 2, of a whole-sequence tensor ``x`` (B, H, L, ...) that every rank
+    holds: chunk r of W (``"contiguous"``) or chunks r and 2W-1-r of 2W (``"zigzag"``), L divisible
+    by W (2W). A view (contiguous) or a copy (zigzag); differentiable."""
+    lay = checks.choice("layout", layout, LAYOUTS)
+    ring = _Ring.of(group)
+    c = _chunks("x", x, lay, ring, "whole")
+    first = x.narrow(2, ring.rank * c, c)  # (B, H, c, ...)
+    if lay == "contiguous":
+        return first
+    last = x.narrow(2, (2 * ring.world - 1 - ring.rank) * c, c)  # (B, H, c, ...)
+    return torch.cat([first, last], dim=2)  # (B, H, 2c, ...)
+
+
+def gather(x: Tensor, layout: Layout = "contiguous", group: Any = None) -> Tensor:
+    """The whole sequence from every rank's part ``x`` along dim 2 — the inverse of :func:`shard`.
+    Every rank calls it and gets the whole (B, H, W·L, ...). A convenience for checks and outputs
+    (it uses all_gather and is not differentiable); ring_attention never calls it."""
+    lay = checks.choice("layout", layout, LAYOUTS)
+    ring = _Ring.of(group)
+    c = _chunks("x", x, lay, ring, "part")
+    _agree(ring, _comm_device(ring, x), "gather", _shape_fields("x", x))
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(ring.world)]
+    try:
+        dist.all_gather(parts, x.detach().contiguous(), group=ring.group)  # W × (B, H, L, ...)
+    except RuntimeError as e:
+        raise ring.lost("the gathered parts", e) from e
+    if lay == "contiguous":
+        return torch.cat(parts, dim=2)  # (B, H, W·L, ...)
+    early = [p.narrow(2, 0, c) for p in parts]  # chunks 0 .. W-1
+    late = [p.narrow(2, c, c) for p in reversed(parts)]  # chunks W .. 2W-1
+    return torch.cat(early + late, dim=2)  # (B, H, 2W·c, ...)

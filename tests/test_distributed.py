@@ -1,0 +1,329 @@
+"""Ring attention across real processes: gloo on 127.0.0.1, 2 and 3 ranks, forward and gradients
+equal to single-process attention on the whole sequence; faults end in errors, never in hangs.
+
+Launching processes is the slow part, so each world size is ONE group of processes that runs every
+case (and then the fault scenarios) and saves its results; the tests below read those results and
+apply DESIGN.md's tolerance rule (conftest.py) against ``backend="reference"`` in float64.
+
+This file is also the worker script: ``python tests/test_distributed.py <job dir> <rank>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP_TIMEOUT_S = 120  # default group: generous, the machine is shared
+FAULT_TIMEOUT_S = 3  # the group the fault scenarios run on: how long a rank waits for a peer
+LAUNCH_TIMEOUT_S = 240  # the whole group of processes; beyond that the test fails (a hang)
+
+# (dtype, layout, causal, B, Hq, Hkv, L per rank, D, Dv, memory layout of the inputs)
+CASES: list[tuple[str, str, bool, int, int, int, int, int, int, str]] = [
+    ("float64", "contiguous", False, 2, 4, 2, 5, 8, 8, "contiguous"),
+    ("float64", "contiguous", True, 1, 3, 1, 7, 16, 12, "contiguous"),  # MQA, Dv != D
+    ("float64", "contiguous", True, 1, 2, 2, 1, 8, 8, "contiguous"),  # one position per rank
+    ("float64", "zigzag", False, 1, 2, 2, 6, 8, 8, "transpose"),
+    ("float64", "zigzag", True, 2, 4, 2, 10, 8, 16, "contiguous"),  # GQA
+    ("float64", "zigzag", True, 1, 1, 1, 2, 4, 4, "contiguous"),  # chunks of one position
+    ("float32", "contiguous", False, 1, 4, 1, 9, 16, 16, "transpose"),
+    ("float32", "contiguous", True, 2, 2, 2, 6, 32, 8, "contiguous"),
+    ("float32", "zigzag", False, 1, 6, 3, 8, 8, 8, "contiguous"),
+    ("float32", "zigzag", True, 1, 4, 2, 14, 40, 40, "transpose"),
+]
+
+
+def case_id(c: tuple[Any, ...]) -> str:
+    dtype, layout, causal, B, Hq, Hkv, L, D, Dv, mem = c
+    return f"{dtype}-{layout}-{'causal' if causal else 'full'}-B{B}H{Hq}:{Hkv}L{L}D{D}:{Dv}-{mem}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1 whatever the hostname says
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent side: launch a group, collect results
+
+
+def launch(world: int, tmp: Path) -> dict[int, dict[str, Any]]:
+    """Run this file as ``world`` worker processes; returns each rank's saved results."""
+    torch.manual_seed(1000 + world)
+    inputs = []
+    for c in CASES:
+        dtype, _, _, B, Hq, Hkv, L, D, Dv, _ = c
+        n = L * world
+        x = getattr(torch, dtype)
+        # Rounded to dtype once, so the golden sees exactly what the ranks see.
+        q, k, v = (torch.randn(B, H, n, d).to(x).double() for H, d in ((Hq, D), (Hkv, D), (Hkv, Dv)))
+        dout = torch.randn(B, Hq, n, Dv).to(x).double()
+        inputs.append({"id": case_id(c), "case": list(c), "q": q, "k": k, "v": v, "dout": dout})
+    torch.save({"world": world, "port": _free_port(), "cases": inputs}, tmp / "job.pt")
+    cmd = [sys.executable, __file__, str(tmp)]
+    procs = [
+        subprocess.Popen([*cmd, str(r)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"the {world}-process group did not finish in {LAUNCH_TIMEOUT_S} s (a hang)") from None
+        logs.append(out)
+    results = {}
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        path = tmp / f"rank{r}.pt"
+        assert path.exists(), f"rank {r} of {world} saved no results (exit {p.returncode}):\n{log[-4000:]}"
+        results[r] = torch.load(path, weights_only=False)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])
+def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
+    world = int(request.param)
+    tmp = tmp_path_factory.mktemp(f"ring{world}")
+    start = time.monotonic()
+    results = launch(world, tmp)
+    print(f"\n{world}-process group ran in {time.monotonic() - start:.1f} s")
+    return world, results
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_single_process(group: tuple[int, dict], case: tuple[Any, ...]) -> None:
+    from conftest import assert_close_to_golden, run_attention
+
+    world, results = group
+    res = results[0]["cases"][case_id(case)]
+    assert "error" not in res, res.get("error")
+    job = torch.load(res["job"], weights_only=False)["cases"]
+    inp = next(c for c in job if c["id"] == case_id(case))
+    dtype, causal = getattr(torch, case[0]), case[2]
+    q, k, v, dout = inp["q"], inp["k"], inp["v"], inp["dout"]
+    gold = run_attention("reference", torch.float64, q, k, v, dout, causal=causal)
+    ref = gold if dtype == torch.float64 else run_attention("reference", dtype, q, k, v, dout, causal=causal)
+    assert res["out"].dtype == dtype and res["out"].shape == gold.out.shape
+    assert_close_to_golden(res["out"], ref.out, gold.out, name="out")
+    for n in ("q", "k", "v"):
+        assert res[f"d{n}"].dtype == dtype
+        assert_close_to_golden(res[f"d{n}"], ref.grads[n], gold.grads[n], grad=True, name=f"d{n}")
+    # Every rank computed the same gathered result (they gather one another's slices).
+    for r in range(1, world):
+        assert torch.equal(results[r]["cases"][case_id(case)]["out"], res["out"])
+
+
+def test_shard_gather_round_trip(group: tuple[int, dict]) -> None:
+    world, results = group
+    for r in range(world):
+        assert results[r]["round_trip"] == {"contiguous": True, "zigzag": True}
+        assert results[r]["zigzag_chunks"] == [r, 2 * world - 1 - r]
+
+
+def test_mismatched_shapes_raise_on_every_rank(group: tuple[int, dict]) -> None:
+    world, results = group
+    for r in range(world):
+        err = results[r]["mismatch"]
+        assert err["type"] == "ValueError", err
+        assert "expected the same L on every rank" in err["message"] and f"rank {world - 1}: " in err["message"]
+        assert results[r]["after_mismatch_ok"], "the group should still work after a rejected call"
+
+
+def test_peer_that_raises_makes_the_others_fail(group: tuple[int, dict]) -> None:
+    """The last rank raises inside the backward and stays alive; the others must raise a clear
+    RuntimeError once the fault group's timeout has passed (a hang would fail the launch)."""
+    world, results = group
+    faulty = world - 1
+    assert results[faulty]["fault"]["type"] == "InjectedFault"
+    for r in range(world - 1):
+        err = results[r]["fault"]
+        assert err["type"] == "RuntimeError", err
+        assert f"ring_attention: rank {r} of {world}" in err["message"], err["message"]
+        assert "timeout" in err["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (no process group needed for argument errors, one process for the rest)
+
+
+def test_validation_messages() -> None:
+    import attnzero as az
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        az.distributed.ring_attention(q, q, q)
+    with pytest.raises(ValueError, match=r"k: expected .* \(length 4\), got length 3"):
+        az.distributed.ring_attention(q, q[:, :, :3], q[:, :, :3])
+    with pytest.raises(ValueError, match="layout: expected one of 'contiguous', 'zigzag', got 'ring'"):
+        az.distributed.ring_attention(q, q, q, layout="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="even length, got 3"):
+        az.distributed.ring_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], layout="zigzag")
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        az.distributed.ring_attention(q, q, q, causal=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k: expected a number of key/value heads"):
+        az.distributed.ring_attention(q, q[:, :1].expand(1, 3, 4, 8), q[:, :1].expand(1, 3, 4, 8))
+
+
+def test_single_process_group(tmp_path: Path) -> None:
+    """A ring of one (W = 1) is plain attention; shard/gather are identities; bad shard lengths
+    are reported."""
+    import torch.distributed as dist
+
+    import attnzero as az
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        q = torch.randn(2, 4, 9, 8, dtype=torch.float64)  # GQA: 4 query heads, 2 key/value heads
+        k, v = torch.randn(2, 2, 9, 8, dtype=torch.float64), torch.randn(2, 2, 9, 8, dtype=torch.float64)
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out = az.distributed.ring_attention(q, k, v, causal=True)
+        want = az.attention(q, k, v, causal=True, backend="reference")
+        torch.testing.assert_close(out, want)
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        exp = torch.autograd.grad(want, (q, k, v), g)
+        for a, b in zip(got, exp):
+            torch.testing.assert_close(a, b)
+        even = q[:, :, :8]
+        assert az.distributed.gather(az.distributed.shard(even, layout="zigzag"), layout="zigzag").equal(even)
+        with pytest.raises(ValueError, match=r"x: expected a length .* divisible by 2 .*got 9"):
+            az.distributed.shard(q, layout="zigzag")
+        with pytest.raises(TypeError, match=r"group: expected None or a torch\.distributed ProcessGroup"):
+            az.distributed.ring_attention(q, k, v, group="world")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_example_runs_under_torchrun() -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.fail(f"torchrun is missing next to {sys.executable} (it comes with torch)")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(ROOT / "examples" / "ring_attention.py"), "--length", "512", "--heads", "2"]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "matches one process" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker side
+
+
+class InjectedFault(Exception):
+    pass
+
+
+def _error(e: BaseException) -> dict[str, str]:
+    return {"type": type(e).__name__, "message": str(e)}
+
+
+def worker(tmp: Path, rank: int) -> None:
+    import torch.distributed as dist
+
+    import attnzero as az
+    from attnzero import flash
+
+    torch.set_num_threads(1)
+    job = torch.load(tmp / "job.pt", weights_only=False)
+    world = job["world"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )  # fmt: skip
+    D = az.distributed
+    saved: dict[str, Any] = {"cases": {}}
+
+    # 1. Every case: shard the whole-sequence inputs, run the ring forward and backward, gather.
+    for inp in job["cases"]:
+        dtype_name, layout, causal, *_, mem = inp["case"]
+        dtype = getattr(torch, dtype_name)
+
+        def local(x: torch.Tensor, layout: str = layout, mem: str = mem, dtype: torch.dtype = dtype) -> torch.Tensor:
+            part = D.shard(x.to(dtype), layout=layout)  # (B, H, L, d)
+            if mem == "transpose":  # stored as (B, L, H, d), viewed as (B, H, L, d)
+                part = part.transpose(1, 2).contiguous().transpose(1, 2)
+            return part.detach().requires_grad_(True)
+
+        q, k, v = local(inp["q"]), local(inp["k"]), local(inp["v"])
+        try:
+            out = D.ring_attention(q, k, v, causal=causal, layout=layout)
+            out.backward(D.shard(inp["dout"].to(dtype), layout=layout))
+            assert q.grad is not None and k.grad is not None and v.grad is not None
+            saved["cases"][inp["id"]] = {
+                "job": str(tmp / "job.pt"),
+                "out": D.gather(out.detach(), layout=layout),
+                "dq": D.gather(q.grad, layout=layout),
+                "dk": D.gather(k.grad, layout=layout),
+                "dv": D.gather(v.grad, layout=layout),
+            }
+        except Exception as e:  # recorded, and the test of this case shows it
+            saved["cases"][inp["id"]] = {"error": repr(e)}
+
+    # 2. shard / gather are inverses; zigzag puts chunks r and 2W-1-r on rank r.
+    pos = torch.arange(2 * world * 3).view(1, 1, -1, 1).expand(2, 1, -1, 2)  # (2, 1, 6W, 2)
+    saved["round_trip"] = {
+        lay: bool(D.gather(D.shard(pos, layout=lay), layout=lay).equal(pos)) for lay in ("contiguous", "zigzag")
+    }
+    saved["zigzag_chunks"] = (D.shard(pos, layout="zigzag")[0, 0, ::3, 0] // 3).tolist()
+
+    # 3. Shapes that differ across ranks: every rank raises ValueError, and the group survives.
+    L = 4 if rank < world - 1 else 5
+    x = torch.randn(1, 2, L, 8)
+    try:
+        D.ring_attention(x, x, x)
+        saved["mismatch"] = {"type": "none", "message": ""}
+    except Exception as e:
+        saved["mismatch"] = _error(e)
+    y = torch.randn(1, 2, 4, 8)
+    saved["after_mismatch_ok"] = bool(torch.isfinite(D.ring_attention(y, y, y, causal=True)).all())
+
+    # 4. A fault: on a group with a short timeout, the last rank raises inside the backward and
+    #    stays alive (its process would otherwise close its sockets, which ends the wait at once).
+    fault_group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S), backend="gloo")
+    if rank == world - 1:
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise InjectedFault("this rank fails in the middle of the backward")
+
+        flash.backward = broken  # type: ignore[assignment]
+    z = torch.randn(1, 2, 6, 8, requires_grad=True)
+    start = time.monotonic()
+    try:
+        D.ring_attention(z, z, z, causal=True, group=fault_group, layout="zigzag").sum().backward()
+        saved["fault"] = {"type": "none", "message": ""}
+    except Exception as e:
+        saved["fault"] = _error(e)
+    saved["fault"]["seconds"] = f"{time.monotonic() - start:.1f}"
+    torch.save(saved, tmp / f"rank{rank}.pt")
+    # Stay alive (as a rank stuck elsewhere would) until every other rank has saved its results.
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while time.monotonic() < deadline and not all((tmp / f"rank{r}.pt").exists() for r in range(world)):
+        time.sleep(0.1)
+    print(json.dumps({"rank": rank, "fault": saved["fault"]}), flush=True)
+    os._exit(0)  # the fault group is broken: skip the shutdown handshake
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]), int(sys.argv[2]))
