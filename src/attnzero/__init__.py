@@ -5,7 +5,7 @@ fast with little memory by the other backends. Layout (B, H, L, D); masks say wh
 go (True / non-zero = attend); a query row with nothing to attend to gives 0, never NaN.
 """
 
-from . import masks
+from . import distributed, masks
 from .cache import KVCache
 from .functional import attention, attention_weights, scaled_dot_product_attention
 from .masks import Mask
@@ -23,6 +23,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_weights",
+    "distributed",
     "masks",
     "scaled_dot_product_attention",
 ]
