@@ -175,6 +175,33 @@ def scaled_dot_product_attention(
             f"key, value: batch dims {tuple(key.shape[:-3])}, {tuple(value.shape[:-3])} do not match "
             f"query's {tuple(query.shape[:-3])}"
         )
+    # The rest of the shape checks, here rather than in attention(), so that messages name this
+    # function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias).
+    checks.same_kind("key", key, "query", query)
+    checks.same_kind("value", value, "query", query)
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(f"value: length {value.shape[-2]} does not match key's {key.shape[-2]}")
+    if query.ndim >= 3 and value.shape[-3] != key.shape[-3]:
+        raise ValueError(f"value: {value.shape[-3]} heads do not match key's {key.shape[-3]}")
+    if query.ndim >= 3 and query.shape[-3] % key.shape[-3] != 0:
+        raise ValueError(
+            f"key: expected a number of heads that divides query's {query.shape[-3]} (enable_gqa), "
+            f"got {key.shape[-3]}"
+        )
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise TypeError(f"attn_mask: expected a bool or floating tensor, got {attn_mask.dtype}")
+        full = (*query.shape[:-1], key.shape[-2])  # (..., Hq, Lq, Lk)
+        if attn_mask.ndim > len(full) or any(
+            s not in (1, f) for s, f in zip(reversed(attn_mask.shape), reversed(full))
+        ):
+            raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to {full}")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask: device {attn_mask.device} does not match query's {query.device}")
     # Bring everything to (B, H, L, E): add missing dims in front, fold extra batch dims together.
     lead = query.shape[:-3]
     Lq, Lk = query.shape[-2], key.shape[-2]
@@ -187,15 +214,7 @@ def scaled_dot_product_attention(
     mask_arg: Tensor | Mask | None = None
     bias_arg: Tensor | None = None
     if attn_mask is not None:
-        if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
-        try:
-            m = attn_mask.expand(*lead, q4.shape[1], Lq, Lk) if len(lead) > 1 else attn_mask
-        except RuntimeError as e:
-            raise ValueError(
-                f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to "
-                f"{(*lead, q4.shape[1], Lq, Lk)}"
-            ) from e
+        m = attn_mask.expand(*lead, q4.shape[1], Lq, Lk) if len(lead) > 1 else attn_mask  # checked above
         m = m.reshape(-1, *m.shape[-3:]) if m.ndim > 4 else m  # (B, H, Lq, Lk)
         if attn_mask.dtype == torch.bool:
             mask_arg = m
