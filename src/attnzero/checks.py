@@ -142,11 +142,11 @@ def scale(x: Any, head_dim: int) -> float:
     return float(x)
 
 
-def dropout_p(x: Any) -> float:
+def dropout_p(x: Any, name: str = "dropout_p") -> float:
     if isinstance(x, bool) or not isinstance(x, int | float):
-        raise TypeError(f"dropout_p: expected a float in [0, 1), got {x!r}")
+        raise TypeError(f"{name}: expected a float in [0, 1), got {x!r}")
     if not 0.0 <= x < 1.0:
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {x}")
+        raise ValueError(f"{name}: expected a float in [0, 1), got {x}")
     return float(x)
 
 

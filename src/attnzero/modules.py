@@ -36,7 +36,7 @@ class ScaledDotProductAttention(nn.Module):
         if d_k is not None and (isinstance(d_k, bool) or not isinstance(d_k, int) or d_k <= 0):
             raise ValueError(f"d_k: expected None or a positive int, got {d_k!r}")
         self.d_k = d_k
-        self.dropout = nn.Dropout(checks.dropout_p(dropout))
+        self.dropout = nn.Dropout(checks.dropout_p(dropout, "dropout"))
 
     def forward(self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         for name, x in (("Q", Q), ("K", K), ("V", V)):
@@ -131,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         self.d_k = d_model // num_heads  # head dim
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
-        self.dropout = checks.dropout_p(dropout)
+        self.dropout = checks.dropout_p(dropout, "dropout")
         self.backend: BackendName = checks.choice("backend", backend, BACKENDS)  # type: ignore[assignment]
 
         self.W_q = nn.Linear(d_model, num_heads * self.d_k, bias=bias)
@@ -220,7 +220,7 @@ class MultiHeadAttention(nn.Module):
             checks.tensor(name, x, 3, "(B, L, d_model)")
             if x.shape[-1] != width:
                 raise ValueError(f"{name}: expected last dim {width}, got {x.shape[-1]}")
-            checks.same_kind(name, x, "the module's weights", self.W_q.weight)
+            checks.same_kind(name, x, "W_q.weight", self.W_q.weight)
         if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
             raise ValueError(
                 f"key, value: batch {key.shape[0]}, {value.shape[0]} do not match query's {query.shape[0]}"
