@@ -1,0 +1,304 @@
+"""Triton backward kernels (FlashAttention-2), recomputing P block by block from (O, lse).
+
+1. ``delta_kernel``: ``Δ_i = Σ_d dO_id · O_id`` (one pass before the main loops).
+2. ``dkdv_kernel``: one program per (key block, batch·key/value head). It holds K_j, V_j and the
+   accumulators dK_j, dV_j, and walks the query blocks of every query head of its GQA group that can
+   see the key block (whole blocks outside the causal/window band are skipped; range checks only
+   on the band's edges). With ``ATOMIC_DQ`` it also adds each block's ``dS K`` into a float32 dQ
+   with atomics (one pass, fast, but the summation order — hence the last bits — varies run to run).
+3. ``dq_kernel``: the deterministic alternative for dQ, one program per (query block, batch·query
+   head) walking the key blocks like the forward.
+
+Everything is computed "transposed" in dkdv (rows = keys, columns = queries), so that
+``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` are plain products. In base 2: ``P = exp2(s₂ - lse₂)`` with
+``s₂ = (scale·q·k + bias)·log2 e``, ``lse₂ = lse·log2 e``; ``dS = P ∘ (dP - Δ)`` is the gradient
+with respect to the natural-scale score, so ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q`` and a
+bias receives ``dS``. Dropout (mask Z, keep 1-p): ``dV`` uses ``P∘Z/(1-p)``, ``dS = P(Z∘dP/(1-p) - Δ)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .forward import dropout_keep, mm, scores_mod
+
+
+@triton.jit
+def delta_kernel(O, dO, Delta, soh, som, sdh, sdm, Lq, Dv, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Grid (cdiv(Lq, BLOCK_M), B·Hq). O, dO: (B·Hq, Lq, Dv) views; Delta (B·Hq, Lq) float32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = (offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv)
+    o = tl.load(O + pid_bh * soh + offs_m[:, None] * som + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(dO + pid_bh * sdh + offs_m[:, None] * sdm + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(Delta + pid_bh * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
+
+
+@triton.jit
+def probs_and_dscores(
+    s, lse2, delta, dp, pos, rows_ok, cols, Lk, left, right,
+    mask_rows, smn, bias_rows, sbn, load_ok, drop_rows, seed_lo, seed_hi, threshold, keep_scale,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    """From base-2 scores ``s`` and ``dP = dO·Vᵀ`` of one block (either orientation: the query
+    quantities ``lse2``, ``delta``, ``pos``, ``rows_ok``, ``*_rows`` and the key indices ``cols``
+    are already broadcastable to it), return ``(P as it multiplied V, dS)``."""
+    s = scores_mod(
+        s, pos, rows_ok, cols, Lk, left, right, mask_rows, smn, bias_rows, sbn, load_ok,
+        MASKED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+    )
+    # p = exp2(s₂ - lse₂); a fully blocked row (lse = -inf) gets +inf here so that p = 0
+    p = tl.exp2(s - tl.where(lse2 == float("-inf"), float("inf"), lse2))
+    if HAS_DROPOUT:
+        z = dropout_keep(drop_rows, cols, Lk, seed_lo, seed_hi, threshold)
+        p_used = tl.where(z, p, 0.0) * keep_scale
+        ds = p * (tl.where(z, dp, 0.0) * keep_scale - delta)
+    else:
+        p_used = p
+        ds = p * (dp - delta)
+    return p_used, ds
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
+def dkdv_kernel(
+    Q, K, V, dO, Lse, Delta, dQacc, dK, dV, dBias, Mask, Bias,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+    sdqb, sdqh, sdqm, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
+    Hq, G, Lq, Lk, D, Dv, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(Lk, BLOCK_N), B·Hkv). dK, dV get their final values; dQacc (float32, B, Hq, Lq,
+    D) receives atomic adds when ATOMIC_DQ; dBias (float32, B, Hq, Lq, Lk) receives dS when
+    BIAS_GRAD (the caller sums it over the bias's broadcast dims)."""
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1).to(tl.int64)
+    Hkv = Hq // G
+    b = pid_bk // Hkv
+    hk = pid_bk % Hkv
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Lk
+    d_ok = offs_d < D
+    dv_ok = offs_dv < Dv
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :],
+                mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    # Query rows that can see some key of [n0, n0 + BLOCK_N): p + right >= n0 and p - left <= n0 + BLOCK_N - 1,
+    # with p = i + off; the part of them whose pairs are all kept by position.
+    off = Lk - Lq
+    n_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
+    lo = 0
+    hi = Lq
+    if HAS_RIGHT:
+        lo = tl.maximum(n0 - right - off, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(tl.maximum(n_last + left - off + 1, 0), Lq)
+    start = lo // BLOCK_M
+    end = tl.maximum((hi + BLOCK_M - 1) // BLOCK_M, start)
+    f_lo = start
+    if HAS_RIGHT:
+        f_lo = tl.maximum(start, (tl.maximum(n_last - right - off, 0) + BLOCK_M - 1) // BLOCK_M)
+    f_hi = tl.minimum(end, Lq // BLOCK_M)
+    if HAS_LEFT:
+        f_hi = tl.minimum(f_hi, tl.maximum(n0 + left - off + 1, 0) // BLOCK_M)
+    if n0 + BLOCK_N > Lk:  # the ragged last key block: every pair needs the j < Lk check
+        f_hi = start
+    f_lo = tl.minimum(f_lo, end)
+    f_hi = tl.maximum(f_hi, f_lo)
+
+    for g in range(0, G):
+        h = hk * G + g  # query head g of this key/value head's group
+        bh = b * Hq + h
+        q_head = Q + b * sqb + h * sqh
+        do_head = dO + b * sdob + h * sdoh
+        dq_head = dQacc + b * sdqb + h * sdqh
+        mask_head = Mask + b * smb + h * smh
+        bias_head = Bias + b * sbb + h * sbh
+        dbias_head = dBias + bh * Lq * Lk
+        for mb in range(start, f_lo):  # rows at the band's right edge (causal diagonal)
+            dk, dv = dkdv_block(
+                dk, dv, k, v, q_head, do_head, dq_head, Lse, Delta, dbias_head, mask_head, bias_head,
+                sqm, sdom, sdqm, smm, smn, sbm, sbn, bh, mb * BLOCK_M, offs_n, n_ok, offs_d, offs_dv, d_ok,
+                dv_ok, Lq, Lk, off, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, ATOMIC_DQ,
+                PRECISION,
+            )
+        for mb in range(f_lo, f_hi):  # interior: every pair kept by position
+            dk, dv = dkdv_block(
+                dk, dv, k, v, q_head, do_head, dq_head, Lse, Delta, dbias_head, mask_head, bias_head,
+                sqm, sdom, sdqm, smm, smn, sbm, sbn, bh, mb * BLOCK_M, offs_n, n_ok, offs_d, offs_dv, d_ok,
+                dv_ok, Lq, Lk, off, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+                BLOCK_M, False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, ATOMIC_DQ,
+                PRECISION,
+            )
+        for mb in range(f_hi, end):  # rows at the window's left edge, the ragged last query block
+            dk, dv = dkdv_block(
+                dk, dv, k, v, q_head, do_head, dq_head, Lse, Delta, dbias_head, mask_head, bias_head,
+                sqm, sdom, sdqm, smm, smn, sbm, sbn, bh, mb * BLOCK_M, offs_n, n_ok, offs_d, offs_dv, d_ok,
+                dv_ok, Lq, Lk, off, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+                BLOCK_M, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, ATOMIC_DQ,
+                PRECISION,
+            )
+
+    # dK = scale · Σ dSᵀ Q; dV = Σ Pᵀ dO. Both (BLOCK_N, ·), written once (no atomics).
+    dk_ptrs = dK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+    dv_ptrs = dV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :]
+    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=n_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def dkdv_block(
+    dk, dv, k, v, q_head, do_head, dq_head, Lse, Delta, dbias_head, mask_head, bias_head,
+    sqm, sdom, sdqm, smm, smn, sbm, sbn, bh, m0, offs_n, n_ok, offs_d, offs_dv, d_ok, dv_ok,
+    Lq, Lk, off, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (key block × query block) step of dkdv_kernel, in the transposed orientation."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < Lq
+    q = tl.load(q_head + offs_m[:, None] * sqm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(do_head + offs_m[:, None] * sdom + offs_dv[None, :], mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse2 = tl.load(Lse + bh * Lq + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634  # (BLOCK_M,) base 2
+    delta = tl.load(Delta + bh * Lq + offs_m, mask=m_ok, other=0.0)
+    # sᵀ = k qᵀ · scale · log2 e and dPᵀ = v dOᵀ                              (BLOCK_N, BLOCK_M)
+    sT = mm(k, tl.trans(q), PRECISION) * qk_scale
+    dpT = mm(v, tl.trans(do), PRECISION)
+    load_ok = n_ok[:, None] & m_ok[None, :]
+    pT, dsT = probs_and_dscores(
+        sT, lse2[None, :], delta[None, :], dpT, (offs_m + off)[None, :], m_ok[None, :], offs_n[:, None], Lk,
+        left, right, (mask_head + offs_m * smm)[None, :], smn, (bias_head + offs_m * sbm)[None, :], sbn, load_ok,
+        (bh * Lq + offs_m)[None, :], seed_lo, seed_hi, threshold, keep_scale,
+        MASKED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT,
+    )
+    dv += mm(pT.to(do.dtype), do, PRECISION)  # dV += Pᵀ dO
+    dk += mm(dsT.to(q.dtype), q, PRECISION)  # dK += dSᵀ Q (· scale at the end)
+    if BIAS_GRAD:
+        tl.store(dbias_head + offs_m.to(tl.int64)[None, :] * Lk + offs_n[:, None], dsT, mask=load_ok)
+    if ATOMIC_DQ:
+        # dQ += scale · dS K                                                   (BLOCK_M, BLOCK_D)
+        dq = mm(tl.trans(dsT.to(k.dtype)), k, PRECISION) * scale
+        tl.atomic_add(dq_head + offs_m[:, None] * sdqm + offs_d[None, :], dq, mask=m_ok[:, None] & d_ok[None, :])
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
+def dq_kernel(
+    Q, K, V, dO, Lse, Delta, dQ, Mask, Bias,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
+    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
+    Hq, G, Lq, Lk, D, Dv, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(Lq, BLOCK_M), B·Hq): dQ = scale · Σ_j dS K, deterministic (no atomics)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Lq
+    d_ok = offs_d < D
+    dv_ok = offs_dv < Dv
+    off = Lk - Lq
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    do = tl.load(dO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
+                 mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse2 = tl.load(Lse + pid_bh * Lq + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(Delta + pid_bh * Lq + offs_m, mask=m_ok, other=0.0)
+    k_rows = K + b * skb + hk * skh
+    v_rows = V + b * svb + hk * svh
+    mask_rows = Mask + b * smb + h * smh + offs_m * smm
+    bias_rows = Bias + b * sbb + h * sbh + offs_m * sbm
+    pos = offs_m + off
+
+    # The same key ranges as fwd_kernel.
+    p_min = m0 + off
+    p_max = tl.minimum(m0 + BLOCK_M, Lq) - 1 + off
+    lo = 0
+    hi = Lk
+    if HAS_LEFT:
+        lo = tl.maximum(p_min - left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(p_max + right + 1, 0), Lk)
+    start = lo // BLOCK_N
+    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
+    f_lo = start
+    if HAS_LEFT:
+        f_lo = tl.maximum(start, (tl.maximum(p_max - left, 0) + BLOCK_N - 1) // BLOCK_N)
+    f_hi = tl.minimum(end, Lk // BLOCK_N)
+    if HAS_RIGHT:
+        f_hi = tl.minimum(f_hi, tl.maximum(p_min + right + 1, 0) // BLOCK_N)
+    f_lo = tl.minimum(f_lo, end)
+    f_hi = tl.maximum(f_hi, f_lo)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for nb in range(start, f_lo):
+        dq = dq_block(
+            dq, q, do, lse2, delta, k_rows, v_rows, skn, svn, nb * BLOCK_N, Lk, offs_d, offs_dv, d_ok, dv_ok,
+            pos, m_ok, left, right, mask_rows, smn, bias_rows, sbn, pid_bh * Lq + offs_m, seed_lo, seed_hi,
+            threshold, keep_scale, qk_scale, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT,
+            PRECISION,
+        )
+    for nb in range(f_lo, f_hi):
+        dq = dq_block(
+            dq, q, do, lse2, delta, k_rows, v_rows, skn, svn, nb * BLOCK_N, Lk, offs_d, offs_dv, d_ok, dv_ok,
+            pos, m_ok, left, right, mask_rows, smn, bias_rows, sbn, pid_bh * Lq + offs_m, seed_lo, seed_hi,
+            threshold, keep_scale, qk_scale, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT,
+            PRECISION,
+        )
+    for nb in range(f_hi, end):
+        dq = dq_block(
+            dq, q, do, lse2, delta, k_rows, v_rows, skn, svn, nb * BLOCK_N, Lk, offs_d, offs_dv, d_ok, dv_ok,
+            pos, m_ok, left, right, mask_rows, smn, bias_rows, sbn, pid_bh * Lq + offs_m, seed_lo, seed_hi,
+            threshold, keep_scale, qk_scale, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT,
+            PRECISION,
+        )
+    tl.store(dQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def dq_block(
+    dq, q, do, lse2, delta, k_rows, v_rows, skn, svn, n0, Lk, offs_d, offs_dv, d_ok, dv_ok,
+    pos, m_ok, left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi,
+    threshold, keep_scale, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (query block × key block) step of dq_kernel."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < Lk
+    kT = tl.load(k_rows + offs_n[None, :] * skn + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    vT = tl.load(v_rows + offs_n[None, :] * svn + offs_dv[:, None], mask=n_ok[None, :] & dv_ok[:, None], other=0.0)
+    s = mm(q, kT, PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+    dp = mm(do, vT, PRECISION)  # dP = dO Vᵀ
+    load_ok = m_ok[:, None] & n_ok[None, :]
+    _, ds = probs_and_dscores(
+        s, lse2[:, None], delta[:, None], dp, pos[:, None], m_ok[:, None], offs_n[None, :], Lk, left, right,
+        mask_rows[:, None], smn, bias_rows[:, None], sbn, load_ok, drop_rows[:, None], seed_lo, seed_hi,
+        threshold, keep_scale, MASKED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT,
+    )
+    # dQ += dS K (· scale at the end): (BLOCK_M, BLOCK_N) @ (BLOCK_N, BLOCK_D)
+    return dq + mm(ds.to(kT.dtype), tl.trans(kT), PRECISION)

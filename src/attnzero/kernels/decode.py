@@ -1,0 +1,118 @@
+"""Split-KV decoding (flash-decoding): few queries, a long key/value sequence, no gradient.
+
+With Lq ≤ 16 the forward grid has too few programs to fill a GPU, and each query head would read its
+key/value head again. Here one program takes *all* query rows of a key/value head's GQA group —
+rows ``r = g·Lq + i`` (query head ``hk·G + g``, query ``i``) — and one split of the keys, so K/V
+are read once per group; the splits run in parallel and write partial results ``(O_s, lse_s)``,
+each normalised over its own keys. ``merge_kernel`` then combines them by log-sum-exp (MATH.md):
+``lse = log Σ_s exp(lse_s)``, ``O = Σ_s exp(lse_s - lse)·O_s``; splits that saw no key have
+lse_s = -inf and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .forward import attend_block, finish_rows
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
+def split_kernel(
+    Q, K, V, Opart, Lpart, Mask, Bias,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
+    Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (S, B·Hkv). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log)."""
+    pid_s = tl.program_id(0)
+    pid_bk = tl.program_id(1).to(tl.int64)
+    Hkv = Hq // G
+    b = pid_bk // Hkv
+    hk = pid_bk % Hkv
+    offs_r = tl.arange(0, BLOCK_M)
+    rows_ok = offs_r < G * Lq
+    g = offs_r // Lq
+    i = offs_r % Lq
+    h = hk * G + g  # (BLOCK_M,) query head of each row
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < Dv
+    off = Lk - Lq
+    pos = i + off
+
+    q_rows = Q + b * sqb + h * sqh + i * sqm  # (BLOCK_M,) pointers
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+    k_rows = K + b * skb + hk * skh
+    v_rows = V + b * svb + hk * svh
+    mask_rows = Mask + b * smb + h * smh + i * smm
+    bias_rows = Bias + b * sbb + h * sbh + i * sbm
+    drop_rows = (b * Hq + h) * Lq + i  # int64 dropout counters / Lk
+
+    # This split's keys, cut to what any row can see (query positions off .. Lq - 1 + off).
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, Lk)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, off - left)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, Lq - 1 + off + right + 1)
+    lo = tl.maximum(lo, 0)
+    start = lo // BLOCK_N
+    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    split_hi = tl.minimum(pid_s * chunk + chunk, Lk)
+    for nb in range(start, end):
+        # every block checks ranges; keys past this split's end (split_hi) are blocked
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, k_rows, v_rows, skn, svn, nb * BLOCK_N, split_hi, Lk, offs_d, offs_dv, d_ok, dv_ok,
+            pos, rows_ok, left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold,
+            qk_scale, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
+        )
+    out, lse = finish_rows(acc, m_i, l_i, keep_scale)
+    part = ((b * Hq + h) * S + pid_s) * Lq + i  # (BLOCK_M,) row index into (B, Hq, S, Lq)
+    tl.store(Opart + part[:, None] * Dv + offs_dv[None, :], out, mask=rows_ok[:, None] & dv_ok[None, :])
+    tl.store(Lpart + part, lse, mask=rows_ok)
+
+
+@triton.jit(do_not_specialize=["Lq"])
+def merge_kernel(
+    Opart, Lpart, Out, Lse, sob, soh, som, Hq, Lq, Dv, S, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr
+):
+    """Grid (B·Hq·Lq,): merge the S partial rows of one query. Out (B, Hq, Lq, Dv), Lse (B, Hq, Lq)."""
+    row = tl.program_id(0).to(tl.int64)  # (b·Hq + h)·Lq + i
+    bh = row // Lq
+    i = row % Lq
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < S
+    part = (bh * S + offs_s) * Lq + i  # (BLOCK_S,)
+    lse_s = tl.load(Lpart + part, mask=s_ok, other=float("-inf"))
+    o_s = tl.load(Opart + part[:, None] * Dv + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < Dv),
+                  other=0.0)  # (BLOCK_S, BLOCK_DV)
+    # lse = m + log Σ exp(lse_s - m); w_s = exp(lse_s - lse) — guarded for all -inf
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    total = tl.sum(w, 0)
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(o_s * (w / total_safe)[:, None], 0)  # (BLOCK_DV,)
+    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
+    b = bh // Hq
+    h = bh % Hq
+    tl.store(Out + b * sob + h * soh + i * som + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < Dv)
+    tl.store(Lse + row, lse)
+
+
+def splits_for(batch_kv_heads: int, Lk: int, block_n: int, num_sms: int) -> tuple[int, int]:
+    """(S, chunk): about two waves of programs over the multiprocessors, chunks of whole blocks."""
+    blocks = triton.cdiv(Lk, block_n)
+    want = max(1, min(blocks, triton.cdiv(2 * num_sms, batch_kv_heads)))
+    chunk = triton.cdiv(blocks, want) * block_n
+    return triton.cdiv(Lk, chunk), chunk

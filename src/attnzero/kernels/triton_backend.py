@@ -1,0 +1,413 @@
+"""``backend="triton"``: the Triton kernels behind the backend signature, as torch custom ops.
+
+Letters: B batch, Hq / Hkv query / key-value heads (G = Hq // Hkv query heads share one key/value
+head), Lq / Lk query / key length, D head dim of q and k, Dv head dim of v.
+
+``attention(q, k, v, *, mask, bias, causal, window, scale, dropout_p, dropout_seed)`` returns
+``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32, natural log)`` like ``reference.attention``, on
+trusted inputs (``functional.py`` validated them). Under the hood:
+
+* ``attnzero::triton_fwd`` (forward.py) and ``attnzero::triton_bwd`` (backward.py) — registered
+  with ``torch.library.custom_op``, fake implementations and ``register_autograd``, so that
+  ``torch.compile`` traces through them without graph breaks;
+* ``attnzero::triton_decode`` (decode.py), the split-KV kernel, taken when ``Lq <= 16``,
+  ``Lk >= DECODE_MIN_LK`` and no input requires grad (it has no backward).
+
+Inputs: float16, bfloat16 and float32 (float32 accumulation always; float32 products are IEEE
+unless ``torch.backends.cuda.matmul.allow_tf32`` is set). float64 is not a GPU-kernel dtype: it is
+computed by the plain-PyTorch ``flash`` backend (or ``reference`` where flash is absent), in float64,
+on the same device — the same answer, with gradients, just not by a Triton kernel.
+
+A mask given as an ``az.masks.Mask`` is materialised here to a dense bool tensor (broadcast dims kept
+at size 1) and read per block; causal and window are never materialised — they drive block skipping.
+A bias that requires grad gets its gradient through a float32 (B, Hq, Lq, Lk) buffer summed over
+its broadcast dims (O(Lq·Lk) memory, as the bias itself).
+
+Deterministic backward: by default dQ is accumulated with float32 atomics inside the dK/dV kernel
+(one pass; the last bits of dQ may vary run to run). Set ``DETERMINISTIC = True`` in this module,
+the environment variable ``ATTNZERO_DETERMINISTIC=1``, or ``torch.use_deterministic_algorithms(True)``
+to compute dQ in a separate kernel without atomics (bitwise reproducible, one more recompute of P).
+
+Runs on CUDA tensors, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is
+imported (Triton's interpreter: slow, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+except ImportError as e:  # pragma: no cover - exercised only without triton
+    raise ImportError(
+        "attnzero backend='triton' needs the `triton` package: pip install triton "
+        "(on a CUDA machine it comes with torch; for CPU tests install it and set TRITON_INTERPRET=1)"
+    ) from e
+
+from ..masks import Mask
+from . import backward as bwd_k
+from . import decode as dec_k
+from . import forward as fwd_k
+
+LOG2E = fwd_k.LOG2E
+DECODE_MAX_LQ = 16  # the split-KV path serves at most this many queries
+DECODE_MIN_LK = 1024  # ... against at least this many keys
+DETERMINISTIC: bool = os.environ.get("ATTNZERO_DETERMINISTIC", "0") not in ("", "0")
+
+
+def interpreting() -> bool:
+    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(fwd_k.fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def unsupported_device_reason(device: torch.device) -> str | None:
+    """Why this backend cannot run on ``device``, or None when it can."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return None
+    if device.type == "cpu":
+        return (
+            "backend='triton' runs on CUDA tensors; for CPU tensors set the environment variable "
+            "TRITON_INTERPRET=1 before importing attnzero (Triton's interpreter, slow, for tests)"
+        )
+    return f"backend='triton' runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), got device {device}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch helpers
+
+
+def _blocks(kind: str, D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """Tile sizes and launch settings (chosen for Hopper; tiny tiles under the interpreter so tests
+    cross many block boundaries)."""
+    BD, BDV = fwd_k.next_pow2(D), fwd_k.next_pow2(Dv)
+    if device.type != "cuda":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": BD, "BLOCK_DV": BDV}
+    wide = max(BD, BDV)
+    small = dtype == torch.float32 or wide > 128  # fp32 tiles and D = 256 need half the keys per step
+    if kind == "fwd":
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 64 if wide >= 128 or small else 128, "num_warps": 8 if wide >= 128 else 4,
+               "num_stages": 3}
+        if small:
+            cfg.update(BLOCK_M=64, BLOCK_N=32 if wide > 128 else 64, num_warps=4, num_stages=2)
+    elif kind == "dkdv":
+        cfg = {"BLOCK_M": 32, "BLOCK_N": 64 if wide >= 128 else 128, "num_warps": 4, "num_stages": 3}
+        if small:
+            cfg.update(BLOCK_M=16, BLOCK_N=64 if wide <= 128 else 32, num_stages=2)
+    elif kind == "dq":
+        cfg = {"BLOCK_M": 64 if wide >= 128 else 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+        if small:
+            cfg.update(BLOCK_M=32, BLOCK_N=32 if wide <= 128 else 16, num_stages=2)
+    else:  # decode: memory-bound, long key blocks
+        cfg = {"BLOCK_N": 64 if small else 128, "num_warps": 4, "num_stages": 3}
+    cfg.update(BLOCK_D=BD, BLOCK_DV=BDV)
+    return cfg
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.bfloat16 and interpreting():
+        return "upcast"  # see forward.mm
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # float32 with TF32 allowed; ignored for 16-bit inputs
+
+
+def _strides4(t: Tensor | None) -> tuple[int, int, int, int]:
+    """Strides of a (B|1, H|1, Lq|1, Lk|1) tensor with 0 on broadcast (size-1) dims."""
+    if t is None:
+        return (0, 0, 0, 0)
+    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))  # type: ignore[return-value]
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _window(causal: bool, left: int, right: int) -> tuple[int, int]:
+    """Fold causal into the window: causal means ``right = 0``; -1 stands for unbounded."""
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
+    """(seed_lo, seed_hi, threshold, 1/(1-p)) exactly as dropout.keep_mask uses them."""
+    if dropout_p <= 0.0:
+        return 0, 0, 0, 1.0
+    threshold = min(round(dropout_p * 2.0**32), 2**32)
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, threshold, 1.0 / (1.0 - dropout_p)
+
+
+def _common(
+    q: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int, scale: float,
+    dropout_p: float, seed: int,
+) -> tuple[dict[str, Any], list[Any], Tensor, Tensor]:
+    """Constexpr flags, the scalar arguments after the shapes, and the mask/bias pointers."""
+    wl, wr = _window(causal, left, right)
+    seed_lo, seed_hi, threshold, keep_scale = _dropout_args(dropout_p, seed)
+    flags = {
+        "HAS_LEFT": wl >= 0, "HAS_RIGHT": wr >= 0, "HAS_MASK": mask is not None, "HAS_BIAS": bias is not None,
+        "HAS_DROPOUT": dropout_p > 0.0, "PRECISION": _precision(q.dtype),
+    }
+    scalars = [max(wl, 0), max(wr, 0), seed_lo, seed_hi, threshold, keep_scale]
+    mask_t = mask.view(torch.uint8) if mask is not None else q  # q: a placeholder pointer, never read
+    bias_t = bias if bias is not None else q
+    return flags, scalars, mask_t, bias_t
+
+
+def _launch_opts(cfg: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in cfg.items() if k.startswith("BLOCK") or k in ("num_warps", "num_stages")}
+
+
+# ---------------------------------------------------------------------------------------------
+# The three computations (plain functions of tensors and scalars)
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
+    scale: float, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor]:
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
+    flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
+    cfg = _blocks("fwd", D, Dv, q.dtype, q.device)
+    grid = (triton.cdiv(Lq, cfg["BLOCK_M"]), B * Hq)
+    fwd_k.fwd_kernel[grid](
+        q, k, v, out, lse, mask_t, bias_t,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *_strides4(mask), *_strides4(bias),
+        Hq, Hq // Hkv, Lq, Lk, D, Dv, scale * LOG2E, *scalars,
+        **_launch_opts(cfg), **flags,
+    )
+    return out, lse
+
+
+def _decode(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
+    scale: float, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor]:
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
+    cfg = _blocks("decode", D, Dv, q.dtype, q.device)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
+    S, chunk = dec_k.splits_for(B * Hkv, Lk, cfg["BLOCK_N"], num_sms)
+    opart = torch.empty((B, Hq, S, Lq, Dv), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq, Dv)
+    lpart = torch.empty((B, Hq, S, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq)
+    dec_k.split_kernel[(S, B * Hkv)](
+        q, k, v, opart, lpart, mask_t, bias_t,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *_strides4(mask), *_strides4(bias),
+        Hq, G, Lq, Lk, D, Dv, S, chunk, scale * LOG2E, *scalars,
+        BLOCK_M=fwd_k.next_pow2(G * Lq), **_launch_opts(cfg), **flags,
+    )
+    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
+    dec_k.merge_kernel[(B * Hq * Lq,)](
+        opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), Hq, Lq, Dv, S,
+        BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=triton.next_power_of_2(Dv),
+    )
+    return out, lse
+
+
+def _backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
+    bias: Tensor | None, causal: bool, left: int, right: int, scale: float, dropout_p: float, seed: int,
+    bias_grad: bool, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q, k, v, out, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out), _unit_last(dout)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
+    lse = lse.contiguous()
+
+    # 1. Δ_i = Σ_d dO_id O_id                                                  (B, Hq, Lq) float32
+    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    BDV = fwd_k.next_pow2(Dv)
+    bm = 16 if not q.is_cuda else 64
+    o3, do3 = out.reshape(B * Hq, Lq, Dv), dout.reshape(B * Hq, Lq, Dv)  # (B·Hq, Lq, Dv)
+    bwd_k.delta_kernel[(triton.cdiv(Lq, bm), B * Hq)](
+        o3, do3, delta, o3.stride(0), o3.stride(1), do3.stride(0), do3.stride(1), Lq, Dv, BLOCK_M=bm, BLOCK_DV=BDV
+    )
+
+    # 2. dK, dV per key block (and dQ by atomics unless deterministic)
+    dk = torch.empty_like(k)  # (B, Hkv, Lk, D)
+    dv = torch.empty_like(v)  # (B, Hkv, Lk, Dv)
+    atomic = not deterministic
+    dq_acc = torch.zeros((B, Hq, Lq, D), dtype=torch.float32, device=q.device) if atomic else q
+    dbias_full = (
+        torch.empty((B, Hq, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else q
+    )  # (B, Hq, Lq, Lk)
+    cfg = _blocks("dkdv", D, Dv, q.dtype, q.device)
+    bwd_k.dkdv_kernel[(triton.cdiv(Lk, cfg["BLOCK_N"]), B * Hkv)](
+        q, k, v, dout, lse, delta, dq_acc, dk, dv, dbias_full, mask_t, bias_t,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), *_strides4(mask), *_strides4(bias),
+        Hq, G, Lq, Lk, D, Dv, scale * LOG2E, scale, *scalars,
+        **_launch_opts(cfg), **flags, BIAS_GRAD=bias_grad, ATOMIC_DQ=atomic,
+    )
+
+    # 3. dQ per query block (deterministic path)
+    if atomic:
+        dq = dq_acc.to(q.dtype)
+    else:
+        dq = torch.empty_like(q)  # (B, Hq, Lq, D)
+        cfg = _blocks("dq", D, Dv, q.dtype, q.device)
+        bwd_k.dq_kernel[(triton.cdiv(Lq, cfg["BLOCK_M"]), B * Hq)](
+            q, k, v, dout, lse, delta, dq, mask_t, bias_t,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2), *_strides4(mask), *_strides4(bias),
+            Hq, G, Lq, Lk, D, Dv, scale * LOG2E, scale, *scalars,
+            **_launch_opts(cfg), **flags,
+        )
+
+    # 4. The bias gradient: dS summed over the bias's broadcast dims
+    if bias_grad:
+        assert bias is not None
+        dims = [d for d in range(4) if bias.shape[d] == 1]
+        dbias = (dbias_full.sum(dim=dims, keepdim=True) if dims else dbias_full).to(bias.dtype)  # bias's shape
+    else:
+        dbias = q.new_empty(0)
+    return dq, dk, dv, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+
+
+@torch.library.custom_op("attnzero::triton_fwd", mutates_args=())
+def triton_fwd(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
+    scale: float, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor]:
+    """Forward kernel: (out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32). ``left``/``right`` = -1: unbounded."""
+    return _forward(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed)
+
+
+@triton_fwd.register_fake
+def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type: ignore[no-untyped-def]
+    B, Hq, Lq, _ = q.shape
+    return q.new_empty((B, Hq, Lq, v.shape[3])), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+
+
+@torch.library.custom_op("attnzero::triton_decode", mutates_args=())
+def triton_decode(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
+    scale: float, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor]:
+    """Split-KV decode (no backward): same results as ``triton_fwd``."""
+    return _decode(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed)
+
+
+@triton_decode.register_fake
+def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type: ignore[no-untyped-def]
+    B, Hq, Lq, _ = q.shape
+    return q.new_empty((B, Hq, Lq, v.shape[3])), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+
+
+@torch.library.custom_op("attnzero::triton_bwd", mutates_args=())
+def triton_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
+    bias: Tensor | None, causal: bool, left: int, right: int, scale: float, dropout_p: float, seed: int,
+    bias_grad: bool, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward kernels: (dq, dk, dv, dbias); dbias has bias's shape, or is empty when not asked for."""
+    return _backward(
+        dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad, deterministic
+    )
+
+
+@triton_bwd.register_fake
+def _(dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad,  # type: ignore[no-untyped-def]
+      deterministic):
+    dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias)
+    ctx.args = (causal, left, right, scale, dropout_p, seed)
+    ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
+
+
+def _backward_rule(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
+    del dlse  # lse is a by-product; its gradient is not propagated
+    q, k, v, out, lse, mask, bias = ctx.saved_tensors
+    deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+    dq, dk, dv, dbias = triton_bwd(
+        dout, q, k, v, out, lse, mask, bias, *ctx.args, ctx.bias_grad, deterministic
+    )
+    return dq, dk, dv, None, (dbias if ctx.bias_grad else None), None, None, None, None, None, None
+
+
+torch.library.register_autograd("attnzero::triton_fwd", _backward_rule, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend function
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V by Triton kernels.
+
+    Same contract as ``reference.attention``: ``mask`` (bool, or an ``az.masks.Mask`` — materialised
+    here to a dense bool tensor) and ``bias`` broadcastable to (B, Hq, Lq, Lk); causal bottom-right;
+    ``window=(left, right)``; dropout drops exactly ``dropout.keep_mask(dropout_seed, ...)``'s
+    entries, in the forward and the backward. float64 inputs go to the flash/reference backend.
+    """
+    if q.dtype == torch.float64:
+        return _float64(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    dense = mask.to_tensor(q.device) if isinstance(mask, Mask) else mask  # (B|1, H|1, Lq|1, Lk|1) bool
+    left, right = (-1, -1) if window is None else (-1 if window[0] is None else window[0],
+                                                   -1 if window[1] is None else window[1])
+    args = (dense, bias, causal, left, right, float(scale), float(dropout_p), int(dropout_seed))
+    Lq, Lk = q.shape[2], k.shape[2]
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    if Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK and not needs_grad:
+        out, lse = triton_decode(q, k, v, *args)
+    else:
+        out, lse = triton_fwd(q, k, v, *args)
+    return out, lse
+
+
+def _float64(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, seed: int,
+) -> tuple[Tensor, Tensor]:
+    try:
+        from .. import flash
+
+        fn = flash.attention
+    except ImportError:
+        from .. import reference
+
+        fn = reference.attention
+    return fn(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+              dropout_seed=seed)
