@@ -22,6 +22,10 @@ import torch
 import attnzero as az
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the suite may touch the network
+# Without a GPU, backend="triton" runs on CPU tensors under Triton's interpreter, which must be chosen
+# before the kernels are first imported (attnzero.kernels is imported on first use of the backend).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Every golden test is parametrized over this list: adding a backend is a one-line change here.
 BACKENDS: list[str] = ["reference"]
