@@ -96,6 +96,8 @@ def attention(
         out (B, Hq, Lq, Dv) in q's dtype, or ``(out, lse)``. A query row with no kept key gives
         output 0, lse −inf and zero gradients — never NaN.
     """
+    if v is None:  # checks.qkv treats v=None as "no values" (attention_weights)
+        raise TypeError("v: expected a torch.Tensor, got NoneType")
     B, Hq, _, Lq, Lk = checks.qkv(q, k, v)
     full = (B, Hq, Lq, Lk)
     keep = checks.mask(mask, full, q.device)
