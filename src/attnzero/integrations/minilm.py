@@ -56,7 +56,7 @@ def load(backend: str = "auto") -> MiniLM:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     path = model_path()
-    name = register("attnzero" if backend == "auto" else f"attnzero-{backend}", backend=backend)
+    name = register(backend=backend)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path, attn_implementation=name).eval()
     return MiniLM(model, tokenizer, name)

@@ -126,7 +126,7 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
         assert isinstance(out, Tensor)
         out = out.transpose(1, 2).contiguous()  # (B, Hq, Lq, Dv) -> (B, Lq, Hq, Dv)
         weights = None
-        if output_attentions:
+        if output_attentions or _collecting_attentions():
             weights = attention_weights(query, key, mask=keep, bias=bias, causal=causal, scale=scaling)
         return out, weights
 
@@ -134,21 +134,50 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
     return attention_forward
 
 
-def register(name: str = "attnzero", backend: str = "auto") -> str:
+def _collecting_attentions() -> bool:
+    """Whether transformers is collecting attention weights in this call. Some models (GPT-2)
+    drop ``output_attentions`` before it reaches the attention function and read the weights from
+    its output through a hook; the hook's collector says whether they were asked for."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+
+        collected = _active_collector.get()
+    except (ImportError, LookupError, AttributeError):
+        return False
+    return isinstance(collected, dict) and ("attentions" in collected or "cross_attentions" in collected)
+
+
+def name_for(backend: str) -> str:
+    """The name :func:`register` uses for a backend: "attnzero" for "auto", else "attnzero-<backend>"
+    — with "flash" spelled "tiled", because transformers treats any name containing "flash" as
+    its own FlashAttention kernels."""
+    return "attnzero" if backend == "auto" else f"attnzero-{backend.replace('flash', 'tiled')}"
+
+
+def register(name: str | None = None, backend: str = "auto") -> str:
     """Register attnzero with transformers under ``name`` and return the name.
 
     Afterwards ``from_pretrained(..., attn_implementation=name)`` or
     ``model.set_attn_implementation(name)`` sends every attention call of the model through
-    ``attnzero.attention(..., backend=backend)``. Registering again replaces the earlier entry.
+    ``attnzero.attention(..., backend=backend)``. ``name`` defaults to :func:`name_for` (backend),
+    which is "attnzero" for backend="auto". Registering again replaces the earlier entry.
 
     Raises:
-        TypeError / ValueError: ``name`` is not a non-empty string, or ``backend`` is unknown.
+        TypeError / ValueError: ``name`` is not a non-empty string, contains "flash" (transformers
+            would take it for its own FlashAttention), or ``backend`` is unknown.
         ImportError: transformers is not installed, with how to install it.
     """
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"name: expected a non-empty str, got {name!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if name is None:
+        name = name_for(backend)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name: expected a non-empty str, got {name!r}")
+    if "flash" in name:
+        raise ValueError(
+            f"name: expected a name without 'flash' (transformers routes those to its FlashAttention kernels), "
+            f"got {name!r}"
+        )
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
