@@ -25,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP_TIMEOUT_S = 120  # default group: generous, the machine is shared
-FAULT_TIMEOUT_S = 3  # the group the fault scenarios run on: how long a rank waits for a peer
+FAULT_TIMEOUT_S = 5  # the group the fault scenarios run on: how long a rank waits for a peer
 LAUNCH_TIMEOUT_S = 240  # the whole group of processes; beyond that the test fails (a hang)
 
 # (dtype, layout, causal, B, Hq, Hkv, L per rank, D, Dv, memory layout of the inputs)
@@ -98,6 +98,7 @@ def launch(world: int, tmp: Path) -> dict[int, dict[str, Any]]:
         path = tmp / f"rank{r}.pt"
         assert path.exists(), f"rank {r} of {world} saved no results (exit {p.returncode}):\n{log[-4000:]}"
         results[r] = torch.load(path, weights_only=False)
+        results[r]["exit"] = p.returncode
     return results
 
 
@@ -108,6 +109,9 @@ def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     start = time.monotonic()
     results = launch(world, tmp)
     print(f"\n{world}-process group ran in {time.monotonic() - start:.1f} s")
+    for r, res in results.items():
+        print(f"  rank {r}: peer raised -> {res['fault']['type']} after {res['fault']['seconds']} s; ", end="")
+        print(f"peer died -> {res['death']['type']} after {res['death']['seconds']} s" if "death" in res else "died")
     return world, results
 
 
@@ -161,6 +165,18 @@ def test_peer_that_raises_makes_the_others_fail(group: tuple[int, dict]) -> None
         assert err["type"] == "RuntimeError", err
         assert f"ring_attention: rank {r} of {world}" in err["message"], err["message"]
         assert "timeout" in err["message"]
+
+
+def test_peer_that_dies_makes_the_others_fail(group: tuple[int, dict]) -> None:
+    """The last rank's process exits inside the backward; every other rank raises a clear
+    RuntimeError (at once where the dead rank's sockets close, else after the timeout)."""
+    world, results = group
+    assert results[world - 1]["exit"] == 17, "the dying rank should have exited with status 17"
+    for r in range(world - 1):
+        assert results[r]["exit"] == 0
+        err = results[r]["death"]
+        assert err["type"] == "RuntimeError", err
+        assert f"ring_attention: rank {r} of {world}" in err["message"], err["message"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +317,10 @@ def worker(tmp: Path, rank: int) -> None:
 
     # 4. A fault: on a group with a short timeout, the last rank raises inside the backward and
     #    stays alive (its process would otherwise close its sockets, which ends the wait at once).
+    # Both fault groups are made now, while the ranks are in step (making one connects within its timeout).
+    dist.barrier()
     fault_group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S), backend="gloo")
+    death_group = dist.new_group(timeout=timedelta(seconds=FAULT_TIMEOUT_S), backend="gloo")
     if rank == world - 1:
 
         def broken(*args: Any, **kwargs: Any) -> Any:
@@ -316,12 +335,30 @@ def worker(tmp: Path, rank: int) -> None:
     except Exception as e:
         saved["fault"] = _error(e)
     saved["fault"]["seconds"] = f"{time.monotonic() - start:.1f}"
+
+    # 5. A rank that dies: the last rank's process exits in the middle of the backward (having
+    #    saved its results first); the others must raise, whether its sockets close or not.
+    dist.barrier()  # on the default group: every rank has finished scenario 4
+    if rank == world - 1:
+        torch.save(saved, tmp / f"rank{rank}.pt")
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            os._exit(17)
+
+        flash.backward = dying  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        D.ring_attention(z, z, z, causal=True, group=death_group).sum().backward()
+        saved["death"] = {"type": "none", "message": ""}
+    except Exception as e:
+        saved["death"] = _error(e)
+    saved["death"]["seconds"] = f"{time.monotonic() - start:.1f}"
     torch.save(saved, tmp / f"rank{rank}.pt")
     # Stay alive (as a rank stuck elsewhere would) until every other rank has saved its results.
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     while time.monotonic() < deadline and not all((tmp / f"rank{r}.pt").exists() for r in range(world)):
         time.sleep(0.1)
-    print(json.dumps({"rank": rank, "fault": saved["fault"]}), flush=True)
+    print(json.dumps({"rank": rank, "fault": saved["fault"], "death": saved["death"]}), flush=True)
     os._exit(0)  # the fault group is broken: skip the shutdown handshake
 
 
