@@ -15,6 +15,7 @@ a float and ``dropout_seed`` the seed of ``dropout.keep_mask``.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from typing import Literal
@@ -46,6 +47,16 @@ def _backend(name: str) -> Backend:
     return triton_backend.attention
 
 
+def _check_triton(device: torch.device) -> None:
+    """backend="triton" can run here: triton is installed (else a clear ImportError) and the tensors
+    are on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    from .kernels import triton_backend  # ImportError: "... needs the `triton` package: pip install triton ..."
+
+    reason = triton_backend.unsupported_device_reason(device)
+    if reason is not None:
+        raise ValueError(f"backend: {reason}")
+
+
 def _auto(q: Tensor, k: Tensor, requires_grad: bool) -> str:
     """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements)."""
     del requires_grad
@@ -57,6 +68,8 @@ def _auto(q: Tensor, k: Tensor, requires_grad: bool) -> str:
             name = "flash"
     except ImportError:
         pass
+    if q.is_cuda and q.dtype != torch.float64 and importlib.util.find_spec("triton") is not None:
+        name = "triton"  # the Triton kernels (kernels/), for every size on CUDA
     log.debug("backend='auto' chose %r for q %s, k %s on %s", name, tuple(q.shape), tuple(k.shape), q.device)
     return name
 
@@ -112,6 +125,8 @@ def attention(
     if name == "auto":
         grad = any(t is not None and t.requires_grad for t in (q, k, v, add))
         name = _auto(q, k, grad)
+    if name == "triton":
+        _check_triton(q.device)
     seed = dropout.draw_seed(q.device) if p > 0.0 else 0
     out, lse = _backend(name)(
         q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p, dropout_seed=seed

@@ -208,7 +208,7 @@ def _decode(
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *_strides4(mask), *_strides4(bias),
         Hq, G, Lq, Lk, D, Dv, S, chunk, scale * LOG2E, *scalars,
-        BLOCK_M=fwd_k.next_pow2(G * Lq), **_launch_opts(cfg), **flags,
+        **{**_launch_opts(cfg), "BLOCK_M": fwd_k.next_pow2(G * Lq)}, **flags,
     )
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
@@ -246,8 +246,8 @@ def _backward(
     atomic = not deterministic
     dq_acc = torch.zeros((B, Hq, Lq, D), dtype=torch.float32, device=q.device) if atomic else q
     dbias_full = (
-        torch.empty((B, Hq, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else q
-    )  # (B, Hq, Lq, Lk)
+        torch.zeros((B, Hq, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else q
+    )  # (B, Hq, Lq, Lk); zeros: skipped blocks have dS = 0
     cfg = _blocks("dkdv", D, Dv, q.dtype, q.device)
     bwd_k.dkdv_kernel[(triton.cdiv(Lk, cfg["BLOCK_N"]), B * Hkv)](
         q, k, v, dout, lse, delta, dq_acc, dk, dv, dbias_full, mask_t, bias_t,

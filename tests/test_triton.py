@@ -1,0 +1,326 @@
+"""backend="triton": the Triton kernels against the float64 golden, by DESIGN.md's tolerance rule.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 before anything imports them), which is slow: shapes are small but awkward, and
+the interpreter uses 16×16 tiles so that every case crosses several query and key blocks, ragged
+last blocks, both edges of causal/window bands and whole skipped blocks. On a CUDA machine the same
+tests run the compiled kernels with their real tile sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from conftest import check_against_golden, qkv, random_keep
+
+import attnzero as az
+from attnzero import dropout as az_dropout
+from attnzero import masks
+
+if os.environ.get("CI") == "true":
+    import triton  # CI installs triton: its absence must fail, not skip
+else:
+    triton = pytest.importorskip("triton", reason="backend='triton' needs `pip install triton`")
+
+import triton.language as tl
+
+from attnzero.kernels import triton_backend as tb
+from attnzero.kernels.forward import dropout_keep
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32"}
+
+
+def _interpreter_ok() -> None:
+    """Triton < 3.7's interpreter breaks on numpy >= 2.4 (triton-lang/triton#9171): say so."""
+    if DEVICE.type == "cpu":
+        import numpy
+
+        tv = tuple(int(x) for x in triton.__version__.split(".")[:2])
+        nv = tuple(int(x) for x in numpy.__version__.split(".")[:2])
+        assert not (tv < (3, 7) and nv >= (2, 4)), (
+            f"triton {triton.__version__}'s CPU interpreter fails with numpy {numpy.__version__}: "
+            "install triton>=3.7 or numpy<2.4"
+        )
+
+
+_interpreter_ok()
+
+
+def to_device(*ts: Any) -> list[Any]:
+    return [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def golden(dtype: torch.dtype, B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, Dv: int | None = None,
+           *, layout: str = "contiguous", **kw: Any) -> None:
+    """Forward (out, lse) and backward (dq, dk, dv, dbias) of the triton backend by the rule."""
+    q, k, v = to_device(*qkv(B, Hq, Hkv, Lq, Lk, D, Dv, layout=layout))
+    check_against_golden("triton", dtype, q, k, v, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, causal, windows, GQA/MQA, head dims
+
+
+CASES: list[tuple[str, tuple[int, ...], dict[str, Any]]] = [
+    ("plain", (2, 2, 2, 17, 17, 40), {}),
+    ("lq<lk_gqa_dv", (1, 4, 2, 19, 45, 59, 24), {}),
+    ("lq>lk_mqa", (1, 3, 1, 37, 20, 16), {}),
+    ("L1", (2, 2, 1, 1, 1, 8), {}),
+    ("causal_square", (1, 2, 1, 50, 50, 32), {"causal": True}),
+    ("causal_lq<lk", (1, 2, 2, 21, 53, 16), {"causal": True}),
+    ("causal_lq>lk_blocked_rows", (1, 2, 1, 40, 23, 16), {"causal": True}),
+    ("window", (1, 2, 2, 45, 45, 16), {"window": (5, 3)}),
+    ("window_left_causal", (1, 2, 1, 33, 61, 24), {"window": 9, "causal": True}),
+    ("window_right_only", (1, 2, 1, 30, 30, 16), {"window": (None, 4)}),
+    ("window_left_only_lq>lk", (1, 1, 1, 48, 35, 16), {"window": (6, None)}),
+    ("d96", (1, 2, 1, 18, 23, 96), {"causal": True}),
+    ("d111_dv8", (1, 1, 1, 17, 20, 111, 8), {}),
+]
+
+
+# Every case in float32; the 16-bit dtypes on a subset (the interpreter is slow).
+LOW_PRECISION = ("plain", "lq<lk_gqa_dv", "causal_lq>lk_blocked_rows", "window", "d111_dv8")
+GOLDEN_PARAMS = [
+    pytest.param(dtype, *case, id=f"{case[0]}-{DTYPE_IDS[dtype]}")
+    for case in CASES
+    for dtype in (F32, F16, BF16)
+    if dtype == F32 or case[0] in LOW_PRECISION
+]
+
+
+@pytest.mark.parametrize("dtype,name,shape,kw", GOLDEN_PARAMS)
+def test_against_golden(dtype: torch.dtype, name: str, shape: tuple[int, ...], kw: dict[str, Any]) -> None:
+    golden(dtype, *shape, **kw)
+
+
+def test_head_dim_256() -> None:
+    golden(F32, 1, 1, 1, 17, 19, 256, causal=True)
+
+
+@pytest.mark.parametrize("layout", ["transpose", "strided", "sliced"])
+def test_noncontiguous_inputs(layout: str) -> None:
+    golden(BF16, 2, 2, 1, 19, 21, 16, layout=layout, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and bias (dense, broadcast, Mask objects, fully blocked rows), with gradients
+
+
+@pytest.mark.parametrize("dtype", [F16, F32], ids=DTYPE_IDS.get)
+def test_dense_mask_with_blocked_rows(dtype: torch.dtype) -> None:
+    keep = random_keep(2, 1, 33, 40)  # (B, 1, Lq, Lk): broadcast over heads
+    keep[0, 0, 3] = False  # a fully blocked row
+    keep[1, 0, 20:] = False
+    golden(dtype, 2, 2, 1, 33, 40, 16, mask=keep.to(DEVICE), causal=dtype == F32)
+
+
+def test_key_padding_mask_and_window() -> None:
+    keep = torch.tensor([[True] * 30 + [False] * 8, [True] * 12 + [False] * 26]).view(2, 1, 1, 38)
+    golden(F32, 2, 2, 2, 25, 38, 16, mask=keep.to(DEVICE), window=(7, 2))
+
+
+def test_mask_object_document_and_causal() -> None:
+    ids = [0] * 9 + [1] * 17 + [2] * 10
+    golden(F32, 1, 2, 1, 36, 36, 16, mask=masks.document(ids) & masks.causal(36))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("bshape", [(1, 2, 29, 35), (29, 35), (2, 1, 1, 35)], ids=["per_head", "lq_lk", "per_key"])
+def test_bias_and_its_gradient(dtype: torch.dtype, bshape: tuple[int, ...]) -> None:
+    bias = torch.randn(*bshape, dtype=torch.float64).to(DEVICE)
+    golden(dtype, 2, 2, 1, 29, 35, 16, bias=bias, causal=True)
+
+
+def test_alibi_bias_with_mask() -> None:
+    bias = masks.alibi(2, 25, 31).to(torch.float64).to(DEVICE)
+    golden(F32, 1, 2, 2, 25, 31, 16, bias=bias, mask=random_keep(1, 1, 25, 31).to(DEVICE))
+
+
+def test_fully_blocked_everything_gives_zeros() -> None:
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for n in (20, 30, 30))
+    keep = torch.zeros(1, 1, 20, 30, dtype=torch.bool, device=DEVICE)
+    out, lse = az.attention(q, k, v, mask=keep, backend="triton", return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout: exactly dropout.keep_mask's entries, in forward and backward
+
+
+def test_dropout_hash_bit_for_bit_with_64bit_counters() -> None:
+    """The kernel's hash of (seed, counter) equals dropout.keep_mask, counters beyond 2^32 included."""
+    Lk, p = 48, 0.3
+    for seed in (7, 2**40 + 3, 2**62 - 11):
+        for row0 in (0, 2**32 // Lk - 5, 3 * 2**32 // Lk + 1):
+            got = torch.empty(16, 64, dtype=torch.int8, device=DEVICE)
+            _, _, threshold, _ = tb._dropout_args(p, seed)
+            _hash_kernel[(1,)](got, row0, Lk, seed & 0xFFFFFFFF, seed >> 32, threshold, R=16, C=64)
+            # counters (row0 + r)·Lk + c; columns past Lk are just more counters to hash
+            want = az_dropout.keep_mask(seed, p, (1, 1, row0 + 16, Lk), rows=(row0, row0 + 16), cols=(0, 64))
+            assert torch.equal(got.bool(), want.view(16, 64).to(DEVICE)), (seed, row0)
+
+
+@triton.jit(do_not_specialize=["row0", "seed_lo", "seed_hi", "threshold"])
+def _hash_kernel(Out, row0, Lk, seed_lo, seed_hi, threshold, R: tl.constexpr, C: tl.constexpr):
+    rows = row0 + tl.arange(0, R).to(tl.int64)
+    cols = tl.arange(0, C)
+    keep = dropout_keep(rows[:, None], cols[None, :], Lk, seed_lo, seed_hi, threshold)
+    tl.store(Out + tl.arange(0, R)[:, None] * C + cols[None, :], keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("p", [0.2, 0.7])
+def test_dropout_matches_reference_entries(dtype: torch.dtype, p: float) -> None:
+    """Same torch seed → the triton backend drops the entries the reference drops (a different
+    mask would miss the golden by O(1)), forward and backward, with GQA and a causal band."""
+    golden(dtype, 2, 4, 2, 23, 29, 16, dropout_p=p, seed=1234, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic backward, return_lse, float64
+
+
+def test_deterministic_backward_is_bitwise_reproducible(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = (torch.randn(1, 4, n, 16, device=DEVICE) for n in (33, 47, 47))
+    k, v = k[:, :2], v[:, :2]  # GQA: 2 key/value heads
+
+    def grads() -> list[torch.Tensor]:
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = az.attention(*xs, causal=True, backend="triton")
+        return list(torch.autograd.grad(out, xs, torch.ones_like(out)))
+
+    atomic = grads()
+    monkeypatch.setattr(tb, "DETERMINISTIC", True)
+    first, second = grads(), grads()
+    for a, b, c in zip(first, second, atomic):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_float64_uses_a_float64_path() -> None:
+    q, k, v = qkv(1, 2, 1, 9, 12, 8)
+    out, lse = az.attention(q, k, v, causal=True, backend="triton", return_lse=True)
+    ref, ref_lse = az.attention(q, k, v, causal=True, backend="reference", return_lse=True)
+    assert out.dtype == lse.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split-KV decode
+
+
+@pytest.fixture
+def decode_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the split-KV launches, with a small length threshold so the interpreter stays quick."""
+    calls: list[int] = []
+    real = tb._decode
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(tb, "_decode", spy)
+    monkeypatch.setattr(tb, "DECODE_MIN_LK", 64)
+    return calls
+
+
+DECODE_CASES: list[tuple[str, tuple[int, ...], dict[str, Any]]] = [
+    ("lq1_gqa", (2, 8, 2, 1, 203, 32), {}),
+    ("lq3_causal_mqa", (1, 4, 1, 3, 150, 16), {"causal": True}),
+    ("lq16_window", (1, 2, 2, 16, 130, 16), {"window": (40, 0)}),
+    ("lq5_mask_bias", (2, 2, 1, 5, 97, 24), {"mask": True, "bias": True}),
+    ("lq2_dropout", (1, 4, 2, 2, 120, 16), {"dropout_p": 0.4, "seed": 99}),
+]
+
+
+DECODE_PARAMS = [
+    pytest.param(dtype, *case, id=f"{case[0]}-{DTYPE_IDS[dtype]}")
+    for case in DECODE_CASES
+    for dtype in (F32, BF16)
+    if dtype == F32 or case[0] in ("lq1_gqa", "lq5_mask_bias")
+]
+
+
+@pytest.mark.parametrize("dtype,name,shape,kw", DECODE_PARAMS)
+def test_decode_against_golden(
+    decode_calls: list[int], dtype: torch.dtype, name: str, shape: tuple[int, ...], kw: dict[str, Any]
+) -> None:
+    kw = dict(kw)
+    B, Hq, _, Lq, Lk, _ = shape
+    if kw.pop("mask", False):
+        keep = random_keep(B, 1, Lq, Lk)
+        keep[0, 0, 0] = False  # a fully blocked row
+        kw["mask"] = keep.to(DEVICE)
+    if kw.pop("bias", False):
+        kw["bias"] = torch.randn(1, Hq, Lq, Lk, dtype=torch.float64).to(DEVICE)
+    golden(dtype, *shape, grads=False, **kw)
+    assert decode_calls, "the split-KV path was not taken"
+
+
+def test_decode_not_taken_when_grad_is_needed(decode_calls: list[int]) -> None:
+    golden(F32, 1, 2, 1, 2, 80, 16)  # with gradients: the forward kernel, which has a backward
+    assert not decode_calls
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration, torch.compile, errors
+
+
+def test_custom_ops_pass_opcheck() -> None:
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for n in (17, 20, 20))
+    bias = torch.randn(1, 2, 17, 20, device=DEVICE, requires_grad=True)
+    keep = random_keep(1, 1, 17, 20).to(DEVICE)
+    args = (q, k, v, keep, bias, True, 5, -1, 0.25, 0.0, 0)
+    torch.library.opcheck(tb.triton_fwd, args)
+    with torch.no_grad():
+        dargs = (q.detach()[:, :, :2], k.detach(), v.detach(), None, None, False, -1, -1, 0.25, 0.0, 0)
+        torch.library.opcheck(tb.triton_decode, dargs, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph() -> None:
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for n in (17, 20, 20))
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return az.attention(q, k, v, causal=True, backend="triton") * 2.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v)
+    out.sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    f(q, k, v).sum().backward()
+    torch.testing.assert_close(out, f(q, k, v))
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        az.attention(q, q, q, backend="triton")
+
+
+def test_missing_triton_says_how_to_install() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, attnzero as az\n"
+        "q = torch.randn(1, 1, 4, 8)\n"
+        "try:\n    az.attention(q, q, q, backend='triton')\n"
+        "except ImportError as e:\n    print('ERR', e)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "ERR" in out.stdout and "pip install triton" in out.stdout, out.stdout + out.stderr
