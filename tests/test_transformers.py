@@ -272,3 +272,21 @@ def test_backends_agree_inside_a_model() -> None:
         logits[backend] = model(input_ids=ids, attention_mask=keep).logits
     real = keep.bool()
     torch.testing.assert_close(logits["flash"][real], logits["reference"][real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("readme", ["README.md", "README.zh-CN.md"])
+def test_readme_transformers_example_runs(readme: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The README's transformers example, run as written on a tiny Llama saved to disk."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / readme).read_text(encoding="utf-8")
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "integrations.transformers" in b]
+    torch.manual_seed(5)
+    _llama().save_pretrained(tmp_path)
+    ids, keep = _padded("left")
+    scope: dict[str, object] = {"path": str(tmp_path), "batch": {"input_ids": ids, "attention_mask": keep}}
+    exec(compile(block, readme, "exec"), scope)
+    model = scope["model"]
+    assert model.config._attn_implementation == "attnzero-reference"  # type: ignore[attr-defined]
+    assert scope["out"].shape[0] == 3  # type: ignore[attr-defined]

@@ -156,7 +156,8 @@ def _demo(args: argparse.Namespace) -> int:
                 progress.stop()
                 console.print(f"[red]--focus {focus_words[n]!r} is not a token of sentence {n + 1}: {tokens}")
                 return 2
-            views.append(viz.SentenceView(f"sentence {n + 1}", tokens, weights, focus))
+            title = texts[n] if len(texts[n]) <= 64 else texts[n][:61] + "..."
+            views.append(viz.SentenceView(title, tokens, weights, focus))
 
         out_dir.mkdir(parents=True, exist_ok=True)
         files: list[Path] = []

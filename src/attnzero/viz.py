@@ -165,7 +165,8 @@ def page_data(views: Sequence[SentenceView], digits: int = 4) -> list[dict[str, 
     """What the HTML page embeds: per sentence its title, tokens, focus and rounded weights."""
     data: list[dict[str, object]] = []
     for v in views:
-        w = torch.round(v.weights.float().cpu(), decimals=digits)  # (N, H, L, L)
+        # rounded in float64, so that each number prints short (0.1234, not 0.12340000271797180)
+        w = torch.round(v.weights.detach().cpu().double(), decimals=digits)  # (N, H, L, L)
         data.append({"title": v.title, "tokens": list(v.tokens), "focus": v.focus, "weights": w.tolist()})
     return data
 
