@@ -40,6 +40,7 @@ CASES: list[tuple[str, str, bool, int, int, int, int, int, int, str]] = [
     ("float32", "contiguous", True, 2, 2, 2, 6, 32, 8, "contiguous"),
     ("float32", "zigzag", False, 1, 6, 3, 8, 8, 8, "contiguous"),
     ("float32", "zigzag", True, 1, 4, 2, 14, 40, 40, "transpose"),
+    ("bfloat16", "zigzag", True, 1, 4, 2, 12, 16, 16, "contiguous"),  # 16-bit: float32 merges and sums
 ]
 
 
@@ -136,6 +137,22 @@ def test_matches_single_process(group: tuple[int, dict], case: tuple[Any, ...]) 
     # Every rank computed the same gathered result (they gather one another's slices).
     for r in range(1, world):
         assert torch.equal(results[r]["cases"][case_id(case)]["out"], res["out"])
+
+
+def test_only_point_to_point_carries_keys_and_values(group: tuple[int, dict]) -> None:
+    """K/V and dK/dV move by batch_isend_irecv, one block at a time; the only collective is the
+    agreement on shapes (a few integers). Forward: W-1 exchanges of (k, v); backward: W-1 of (k, v)
+    and W of (dk, dv), each op one local-sized tensor."""
+    world, results = group
+    for r in range(world):
+        for cid, res in results[r]["cases"].items():
+            log = res["traffic"]
+            assert [name for name, _ in log["collective"]] == ["all_gather"], (cid, log["collective"])
+            assert log["collective"][0][1] < 32, (cid, log["collective"])
+            sends = [n for op, n in log["p2p"] if op == "isend"]
+            recvs = [n for op, n in log["p2p"] if op == "irecv"]
+            assert len(sends) == len(recvs) == 2 * (world - 1) + 2 * (world - 1) + 2 * world, (cid, log["p2p"])
+            assert max(sends) <= res["kv_numel"], (cid, log["p2p"])
 
 
 def test_shard_gather_round_trip(group: tuple[int, dict]) -> None:
@@ -255,6 +272,49 @@ def _error(e: BaseException) -> dict[str, str]:
     return {"type": type(e).__name__, "message": str(e)}
 
 
+class Traffic:
+    """Records what torch.distributed carries while active: for each collective the number of
+    elements it sends, for each point-to-point op its direction and number of elements."""
+
+    COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce", "reduce_scatter",
+                   "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "gather")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.log: dict[str, list[Any]] = {"collective": [], "p2p": []}
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> Traffic:
+        import torch.distributed as dist
+
+        def spy(name: str, real: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                sent = args[1] if name == "all_gather" else args[0]
+                numel = sum(t.numel() for t in sent) if isinstance(sent, list) else sent.numel()
+                self.log["collective"].append((name, numel))
+                return real(*args, **kwargs)
+
+            return call
+
+        def batch(ops: list[Any]) -> Any:
+            self.log["p2p"] += [(op.op.__name__, op.tensor.numel()) for op in ops]
+            return self.saved["batch_isend_irecv"](ops)
+
+        for name in (*self.COLLECTIVES, "batch_isend_irecv", "send", "recv", "isend", "irecv"):
+            self.saved[name] = getattr(dist, name)
+            if name in self.COLLECTIVES:
+                setattr(dist, name, spy(name, self.saved[name]))
+        dist.batch_isend_irecv = batch
+        for name in ("send", "recv"):  # the ring uses batch_isend_irecv only
+            setattr(dist, name, spy(name, self.saved[name]))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for name, real in self.saved.items():
+            setattr(dist, name, real)
+
+
 def worker(tmp: Path, rank: int) -> None:
     import torch.distributed as dist
 
@@ -283,9 +343,11 @@ def worker(tmp: Path, rank: int) -> None:
             return part.detach().requires_grad_(True)
 
         q, k, v = local(inp["q"]), local(inp["k"]), local(inp["v"])
+        dout = D.shard(inp["dout"].to(dtype), layout=layout)
         try:
-            out = D.ring_attention(q, k, v, causal=causal, layout=layout)
-            out.backward(D.shard(inp["dout"].to(dtype), layout=layout))
+            with Traffic() as traffic:
+                out = D.ring_attention(q, k, v, causal=causal, layout=layout)
+                out.backward(dout)
             assert q.grad is not None and k.grad is not None and v.grad is not None
             saved["cases"][inp["id"]] = {
                 "job": str(tmp / "job.pt"),
@@ -293,6 +355,8 @@ def worker(tmp: Path, rank: int) -> None:
                 "dq": D.gather(q.grad, layout=layout),
                 "dk": D.gather(k.grad, layout=layout),
                 "dv": D.gather(v.grad, layout=layout),
+                "traffic": traffic.log,
+                "kv_numel": max(k.numel(), v.numel()),
             }
         except Exception as e:  # recorded, and the test of this case shows it
             saved["cases"][inp["id"]] = {"error": repr(e)}
