@@ -86,7 +86,8 @@ def test_focus_index_picks_the_last_match_or_the_last_word() -> None:
     assert cli._focus_index(tokens, "it") == 4
     assert cli._focus_index(tokens, "IT") == 4
     assert cli._focus_index(tokens, "zebra") is None
-    assert cli._focus_index(tokens, None) == 5  # not [SEP], not "."
+    assert cli._focus_index(tokens, None) == 4  # "it" when there is one
+    assert cli._focus_index(["[CLS]", "a", "cat", ".", "[SEP]"], None) == 2  # else the last word
 
 
 def test_demo_without_the_model_package_says_how_to_install(

@@ -106,10 +106,17 @@ def _need(command: str, modules: Sequence[str]) -> bool:
 # ----------------------------------------------------------------------------------------- demo
 def _focus_index(tokens: Sequence[str], word: str | None) -> int | None:
     """The last token equal to ``word`` (case-insensitive, ignoring '##'); without a word, the last
-    token that is neither special nor punctuation. None when the word is not among the tokens."""
-    if word is not None:
-        hits = [i for i, t in enumerate(tokens) if t.removeprefix("##").lower() == word.lower()]
+    "it", else the last token that is neither special nor punctuation. None when ``word`` is given
+    and is not among the tokens."""
+    def last(w: str) -> int | None:
+        hits = [i for i, t in enumerate(tokens) if t.removeprefix("##").lower() == w.lower()]
         return hits[-1] if hits else None
+
+    if word is not None:
+        return last(word)
+    it = last("it")
+    if it is not None:
+        return it
     words = [i for i, t in enumerate(tokens) if not _special(t) and any(c.isalnum() for c in t)]
     return words[-1] if words else len(tokens) - 1
 
@@ -141,7 +148,12 @@ def _demo(args: argparse.Namespace) -> int:
         TimeElapsedColumn(), console=console, transient=False,
     ) as progress:
         task = progress.add_task("loading all-MiniLM-L6-v2", total=4 + 2 * len(texts))
-        model = minilm.load()
+        try:
+            model = minilm.load()
+        except ImportError as e:  # e.g. a transformers too old to have the attention interfaces
+            progress.stop()
+            print(f"attnzero demo: {e}\nInstall the extra:\n    {HF_HINT}", file=sys.stderr)
+            return 2
         progress.advance(task)
         progress.update(task, description="running it through attnzero and through transformers")
         result = minilm.run(model, texts)
@@ -253,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a real model (all-MiniLM-L6-v2) through attnzero: terminal summary, PNGs, HTML")
     demo.add_argument("--text", action="append", help="a sentence to look at (repeat for more); default: the "
                       "seeds' 'The animal didn't cross the street because it was too tired' and a Chinese one")
-    demo.add_argument("--focus", help="the token to follow (default: 'it' / '愛'; with --text: the last word)")
+    demo.add_argument("--focus", help="the token to follow (default: 'it' / '愛'; with --text: 'it' if there, "
+                      "else the last word)")
     demo.add_argument("--out", default="out/demo", help="folder for the PNGs and the HTML page (default: out/demo)")
     sub.add_parser("tour", help="a short walk-through of attnzero itself")
     check = sub.add_parser("check", help="run every backend available here against the reference")
