@@ -312,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     losses = train(
         model, train_data, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         time_budget=args.time_budget, seed=args.seed, log_every=args.log_every,
+        print_fn=lambda line: print(line, flush=True),
     )
     print(f"after {len(losses)} steps: train loss {sum(losses[-20:]) / len(losses[-20:]):.3f}, "
           f"val loss {evaluate(model, val_data):.3f}")
