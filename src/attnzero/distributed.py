@@ -164,7 +164,7 @@ def _decode(name: str, x: int) -> str:
 
 
 def _shape_fields(prefix: str, x: Tensor) -> dict[str, int]:
-    """ndim, dtype and the sizes of every dim but the batch-free ones (all of them here)."""
+    """ndim, dtype and the size of every dim (0 past the last one, up to ``_MAX_DIMS``)."""
     fields = {f"{prefix} ndim": x.ndim, "dtype": _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1}
     for d in range(_MAX_DIMS):
         fields[f"{prefix} size of dim {d}"] = x.shape[d] if d < x.ndim else 0
