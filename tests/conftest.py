@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Every golden test is parametrized over this list: adding a backend is a one-line change here.
-BACKENDS: list[str] = ["reference"]
+BACKENDS: list[str] = ["reference", "flash"]
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
