@@ -41,20 +41,26 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
 LN2 = 0.6931471805599453  # ln(2):    ln(x) = log2(x) · LN2
 NEG_INF = float("-inf")
 
-# Block sizes (rows per query head, key columns, elements of one score block). Chosen by measuring
-# on a 2-core AVX-512 CPU (docs/benchmarks.md): a score block of ~1-2 M floats keeps the batched
-# matmuls near their peak while the softmax passes over it stay cheap relative to Python overhead.
-_SIZES: dict[str, int] = {"rows": 256, "cols": 512, "elems": 1 << 20}
+# Block sizes, chosen by measuring on a 2-core AVX-512 CPU (docs/benchmarks.md). ``rows``: query rows
+# per head in a block; ``cols``: key columns (0 = as many as make a score block of about ``elems``
+# floats); ``kv``: floats of the per-chunk copy of K and V (bounds the extra memory).
+_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 20, "kv": 1 << 21}
 
-# Blocks visited since the last reset: {"forward": n, "backward": n}. Read by tests.
-COUNTS: dict[str, int] = {"forward": 0, "backward": 0}
+# Blocks visited since the last reset: {"forward": n, "backward": n, "rebase": n}. Read by tests.
+COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "rebase": 0}
+
+# The fast path accepts a block when every row's sum of exp2(s - m_ref) stays below this: the
+# scores then grew by less than ~32 (base 2) over the row's reference max, far from overflow.
+_LIMIT = 2.0**32
 
 
 @contextmanager
-def block_sizes(rows: int | None = None, cols: int | None = None, elems: int | None = None) -> Iterator[None]:
+def block_sizes(
+    rows: int | None = None, cols: int | None = None, elems: int | None = None, kv: int | None = None
+) -> Iterator[None]:
     """Temporarily force the block sizes (tests use tiny blocks to hit every boundary)."""
     old = dict(_SIZES)
-    for key, value in (("rows", rows), ("cols", cols), ("elems", elems)):
+    for key, value in (("rows", rows), ("cols", cols), ("elems", elems), ("kv", kv)):
         if value is not None:
             _SIZES[key] = int(value)
     try:
@@ -78,9 +84,11 @@ class _Chunk:
     def n(self) -> int:
         return (self.b1 - self.b0) * (self.n1 - self.n0)
 
-    def kv(self, t: Tensor, cols: tuple[int, int]) -> Tensor:
-        """Key columns ``cols`` of k or v (B, Hkv, Lk, E) → (N, c, E)."""
-        x = t[self.b0 : self.b1, self.n0 : self.n1, cols[0] : cols[1]]  # (nb, nh, c, E)
+    def kv(self, t: Tensor, cols: tuple[int, int] | None = None) -> Tensor:
+        """Key columns ``cols`` (default all) of k or v (B, Hkv, Lk, E) → (N, c, E)."""
+        x = t[self.b0 : self.b1, self.n0 : self.n1]  # (nb, nh, Lk, E)
+        if cols is not None:
+            x = x[:, :, cols[0] : cols[1]]  # (nb, nh, c, E)
         return x.reshape(self.n, x.shape[2], x.shape[3])  # (N, c, E)
 
     def heads(self, t: Tensor) -> Tensor:
@@ -103,12 +111,15 @@ class _Chunk:
         view.copy_(src.reshape(view.shape))
 
 
-def _chunks(B: int, Hkv: int, G: int, per_head: int) -> list[_Chunk]:
-    """Split the B·Hkv (batch, kv head) pairs into chunks of about ``elems / per_head`` pairs."""
-    n = max(1, _SIZES["elems"] // max(1, per_head))
+def _chunks(B: int, Hkv: int, G: int, per_pair: int) -> list[_Chunk]:
+    """Split the B·Hkv (batch, kv head) pairs into balanced chunks whose K/V copies (``per_pair``
+    floats each) fit in ``_SIZES["kv"]``."""
+    n = max(1, min(B * Hkv, _SIZES["kv"] // max(1, per_pair)))
     if n >= Hkv:
         nb = max(1, n // Hkv)
+        nb = -(-B // -(-B // nb))  # balance: the same number of batches in every chunk
         return [_Chunk(b, min(B, b + nb), 0, Hkv, G) for b in range(0, B, nb)]
+    n = -(-Hkv // -(-Hkv // n))
     return [_Chunk(b, b + 1, h, min(Hkv, h + n), G) for b in range(B) for h in range(0, Hkv, n)]
 
 
@@ -130,8 +141,10 @@ def _key_range(
     return lo, hi
 
 
-def _all_kept(rows: tuple[int, int], cols: tuple[int, int], Lq: int, Lk: int, causal: bool,
-              window: tuple[int | None, int | None] | None) -> bool:
+def _all_kept(
+    rows: tuple[int, int], cols: tuple[int, int], Lq: int, Lk: int, causal: bool,
+    window: tuple[int | None, int | None] | None,
+) -> bool:
     """True when causal / window keep every pair of the block (so it needs no masking from them)."""
     first, last = rows[0] + Lk - Lq, rows[1] - 1 + Lk - Lq
     ok = not causal or cols[1] - 1 <= first
@@ -141,8 +154,21 @@ def _all_kept(rows: tuple[int, int], cols: tuple[int, int], Lq: int, Lk: int, ca
     return ok
 
 
+def _augment(x: Tensor, col: float, dtype: torch.dtype) -> Tensor:
+    """(N, L, E) → (N, L, E + 1) in ``dtype`` with a last column ``col``: ``[x, col]``."""
+    out = torch.empty(x.shape[0], x.shape[1], x.shape[2] + 1, dtype=dtype, device=x.device)  # (N, L, E+1)
+    out[..., :-1].copy_(x)
+    out[..., -1] = col
+    return out
+
+
 class _Problem:
-    """The trusted arguments of one call, and how to read one block of scores from them."""
+    """The trusted arguments of one call, and how to read one block of scores from them.
+
+    A trick used by both passes: a per-row shift ``t_i`` is folded into the score matmul by giving
+    the queries one more column ``t_i`` and the keys one more column of ones, so that
+    ``[q_i, t_i] · [k_j, 1] = q_i · k_j + t_i`` comes out of the matmul already shifted — one pass
+    over the score block fewer."""
 
     def __init__(
         self,
@@ -165,31 +191,32 @@ class _Problem:
         self.mask, self.bias, self.causal, self.window = mask, bias, causal, window
         self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
-        # Rows whose max may be −inf (a blocked pair, or a −inf bias) need the safe-max guard.
-        self.may_block = mask is not None or bias is not None or causal or window is not None
 
-    def chunks(self, rows: int) -> list[_Chunk]:
-        return _chunks(self.B, self.Hkv, self.G, self.G * rows * _SIZES["cols"])
+    def chunks(self, per_pair: int) -> list[_Chunk]:
+        return _chunks(self.B, self.Hkv, self.G, per_pair * self.Lk)
 
     def row_blocks(self) -> Iterator[tuple[int, int]]:
         step = _SIZES["rows"]
         for i0 in range(0, self.Lq, step):
             yield i0, min(self.Lq, i0 + step)
 
-    def col_blocks(self, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
+    def col_blocks(self, c: _Chunk, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
         lo, hi = _key_range(rows, self.Lq, self.Lk, self.causal, self.window)
-        step = _SIZES["cols"]
+        step = _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * (rows[1] - rows[0])))
         for j0 in range(lo, hi, step):
             yield j0, min(hi, j0 + step)
 
     def scaled_q(self, c: _Chunk, rows: tuple[int, int]) -> Tensor:
-        """q · scale · log2 e for the block's rows, (N, G·r, D), in the accumulator dtype."""
-        return torch.mul(c.rows(self.q, rows).to(self.acc), self.scale2)
+        """``[q · scale · log2 e, 0]`` for the block's rows, (N, G·r, D + 1), accumulator dtype;
+        the last column holds the row's shift."""
+        qa = _augment(c.rows(self.q, rows), 0.0, self.acc)  # (N, G·r, D+1)
+        qa[..., :-1].mul_(self.scale2)
+        return qa
 
-    def scores(self, c: _Chunk, qb: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-        """s₂ = (scale · q kᵀ + bias) · log2 e for one block, blocked pairs −inf: (N, G·r, c)."""
-        kb = c.kv(self.k, cols).to(self.acc)  # (N, c, D)
-        s = torch.bmm(qb, kb.transpose(1, 2))  # (N, G·r, c)
+    def scores(self, c: _Chunk, qa: Tensor, ka: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+        """``s₂ + t = (scale · q kᵀ + bias) · log2 e + t`` for one block, blocked pairs −inf:
+        (N, G·r, c), from the augmented ``qa`` (N, G·r, D+1) and the chunk's ``ka`` (N, Lk, D+1)."""
+        s = torch.bmm(qa, ka[:, cols[0] : cols[1]].transpose(1, 2))  # (N, G·r, c)
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         s4 = s.view(c.b1 - c.b0, -1, r, nc)  # (nb, nh·G, r, c): one query head per slice of dim 1
         if self.bias is not None:
@@ -244,42 +271,62 @@ def forward(
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=q.device)
-    for c in pb.chunks(_SIZES["rows"]):
+    for c in pb.chunks(pb.D + 1 + (pb.Dv if v.dtype != pb.acc else 0)):
+        ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
+        vc = c.kv(v).to(pb.acc)  # (N, Lk, Dv)
         for rows in pb.row_blocks():
-            o_blk, lse_blk = _forward_rows(pb, c, rows)
+            o_blk, lse_blk = _forward_rows(pb, c, rows, ka, vc)
             c.put(out, rows, o_blk)
             c.put(lse, rows, lse_blk)
     return out, lse
 
 
-def _forward_rows(pb: _Problem, c: _Chunk, rows: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    """One block of query rows against every key block it can see: (N, G·r, Dv) and (N, G·r)."""
-    n_rows = pb.G * (rows[1] - rows[0])
-    qb = pb.scaled_q(c, rows)  # (N, G·r, D)
-    m = torch.full((c.n, n_rows, 1), NEG_INF, dtype=pb.acc, device=qb.device)  # running max (base 2)
-    l = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qb.device)  # running sum
-    acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qb.device)  # unnormalised output
-    first = True
-    for cols in pb.col_blocks(rows):
+def _forward_rows(
+    pb: _Problem, c: _Chunk, rows: tuple[int, int], ka: Tensor, vc: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One block of query rows against every key block it can see: (N, G·r, Dv) and (N, G·r).
+
+    The running max of MATH.md is kept lazily as a reference ``m`` per row (base 2): the scores
+    come out of the matmul already shifted by −m (``qa``'s last column), and a block whose
+    ``exp2(s - m)`` stays moderate (its row sums below ``_LIMIT``) is accumulated as it is — p may
+    exceed 1 there, which changes nothing in ``acc / l``. Only the first block of a row, or a block
+    whose scores grew far beyond m, takes the rebase step of the textbook online softmax:
+    ``shift = max_j (s_ij - m)``, ``p = exp2(s - m - shift)``, ``alpha = exp2(-shift)``,
+    ``l = alpha·l + Σ p``, ``acc = alpha·acc + p·v``, ``m += shift``."""
+    qa = pb.scaled_q(c, rows)  # [q · scale · log2 e, −m]: (N, G·r, D+1)
+    n_rows = qa.shape[1]
+    m = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qa.device)  # reference max (base 2)
+    l = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qa.device)  # running sum
+    acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qa.device)  # unnormalised output
+    started = False  # every row has a kept key in l (so the fast path cannot underflow a new row)
+    for cols in pb.col_blocks(c, rows):
         COUNTS["forward"] += 1
-        s = pb.scores(c, qb, rows, cols)  # (N, G·r, c), base 2
-        # m_new = max(m, max_j s_ij); a row that has seen only blocked keys keeps m = −inf, and
-        # exp2 sees the safe 0 instead (never −inf − (−inf)).
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (N, G·r, 1)
-        m_safe = torch.where(m_new == NEG_INF, 0.0, m_new) if pb.may_block else m_new
-        p = s.sub_(m_safe).exp2_()  # p_ij = exp2(s_ij - m_new), in place
-        if first:
-            l = p.sum(dim=-1, keepdim=True)
-        else:
-            alpha = torch.exp2(m - m_safe)  # rescales what was accumulated so far
+        s = pb.scores(c, qa, ka, rows, cols)  # s₂ - m: (N, G·r, c), base 2
+        fast = False
+        if started:
+            p = s.exp2_()  # p_ij = exp2(s_ij - m_i), in place
+            l_blk = p.sum(dim=-1, keepdim=True)  # (N, G·r, 1)
+            fast = bool((l_blk < _LIMIT).all())  # also False for NaN
+            if fast:
+                l.add_(l_blk)
+            else:
+                s = pb.scores(c, qa, ka, rows, cols)  # overflowed: compute it again and rebase
+        if not fast:
+            COUNTS["rebase"] += 1
+            # shift = max_j (s_ij - m_i): never below 0 for a row that has mass (so acc cannot
+            # overflow), and 0 where the block is fully blocked (never exp2(−inf − (−inf))).
+            blk_max = s.amax(dim=-1, keepdim=True)  # (N, G·r, 1)
+            shift = torch.where(l > 0, blk_max.clamp_min(0.0), torch.where(blk_max == NEG_INF, 0.0, blk_max))
+            p = s.sub_(shift).exp2_()  # p_ij = exp2(s_ij - m_i - shift_i)
+            alpha = torch.exp2(-shift)  # rescales what was accumulated so far
             l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             acc.mul_(alpha)
+            m.add_(shift)
+            qa[..., -1:].sub_(shift)  # the matmul now shifts by the new −m
+            started = bool((l > 0).all())
         if pb.dropout_p > 0.0:
             p = p * pb.dropout_scale(c, rows, cols)  # the normaliser l keeps every entry
-        vb = c.kv(pb.v, cols).to(pb.acc)  # (N, c, Dv)
-        acc.baddbmm_(p, vb)  # acc += p · v
-        m = m_new
-        first = False
+        acc.baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc += p · v
     # O = acc / l and lse = (m + log2 l) · ln 2; rows with l = 0 saw no key: 0 and −inf.
     out = acc.div_(torch.where(l > 0, l, 1.0))
     lse = torch.where(l > 0, (m + torch.log2(l)) * LN2, NEG_INF).squeeze(-1)  # (N, G·r)
@@ -310,11 +357,12 @@ def backward(
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
     dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
-    want_dbias = bias is not None and bias_grad
-    dbias = torch.zeros(bias.shape, dtype=pb.acc, device=q.device) if want_dbias and bias is not None else None
-    for c in pb.chunks(_SIZES["rows"]):
+    dbias = torch.zeros(bias.shape, dtype=pb.acc, device=q.device) if bias is not None and bias_grad else None
+    for c in pb.chunks(pb.D + pb.Dv + 2):
+        ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
+        va = _augment(c.kv(v), 1.0, pb.acc)  # [v, 1]: (N, Lk, Dv+1)
         for rows in pb.row_blocks():
-            dq_blk = _backward_rows(pb, c, rows, dout, out, lse, dk, dv, dbias)
+            dq_blk = _backward_rows(pb, c, rows, ka, va, dout, out, lse, dk, dv, dbias)
             c.put(dq, rows, dq_blk)
     dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
@@ -325,6 +373,8 @@ def _backward_rows(
     pb: _Problem,
     c: _Chunk,
     rows: tuple[int, int],
+    ka: Tensor,
+    va: Tensor,
     dout: Tensor,
     out: Tensor,
     lse: Tensor,
@@ -332,32 +382,33 @@ def _backward_rows(
     dv: Tensor,
     dbias: Tensor | None,
 ) -> Tensor:
-    """Gradients from one block of query rows: returns dq (N, G·r, D); adds into dk, dv, dbias."""
-    qb = pb.scaled_q(c, rows)  # (N, G·r, D)
-    dob = c.rows(dout, rows).to(pb.acc)  # (N, G·r, Dv)
-    ob = c.rows(out, rows).to(pb.acc)  # (N, G·r, Dv)
-    d_i = (dob * ob).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id · O_id, (N, G·r, 1)
+    """Gradients from one block of query rows: returns dq (N, G·r, D); adds into dk, dv, dbias.
+    Both shifts come out of the matmuls (see ``_Problem``): ``[q, −lse₂]·[k, 1] = s₂ − lse₂`` and
+    ``[dO, −D]·[v, 1] = dp − D``."""
+    D = pb.D
+    qa = pb.scaled_q(c, rows)  # (N, G·r, D+1)
     lse2 = c.rows(lse.unsqueeze(-1), rows) * LOG2E  # (N, G·r, 1), base 2
-    lse2 = torch.where(lse2 == NEG_INF, float("inf"), lse2)  # blocked rows: p = exp2(s - inf) = 0
-    dq_acc = torch.zeros((c.n, qb.shape[1], pb.D), dtype=pb.acc, device=qb.device)
-    for cols in pb.col_blocks(rows):
+    qa[..., -1:] = torch.where(lse2 == NEG_INF, 0.0, -lse2)  # a blocked row's scores are all −inf anyway
+    doa = _augment(c.rows(dout, rows), 0.0, pb.acc)  # [dO, −D]: (N, G·r, Dv+1)
+    d_i = (doa[..., :-1] * c.rows(out, rows).to(pb.acc)).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id O_id
+    drop = pb.dropout_p > 0.0
+    if not drop:
+        doa[..., -1:] = -d_i
+    dq_acc = torch.zeros((c.n, qa.shape[1], D), dtype=pb.acc, device=qa.device)
+    for cols in pb.col_blocks(c, rows):
         COUNTS["backward"] += 1
-        s = pb.scores(c, qb, rows, cols)  # (N, G·r, c), base 2
-        p = s.sub_(lse2).exp2_()  # p_ij = exp(s_ij - lse_i), recomputed
-        kb = c.kv(pb.k, cols).to(pb.acc)  # (N, c, D)
-        vb = c.kv(pb.v, cols).to(pb.acc)  # (N, c, Dv)
-        dk_blk = c.kv(dk, cols)  # (N, c, D), a view into dk
-        dv_blk = c.kv(dv, cols)  # (N, c, Dv), a view into dv
-        dp = torch.bmm(dob, vb.transpose(1, 2))  # dp_ij = dO_i · v_j, (N, G·r, c)
-        if pb.dropout_p > 0.0:
+        j0, j1 = cols
+        p = pb.scores(c, qa, ka, rows, cols).exp2_()  # p_ij = exp(s_ij - lse_i), (N, G·r, c)
+        dp = torch.bmm(doa, va[:, j0:j1].transpose(1, 2))  # dp_ij - D_i = dO_i · v_j - D_i
+        if drop:
             z = pb.dropout_scale(c, rows, cols)  # Z / (1 - p)
-            dv_blk.baddbmm_((p * z).transpose(1, 2), dob)  # dV_j += Σ_i p̃_ij dO_i
-            dp.mul_(z)
+            c.kv(dv, cols).baddbmm_((p * z).transpose(1, 2), doa[..., :-1])  # dV_j += Σ_i p̃_ij dO_i
+            dp.mul_(z).sub_(d_i)  # Z∘dp/(1-p) - D_i
         else:
-            dv_blk.baddbmm_(p.transpose(1, 2), dob)  # dV_j += Σ_i p_ij dO_i
-        ds = dp.sub_(d_i).mul_(p)  # ds_ij = p_ij (dp_ij - D_i), gradient of the natural-log score
-        dq_acc.baddbmm_(ds, kb)  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
-        dk_blk.baddbmm_(ds.transpose(1, 2), qb)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
+            c.kv(dv, cols).baddbmm_(p.transpose(1, 2), doa[..., :-1])  # dV_j += Σ_i p_ij dO_i
+        ds = dp.mul_(p)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
+        dq_acc.baddbmm_(ds, ka[:, j0:j1, :D])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
+        c.kv(dk, cols).baddbmm_(ds.transpose(1, 2), qa[..., :D])  # dK_j += Σ_i ds_ij q_i · scale · log2 e
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds)
     return dq_acc.mul_(pb.scale2 * LN2)  # scale2 · ln 2 = scale
