@@ -80,31 +80,32 @@ def unsupported_device_reason(device: torch.device) -> str | None:
 # Launch helpers
 
 
+# Launch settings on CUDA per kernel and head-dim class (16-bit inputs, then float32 inputs whose
+# tiles take twice the registers and shared memory). Chosen for Hopper by compiling for sm_90
+# without a GPU (triton 3.6): fwd and dq use no local memory; dkdv still spills a little (≤ 128 bytes
+# per thread at D ≤ 128). Not yet timed on a GPU.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); set TILES[...] to override.
+TILES: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
+    ("fwd", 64, False): (128, 128, 8, 3), ("fwd", 128, False): (128, 64, 8, 3), ("fwd", 256, False): (64, 32, 8, 2),
+    ("fwd", 64, True): (64, 64, 4, 2), ("fwd", 128, True): (64, 32, 4, 2), ("fwd", 256, True): (32, 32, 4, 1),
+    ("dkdv", 64, False): (64, 64, 8, 3), ("dkdv", 128, False): (32, 64, 8, 2), ("dkdv", 256, False): (16, 32, 8, 2),
+    ("dkdv", 64, True): (16, 64, 4, 2), ("dkdv", 128, True): (16, 32, 8, 2), ("dkdv", 256, True): (16, 16, 8, 1),
+    ("dq", 64, False): (128, 32, 4, 3), ("dq", 128, False): (64, 32, 8, 3), ("dq", 256, False): (32, 16, 8, 2),
+    ("dq", 64, True): (32, 32, 4, 2), ("dq", 128, True): (32, 16, 8, 2), ("dq", 256, True): (16, 16, 8, 1),
+    ("decode", 64, False): (0, 128, 4, 3), ("decode", 128, False): (0, 64, 4, 3), ("decode", 256, False): (0, 32, 4, 2),
+    ("decode", 64, True): (0, 64, 4, 2), ("decode", 128, True): (0, 32, 4, 2), ("decode", 256, True): (0, 16, 4, 2),
+}
+
+
 def _blocks(kind: str, D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    """Tile sizes and launch settings (chosen for Hopper; tiny tiles under the interpreter so tests
-    cross many block boundaries)."""
+    """Tile sizes and launch settings for ``kind`` in fwd / dkdv / dq / decode (tiny tiles under the
+    interpreter, so that tests cross many block boundaries)."""
     BD, BDV = fwd_k.next_pow2(D), fwd_k.next_pow2(Dv)
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": BD, "BLOCK_DV": BDV}
-    wide = max(BD, BDV)
-    small = dtype == torch.float32 or wide > 128  # fp32 tiles and D = 256 need half the keys per step
-    if kind == "fwd":
-        cfg = {"BLOCK_M": 128, "BLOCK_N": 64 if wide >= 128 or small else 128, "num_warps": 8 if wide >= 128 else 4,
-               "num_stages": 3}
-        if small:
-            cfg.update(BLOCK_M=64, BLOCK_N=32 if wide > 128 else 64, num_warps=4, num_stages=2)
-    elif kind == "dkdv":
-        cfg = {"BLOCK_M": 32, "BLOCK_N": 64 if wide >= 128 else 128, "num_warps": 4, "num_stages": 3}
-        if small:
-            cfg.update(BLOCK_M=16, BLOCK_N=64 if wide <= 128 else 32, num_stages=2)
-    elif kind == "dq":
-        cfg = {"BLOCK_M": 64 if wide >= 128 else 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
-        if small:
-            cfg.update(BLOCK_M=32, BLOCK_N=32 if wide <= 128 else 16, num_stages=2)
-    else:  # decode: memory-bound, long key blocks
-        cfg = {"BLOCK_N": 64 if small else 128, "num_warps": 4, "num_stages": 3}
-    cfg.update(BLOCK_D=BD, BLOCK_DV=BDV)
-    return cfg
+    wide = max(64, BD, BDV)
+    bm, bn, warps, stages = TILES[(kind, wide, dtype == torch.float32)]
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "BLOCK_D": BD, "BLOCK_DV": BDV}
 
 
 def _precision(dtype: torch.dtype) -> str:
