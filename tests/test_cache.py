@@ -295,3 +295,24 @@ def test_error_inside_attention_rolls_the_append_back(monkeypatch: pytest.Monkey
     with pytest.raises(RuntimeError, match="simulated"):
         m(torch.randn(1, 2, 32), cache=cache)
     assert len(cache) == 3 and torch.equal(cache.keys(), stored)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_low_precision_decode_within_the_tolerance_rule(dtype: torch.dtype) -> None:
+    """In float16/bfloat16, decoding step by step is as close to the float64 golden as one causal
+    pass in the same dtype is (2× its error plus a floor): the cache adds no error of its own."""
+    m64 = az.MultiHeadAttention(64, 4, 0.0, num_kv_heads=2, rope=True).double()
+    m_low = az.MultiHeadAttention(64, 4, 0.0, num_kv_heads=2, rope=True)
+    m_low.load_state_dict(m64.state_dict())
+    m_low = m_low.to(dtype)
+    m64.load_state_dict({k: v.to(dtype).double() for k, v in m_low.state_dict().items()})  # same rounded weights
+    x = torch.randn(2, 40, 64).to(dtype)
+    with torch.no_grad():
+        golden = m64(x.double(), causal=True)
+        full = m_low(x, causal=True)
+        cache = az.KVCache(2, 40, 2, 16, dtype=dtype)
+        got = decode_in_pieces(m_low, x, [9] + [1] * 31, cache)
+    assert got.dtype == dtype and not torch.isnan(got).any()
+    err = float((got.double() - golden).abs().max())
+    ref_err = float((full.double() - golden).abs().max())
+    assert err <= 2 * ref_err + 2 * torch.finfo(dtype).eps, (err, ref_err)
