@@ -68,14 +68,15 @@ class Mask:
         device: torch.device | str | None = None,
     ) -> Tensor:
         """Evaluate query rows ``[r0, r1)`` × key columns ``[c0, c1)``: bool, broadcastable to
-        (B, H, r1 - r0, c1 - c0)."""
+        (B, H, r1 - r0, c1 - c0). A dim of size 1 in ``self.shape`` broadcasts: it is evaluated at
+        index 0 only, whatever the range asked for."""
         B, H, Lq, Lk = self.shape
-        r0, r1 = rows if rows is not None else (0, Lq)
-        c0, c1 = cols if cols is not None else (0, Lk)
+        r0, r1 = rows if rows is not None and Lq > 1 else (0, Lq)
+        c0, c1 = cols if cols is not None and Lk > 1 else (0, Lk)
         b = torch.arange(B, device=device).view(B, 1, 1, 1)
         h = torch.arange(H, device=device).view(1, H, 1, 1)
-        q_idx = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
-        kv_idx = torch.arange(c0, c1, device=device).view(1, 1, 1, -1)
+        q_idx = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)  # (1, 1, r, 1)
+        kv_idx = torch.arange(c0, c1, device=device).view(1, 1, 1, -1)  # (1, 1, 1, c)
         return self.keep(b, h, q_idx, kv_idx)
 
     def to_tensor(self, device: torch.device | str | None = None) -> Tensor:
