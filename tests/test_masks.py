@@ -292,6 +292,17 @@ def test_block_equals_slice_of_dense(make: object) -> None:
         assert torch.equal(blk.expand(want.shape), want), (rows, cols)
 
 
+def test_block_of_a_broadcast_dim_is_evaluated_at_index_0() -> None:
+    """A Mask of query length 1 applies its one row to every query (and likewise for keys)."""
+    row = az.masks.causal(1, 6, align="top_left")  # keeps key 0 only
+    assert torch.equal(row.block((2, 5), (0, 6)), row.to_tensor())
+    col = az.masks.from_tensor(torch.tensor([[True], [False], [True]]))  # (3, 1): per-query
+    assert torch.equal(col.block((1, 3), (4, 9))[0, 0, :, 0], torch.tensor([False, True]))
+    q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8)
+    w = az.attention_weights(q, k, mask=row)
+    assert torch.equal(w[..., 0], torch.ones(1, 1, 4)) and not w[..., 1:].any()
+
+
 def test_keep_block_combines_mask_causal_and_window() -> None:
     Lq, Lk = 11, 16
     dense_mask = torch.rand(2, 1, Lq, Lk) < 0.6

@@ -176,6 +176,9 @@ KINDS: dict[str, Kind] = {
         lambda a, b: az.masks.or_(az.masks.window(a, b, 1, 1), az.masks.causal(a, b, align="top_left")),
         lambda i, j, a, b: ((j - (i + b - a)).abs() <= 1) | (j <= i),
     ),
+    "masks_broadcast_row": _builder(  # a (1, Lk) Mask broadcasts over the queries
+        lambda a, b: az.masks.causal(1, b, align="top_left"), lambda i, j, a, b: (j <= 0) & (i >= 0)
+    ),
     "masks_not_causal": _builder(lambda a, b: ~az.masks.causal(a, b), lambda i, j, a, b: j > i + b - a),
     "causal": _flags(causal=True),
     "window_both": _flags(window=(3, 2)),
@@ -325,9 +328,9 @@ def test_noncontiguous_inputs(backend: str, dtype: torch.dtype, layout: str) -> 
 )
 def test_gradcheck(backend: str, kwargs: dict[str, Any]) -> None:
     """q, k, v and bias, GQA, a mask with one fully blocked row, Lq != Lk, Dv != D."""
-    q, k, v = (t.requires_grad_() for t in qkv(1, 4, 2, 5, 7, 6, 3))
-    bias = torch.randn(1, 4, 5, 7, dtype=torch.float64, requires_grad=True)
-    m = random_keep(1, 1, 5, 7, p_keep=0.8)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 4, 5, 3, 2))
+    bias = torch.randn(1, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    m = random_keep(1, 1, 4, 5, p_keep=0.8)
     m[..., 1, :] = False  # fully blocked row
 
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
