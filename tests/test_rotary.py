@@ -241,7 +241,7 @@ def test_module_rope_bad_arguments() -> None:
         az.MultiHeadAttention(32, 4, rope=az.RotaryEmbedding(16))
     with pytest.raises(TypeError, match="rope: expected a bool or an attnzero RotaryEmbedding, got str"):
         az.MultiHeadAttention(32, 4, rope="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="head_dim: expected a positive even int, got 5"):
+    with pytest.raises(ValueError, match=r"rope: expected an even head dim \(d_model // num_heads\) .* got 5"):
         az.MultiHeadAttention(20, 4, rope=True)  # d_k = 5 cannot be rotated in pairs
 
 

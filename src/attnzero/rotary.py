@@ -142,6 +142,8 @@ def resolve(rope: Any, head_dim: int) -> RotaryEmbedding | None:
     if rope is None or rope is False:
         return None
     if rope is True:
+        if head_dim % 2:
+            raise ValueError(f"rope: expected an even head dim (d_model // num_heads) to rotate pairs, got {head_dim}")
         return RotaryEmbedding(head_dim)
     if not isinstance(rope, RotaryEmbedding):
         raise TypeError(f"rope: expected a bool or an attnzero RotaryEmbedding, got {type(rope).__name__}")
