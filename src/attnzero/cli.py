@@ -251,12 +251,75 @@ def _check(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------- bench
+QUICK_LENGTHS = (512, 1024, 2048, 4096)
+FULL_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    """Run the benchmark core (``attnzero.bench``) with a progress bar; print a table, write
+    bench.json and bench.png under ``--out``."""
     if importlib.util.find_spec("attnzero.bench") is None:
-        print("attnzero bench: the benchmark core (attnzero.bench) is not part of this build yet.", file=sys.stderr)
+        print("attnzero bench: the benchmark core (attnzero.bench) is not part of this build.", file=sys.stderr)
         return 2
-    print("attnzero bench: not wired yet", file=sys.stderr)
-    return 2
+    if not _need("bench", ("matplotlib", "rich")):
+        return 2
+    import json
+    from dataclasses import asdict
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import bench, viz
+
+    impls = list(args.impls or bench.IMPLS)
+    unknown = [i for i in impls if i not in bench.IMPLS]
+    if unknown:
+        print(f"attnzero bench: --impls: expected some of {', '.join(bench.IMPLS)}, got {', '.join(unknown)}",
+              file=sys.stderr)
+        return 2
+    lengths = list(args.lengths or (FULL_LENGTHS if args.full else QUICK_LENGTHS))
+    modes = [False] if args.fwd_only else [False, True]
+    masks_ = [True] if args.causal_only else [False, True]
+    repeats = args.repeats or (5 if args.full else 3)
+    console = Console(width=max(Console().width, 110))
+    info = bench.machine()
+    console.print(f"{info['cpu']}, {info['cores']}, torch {info['torch']}")
+    total = len(lengths) * len(modes) * len(masks_) * len(impls)
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        task = progress.add_task("timing", total=total)
+
+        def log(line: str) -> None:
+            progress.update(task, advance=1, description=" ".join(line.split()[:4]))
+
+        rows = bench.sweep(lengths, impls, modes=modes, masks=masks_, repeats=repeats,
+                           memory=args.full and not args.no_memory, log=log)
+        progress.update(task, completed=total, description="done")
+
+    table = Table(title="attention: time per call (median of the repeats), throughput, memory", header_style="bold")
+    for name, justify in (("L", "right"), ("pass", "left"), ("mask", "left"), ("impl", "left"), ("ms", "right"),
+                          ("GFLOP/s", "right"), ("× torch", "right"), ("peak extra MB", "right"), ("note", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(
+            str(r.L), r.mode, r.mask, r.impl,
+            "–" if r.seconds is None else f"{r.seconds * 1e3:.1f}",
+            "–" if r.gflops is None else f"{r.gflops:.1f}",
+            "" if r.vs_torch is None else f"{r.vs_torch:.2f}",
+            "" if r.peak_mb is None else f"{r.peak_mb:.0f}",
+            r.note,
+        )
+    console.print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps({"machine": info, "rows": [asdict(r) for r in rows]}, indent=1))
+    viz.save_bench_png(rows, out / "bench.png")
+    console.print("× torch = torch's time / ours (above 1: faster than torch).")
+    console.print(f"Files:\n  {(out / 'bench.json').resolve()}\n  {(out / 'bench.png').resolve()}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,8 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("tour", help="a short walk-through of attnzero itself")
     check = sub.add_parser("check", help="run every backend available here against the reference")
     check.add_argument("--quick", action="store_true", help="one shape per dtype")
-    bench = sub.add_parser("bench", help="benchmark the backends (table, JSON and PNG)")
-    bench.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png")
+    bench = sub.add_parser("bench", help="time the backends against torch's SDPA and the naive formula (table, "
+                           "JSON, PNG)")
+    bench.add_argument("--full", action="store_true", help="L = 512 … 16384, 5 repeats, peak memory too (slow)")
+    bench.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 512 … 4096)")
+    bench.add_argument("--impls", nargs="+", help="implementations (default: all of attnzero.bench.IMPLS)")
+    bench.add_argument("--repeats", type=int, help="timed repeats per case; the median is reported")
+    bench.add_argument("--fwd-only", action="store_true", help="forward only")
+    bench.add_argument("--causal-only", action="store_true", help="causal only")
+    bench.add_argument("--no-memory", action="store_true", help="with --full: skip the memory measurements")
+    bench.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png (default: out/bench)")
     return parser
 
 

@@ -375,3 +375,49 @@ weights. Weights computed by attnzero inside the model.</p>
 </body>
 </html>
 """
+
+
+def save_bench_png(rows: Sequence[object], path: str | Path) -> Path:
+    """Time against sequence length (log-log), one panel per pass (fwd, fwd+bwd) × mask (full,
+    causal), one line per implementation; plus the extra peak memory where it was measured.
+    ``rows`` are ``attnzero.bench.Row`` records (impl, L, mode, mask, seconds, peak_mb)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [vars(r) if not isinstance(r, dict) else r for r in rows]
+    panels = sorted({(r["mode"], r["mask"]) for r in recs}, key=lambda p: (p[0] != "fwd", p[1] != "full"))
+    with_memory = any(r.get("peak_mb") for r in recs)
+    n = len(panels) + (1 if with_memory else 0)
+    fig, axes = plt.subplots(1, max(n, 1), figsize=(4.4 * max(n, 1), 3.8), squeeze=False, constrained_layout=True)
+    impls = sorted({r["impl"] for r in recs})
+    lengths = sorted({r["L"] for r in recs})
+    for ax, (mode, mask) in zip(axes[0], panels):
+        for impl in impls:
+            pts = sorted((r["L"], r["seconds"]) for r in recs
+                         if r["impl"] == impl and r["mode"] == mode and r["mask"] == mask and r["seconds"])
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=impl)
+        ax.set(xscale="log", yscale="log", xlabel="sequence length L", ylabel="ms per call", title=f"{mode}, {mask}")
+        ax.set_xticks(lengths, [str(L) for L in lengths], minor=False)
+        ax.set_xticks([], minor=True)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    if with_memory:
+        ax = axes[0][-1]
+        for impl in impls:
+            for mode, style in (("fwd", "-"), ("fwd+bwd", "--")):
+                pts = sorted((r["L"], r["peak_mb"]) for r in recs if r["impl"] == impl and r["mode"] == mode
+                             and r.get("peak_mb"))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=f"{impl} {mode}")
+        ax.set(xscale="log", yscale="log", xlabel="sequence length L", ylabel="MB", title="extra peak memory")
+        ax.set_xticks(lengths, [str(L) for L in lengths], minor=False)
+        ax.set_xticks([], minor=True)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
