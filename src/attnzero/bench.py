@@ -1,0 +1,257 @@
+"""Benchmark core: time and peak memory of attention implementations, side by side.
+
+Used by ``benchmarks/bench.py`` (and meant for an ``attnzero bench`` command). Implementations:
+our backends (``flash``, ``reference``), torch's fused ``scaled_dot_product_attention``
+(``torch``), and ``naive`` — the seeds' formula, ``softmax(masked_fill(Q Kᵀ / √d)) V``.
+
+* Time: every implementation of one case runs in the same loop, interleaved (ours, torch, ours,
+  torch, …), so that load from elsewhere on the machine hits all of them alike; the median of the
+  repeats is reported, and the ratio to torch is taken from those medians.
+* FLOPs (MATH.md): forward ``4·B·H·Lq·Lk·D`` (Dv = D), ×0.5 when causal, ×3.5 forward+backward.
+* Memory: the extra peak resident memory of one call beyond its inputs, measured in a fresh
+  subprocess (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs`` after a
+  warm-up), so nothing else in the process can hide or add to it. Linux only; None elsewhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .functional import attention
+
+IMPLS = ("flash", "reference", "torch", "naive")
+
+
+def naive(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """The seeds' formula, materialised in one go (what the issue calls the naive seed code)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, L, L)
+    if causal:
+        L = q.shape[-2]
+        keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(keep == 0, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v  # (B, H, L, Dv)
+
+
+def call(impl: str, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """One attention call of ``impl`` (a backend name, "torch" or "naive")."""
+    if impl == "torch":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if impl == "naive":
+        return naive(q, k, v, causal)
+    out = attention(q, k, v, causal=causal, backend=impl)  # type: ignore[arg-type]
+    assert isinstance(out, Tensor)
+    return out
+
+
+def flops(B: int, H: int, L: int, D: int, causal: bool, backward: bool) -> float:
+    """4·B·H·L·L·D, ×0.5 causal, ×3.5 forward+backward (MATH.md)."""
+    f = 4.0 * B * H * L * L * D
+    return f * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+
+
+def score_bytes(impl: str, B: int, H: int, L: int, backward: bool) -> int:
+    """The L×L float32 memory an implementation that materialises the scores needs (0 otherwise):
+    scores and probabilities, plus their gradients when training."""
+    if impl not in ("naive", "reference"):
+        return 0
+    return B * H * L * L * 4 * (4 if backward else 2)
+
+
+@dataclass
+class Case:
+    impl: str
+    L: int
+    causal: bool
+    backward: bool
+    B: int = 1
+    H: int = 8
+    D: int = 64
+    dtype: str = "float32"
+
+
+def _inputs(case: Case) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    dt = getattr(torch, case.dtype)
+    g = case.backward
+    q, k, v = (torch.randn(case.B, case.H, case.L, case.D, dtype=dt, requires_grad=g) for _ in range(3))
+    dout = torch.randn(case.B, case.H, case.L, case.D, dtype=dt) if g else None
+    return q, k, v, dout
+
+
+def runner(case: Case) -> Callable[[], None]:
+    """A no-argument function running the case once (forward, or forward + backward)."""
+    q, k, v, dout = _inputs(case)
+
+    def run() -> None:
+        if case.backward:
+            q.grad = k.grad = v.grad = None
+            call(case.impl, q, k, v, case.causal).backward(dout)
+        else:
+            with torch.no_grad():
+                call(case.impl, q, k, v, case.causal)
+
+    return run
+
+
+def time_interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, the runs interleaved repeat by repeat (one warm-up each)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    assert m is not None, f"{field} missing from /proc/self/status"
+    return int(m.group(1)) / 1024.0
+
+
+def extra_peak_mb(fn: Callable[[], Any], warmup: Callable[[], Any] | None = None) -> float:
+    """Peak resident memory during ``fn()`` above what was resident before it, in MB (Linux).
+    Call in a fresh process: the allocator of a long-lived one may hide reused memory."""
+    if warmup is not None:
+        warmup()  # load the kernels' code and the thread pool before measuring
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    before = _status_mb("VmRSS")
+    fn()
+    return _status_mb("VmHWM") - before
+
+
+def _child(spec: dict[str, Any]) -> float:
+    """Run in the subprocess: the extra peak of one case (inputs allocated before measuring)."""
+    torch.manual_seed(0)
+    case = Case(**spec)
+    small = Case(**{**spec, "L": 64})
+    return extra_peak_mb(runner(case), warmup=runner(small))
+
+
+def peak_memory_mb(case: Case, timeout: float = 600.0) -> float | None:
+    """Extra peak memory of one call of ``case``, measured in a fresh Python process; None when
+    /proc is not there (not Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w"):
+            pass
+    except OSError:
+        return None
+    code = "import json, sys; from attnzero.bench import _child; print(_child(json.loads(sys.argv[1])))"
+    res = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(asdict(case))],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"memory measurement of {case} failed:\n{res.stderr[-2000:]}")
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole sweep
+
+
+@dataclass
+class Row:
+    impl: str
+    L: int
+    mode: str  # "fwd" or "fwd+bwd"
+    mask: str  # "full" or "causal"
+    seconds: float | None
+    gflops: float | None
+    vs_torch: float | None  # our throughput / torch's, same run
+    peak_mb: float | None
+    note: str = ""
+
+
+def sweep(
+    lengths: Sequence[int],
+    impls: Sequence[str] = IMPLS,
+    *,
+    modes: Sequence[bool] = (False, True),
+    masks: Sequence[bool] = (False, True),
+    repeats: int = 5,
+    memory: bool = True,
+    max_bytes: float = 8e9,
+    B: int = 1,
+    H: int = 8,
+    D: int = 64,
+    log: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Time (and measure the memory of) every implementation over ``lengths`` × forward /
+    forward+backward × full / causal. Implementations that would need more than ``max_bytes`` for
+    the L×L scores are skipped with a note."""
+    rows: list[Row] = []
+    for L in lengths:
+        for backward in modes:
+            for causal in masks:
+                mode, mask = ("fwd+bwd" if backward else "fwd"), ("causal" if causal else "full")
+                todo, skipped = [], []
+                for impl in impls:
+                    need = score_bytes(impl, B, H, L, backward)
+                    (skipped if need > max_bytes else todo).append(impl)
+                runs = {impl: runner(Case(impl, L, causal, backward, B, H, D)) for impl in todo}
+                secs = time_interleaved(runs, repeats)
+                del runs
+                fl = flops(B, H, L, D, causal, backward)
+                for impl in impls:
+                    if impl in skipped:
+                        need = score_bytes(impl, B, H, L, backward) / 1e9
+                        rows.append(Row(impl, L, mode, mask, None, None, None, None, f"skipped: needs ~{need:.0f} GB"))
+                        continue
+                    s = secs[impl]
+                    ratio = secs["torch"] / s if "torch" in secs and impl != "torch" else None
+                    mem = peak_memory_mb(Case(impl, L, causal, backward, B, H, D)) if memory and not causal else None
+                    rows.append(Row(impl, L, mode, mask, s, fl / s / 1e9, ratio, mem))
+                    if log is not None:
+                        r = rows[-1]
+                        log(
+                            f"L={L:6d} {mode:7s} {mask:6s} {impl:9s} {s * 1e3:9.1f} ms {r.gflops:7.1f} GFLOP/s"
+                            + (f"  ×{ratio:.3f} of torch" if ratio is not None else "")
+                            + (f"  peak +{mem:.0f} MB" if mem is not None else "")
+                        )
+    return rows
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    model = "unknown"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        m = re.search(r"^Model name:\s+(.+)$", out, re.MULTILINE)
+        model = m.group(1).strip() if m else model
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
