@@ -1,0 +1,266 @@
+"""What is particular to the flash backend (the golden suite in test_reference.py covers every
+argument on it too): the plain forward/backward functions, block boundaries at awkward sizes with
+tiny forced blocks, skipped blocks, dropout equal to the reference's, float64 exactness, the lazy
+max rebase, and what backend="auto" picks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from conftest import qkv
+
+import attnzero as az
+from attnzero import flash, functional, reference
+
+F64 = torch.float64
+
+
+def ref_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, bias: torch.Tensor | None = None, **kw: Any
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+    """Reference (out, lse, [dq, dk, dv, dbias]) by autograd through reference.attention."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    b = None if bias is None else bias.detach().clone().requires_grad_(True)
+    out, lse = reference.attention(*leaves, bias=b, **kw)
+    wrt = [*leaves] + ([b] if b is not None else [])
+    gs = torch.autograd.grad(out, wrt, dout, allow_unused=True)
+    return out.detach(), lse.detach(), [*gs] + ([None] if b is None else [])
+
+
+def options(**kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "mask": None,
+        "causal": False,
+        "window": None,
+        "scale": 0.3,
+        "dropout_p": 0.0,
+        "dropout_seed": 0,
+    }
+    return {**base, **kw}
+
+
+def assert_close(a: torch.Tensor | None, b: torch.Tensor | None, tol: float = 1e-12, name: str = "") -> None:
+    assert a is not None and b is not None, name
+    assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+    assert not torch.isnan(a).any(), f"{name}: NaN"
+    same_inf = torch.isinf(b) & (a == b)
+    err = torch.where(same_inf, 0.0, (a - b).abs()).max().item()
+    assert err <= tol * max(1.0, b[torch.isfinite(b)].abs().max().item()), f"{name}: error {err:.2e}"
+
+
+# (B, Hq, Hkv, Lq, Lk, D, Dv) and forced (rows, cols, kv): blocks that do not divide the lengths,
+# a single row, more rows than keys and the other way round, GQA and MQA, chunks of one head.
+CASES = [
+    ((2, 4, 2, 37, 53, 16, 24), (8, 16, 300)),
+    ((1, 3, 1, 1, 29, 8, 8), (4, 5, 50)),
+    ((2, 2, 2, 41, 7, 8, 12), (16, 3, 10)),
+    ((1, 6, 3, 23, 23, 8, 8), (5, 7, 10_000)),
+]
+ARGS = [
+    {},
+    {"causal": True},
+    {"window": (5, 2)},
+    {"window": (None, 0), "causal": True},
+    {"window": (3, None)},
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0])))
+@pytest.mark.parametrize("args", ARGS, ids=lambda a: "-".join(a) or "full")
+def test_plain_functions_match_reference_with_tiny_blocks(case: Any, args: dict[str, Any]) -> None:
+    """flash.forward / flash.backward called directly, against autograd of the reference, float64."""
+    (B, Hq, Hkv, Lq, Lk, D, Dv), (rows, cols, kv) = case
+    q, k, v = qkv(B, Hq, Hkv, Lq, Lk, D, Dv)
+    bias = torch.randn(1, Hq, Lq, Lk, dtype=F64)
+    keep = torch.rand(B, 1, Lq, Lk) < 0.8
+    dout = torch.randn(B, Hq, Lq, Dv, dtype=F64)
+    kw = options(mask=keep, **args)
+    out_r, lse_r, g_r = ref_grads(q, k, v, dout, bias, **kw)
+    with flash.block_sizes(rows=rows, cols=cols, kv=kv):
+        out, lse = flash.forward(q, k, v, bias=bias, **kw)
+        grads = flash.backward(dout, q, k, v, out, lse, bias=bias, **kw)
+    assert_close(out, out_r, name="out")
+    assert_close(lse, lse_r, name="lse")
+    for name, g, want in zip(["dq", "dk", "dv", "dbias"], grads, g_r):
+        assert_close(g, want, tol=1e-11, name=name)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 1, 1, 19), (2, 1, 13, 1), (2, 4, 13, 19), (1, 4, 1, 1)])
+def test_bias_gradient_reduced_to_its_broadcast_shape(bias_shape: tuple[int, ...]) -> None:
+    q, k, v = qkv(2, 4, 2, 13, 19, 8)
+    bias = torch.randn(*bias_shape, dtype=F64)
+    dout = torch.randn(2, 4, 13, 8, dtype=F64)
+    _, _, g_r = ref_grads(q, k, v, dout, bias, **options(causal=True))
+    with flash.block_sizes(rows=4, cols=6, kv=40):
+        out, lse = flash.forward(q, k, v, bias=bias, **options(causal=True))
+        *_, dbias = flash.backward(dout, q, k, v, out, lse, bias=bias, **options(causal=True))
+    assert_close(dbias, g_r[3], tol=1e-11, name="dbias")
+    _, _, _, none = flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=True))
+    assert none is None
+
+
+def test_float64_exact_at_default_blocks() -> None:
+    """float64 keeps float64 everywhere (lse included): ~1e-12 of the reference at a size that
+    spans several default blocks."""
+    q, k, v = qkv(1, 2, 1, 700, 1100, 64)
+    dout = torch.randn(1, 2, 700, 64, dtype=F64)
+    out_r, lse_r, g_r = ref_grads(q, k, v, dout, **options(causal=True, scale=0.125))
+    out, lse = flash.forward(q, k, v, bias=None, **options(causal=True, scale=0.125))
+    assert lse.dtype == F64
+    dq, dk, dv, _ = flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=True, scale=0.125))
+    assert_close(out, out_r, name="out")
+    assert_close(lse, lse_r, name="lse")
+    for name, g, want in zip(["dq", "dk", "dv"], (dq, dk, dv), g_r):
+        assert_close(g, want, name=name)
+
+
+def test_causal_skips_the_blocks_above_the_diagonal() -> None:
+    """With 16 × 16 blocks over L = 128, full attention visits 8 × 8 blocks and causal only the
+    8 · 9 / 2 on or below the diagonal — forward and backward."""
+    q, k, v = qkv(1, 2, 2, 128, 128, 8)
+    dout = torch.randn(1, 2, 128, 8, dtype=F64)
+    visited = {}
+    with flash.block_sizes(rows=16, cols=16, kv=10**6):
+        for causal in (False, True):
+            for key in flash.COUNTS:
+                flash.COUNTS[key] = 0
+            out, lse = flash.forward(q, k, v, bias=None, **options(causal=causal))
+            flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=causal))
+            visited[causal] = dict(flash.COUNTS)
+    assert visited[False]["forward"] == visited[False]["backward"] == 64
+    assert visited[True]["forward"] == visited[True]["backward"] == 36
+
+
+def test_window_visits_only_the_band() -> None:
+    """A window (left 16, right 0) over L = 256 with 16-wide blocks: at most 3 key blocks per row
+    block (the diagonal one and the ones the window reaches back into)."""
+    q, k, v = qkv(1, 1, 1, 256, 256, 8)
+    flash.COUNTS["forward"] = 0
+    with flash.block_sizes(rows=16, cols=16, kv=10**6):
+        out, _ = flash.forward(q, k, v, bias=None, **options(window=(16, 0)))
+    assert flash.COUNTS["forward"] <= 3 * 16
+    want, _ = reference.attention(q, k, v, window=(16, 0), scale=0.3)
+    assert_close(out, want, name="out")
+
+
+def test_a_mask_object_is_evaluated_only_on_the_needed_blocks() -> None:
+    """A Mask is read per block, and never on a block that causal already rules out."""
+    Lq, Lk = 40, 64
+    seen: list[tuple[int, int, int, int]] = []
+    inner = az.masks.document(torch.arange(Lk) // 10, None)  # 10-token documents
+
+    def keep(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        seen.append((int(qi.min()), int(qi.max()), int(kv.min()), int(kv.max())))
+        return inner.keep(b, h, qi + (Lk - Lq), kv)
+
+    mask = az.Mask(keep, (1, 1, Lq, Lk), "recording")
+    q, k, v = qkv(1, 2, 2, Lq, Lk, 8)
+    with flash.block_sizes(rows=8, cols=8, kv=10**6):
+        out, _ = flash.forward(q, k, v, bias=None, **options(mask=mask, causal=True))
+    assert seen, "the mask was never evaluated"
+    for q0, q1, k0, k1 in seen:
+        assert q1 - q0 < 8 and k1 - k0 < 8, "evaluated on more than one block at a time"
+        assert k0 <= q1 + (Lk - Lq), f"evaluated on block rows {q0}..{q1} × keys {k0}..{k1} above the diagonal"
+    want, _ = reference.attention(q, k, v, mask=mask.to_tensor(), causal=True, scale=0.3)
+    assert_close(out, want, name="out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_dropout_drops_the_same_entries_as_the_reference(dtype: torch.dtype) -> None:
+    """Same seed → the same dropped entries as backend="reference", forward and backward, also
+    with GQA, causal, tiny blocks and chunks of single heads."""
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in qkv(2, 4, 2, 29, 35, 16, 8))
+    dout = torch.randn(2, 4, 29, 8, dtype=dtype)
+    res = {}
+    for backend in ("reference", "flash"):
+        torch.manual_seed(1234)
+        with flash.block_sizes(rows=8, cols=8, kv=100):
+            out = az.attention(q, k, v, causal=True, dropout_p=0.4, backend=backend)
+            assert isinstance(out, torch.Tensor)
+            res[backend] = (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+    tol = 1e-12 if dtype == F64 else 2e-5
+    for name, a, b in zip(["out", "dq", "dk", "dv"], res["flash"], res["reference"]):
+        assert_close(a, b, tol=tol, name=name)
+    # and dropout did drop: a different seed gives a different output
+    torch.manual_seed(99)
+    other = az.attention(q, k, v, causal=True, dropout_p=0.4, backend="flash")
+    assert isinstance(other, torch.Tensor)
+    assert not torch.allclose(other, res["flash"][0])
+
+
+def test_fully_blocked_rows_give_zero_and_zero_gradients() -> None:
+    """Rows with no key (left padding of a query block, causal with Lq > Lk, a −inf bias row):
+    output 0, lse −inf, zero gradients, never NaN — also when a block in the middle of a row is
+    all blocked (the lazy max must not be poisoned by it)."""
+    B, H, Lq, Lk = 1, 2, 24, 16
+    q, k, v = (t.requires_grad_(True) for t in qkv(B, H, H, Lq, Lk, 8))
+    keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+    keep[..., 3, :] = False  # one row blocked by the mask
+    keep[..., 12:20, 4:8] = False  # a block in the middle of some rows
+    bias = torch.zeros(1, 1, Lq, Lk, dtype=F64)
+    bias[..., 20, :] = float("-inf")  # one row blocked by the bias
+    with flash.block_sizes(rows=4, cols=4):
+        out, lse = az.attention(q, k, v, mask=keep, bias=bias, causal=True, backend="flash", return_lse=True)
+        out.sum().backward()
+    blocked = torch.zeros(Lq, dtype=torch.bool)
+    blocked[: Lq - Lk] = True  # causal, bottom-right: the first Lq - Lk rows see nothing
+    blocked[3] = blocked[20] = True
+    assert torch.equal(torch.isinf(lse[0, 0]), blocked)
+    assert (out[:, :, blocked] == 0).all() and not torch.isnan(out).any()
+    assert q.grad is not None and (q.grad[:, :, blocked] == 0).all() and not torch.isnan(q.grad).any()
+    want, want_lse = reference.attention(q.detach(), k.detach(), v.detach(), mask=keep, bias=bias, causal=True,
+                                         scale=8**-0.5)
+    assert_close(out.detach(), want, name="out")
+    assert_close(lse, want_lse, name="lse")
+
+
+def test_scores_growing_far_past_the_first_block_rebase_the_max() -> None:
+    """The lazy max: a later key block whose scores exceed the first block's by far (here ×1000 in
+    exp) must take the rebase step, and the result stays exact (no overflow, no lost mass)."""
+    q, k, v = qkv(1, 1, 1, 8, 64, 4)
+    q = q.abs()
+    k = k.abs()
+    k[..., 32:, :] *= 200.0  # scores of the second half are ~200× larger
+    flash.COUNTS["rebase"] = 0
+    with flash.block_sizes(rows=8, cols=16):
+        out, lse = flash.forward(q, k, v, bias=None, **options(scale=1.0))
+    assert flash.COUNTS["rebase"] >= 2  # the first block, and the jump at key 32
+    want, want_lse = reference.attention(q, k, v, scale=1.0)
+    assert_close(out, want, name="out")
+    assert_close(lse, want_lse, name="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_low_precision_keeps_float32_statistics(dtype: torch.dtype) -> None:
+    q, k, v = (t.to(dtype) for t in qkv(1, 2, 1, 50, 70, 16))
+    out, lse = flash.forward(q, k, v, bias=None, **options(causal=True))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    want, want_lse = reference.attention(*(t.double() for t in (q, k, v)), causal=True, scale=0.3)
+    ref_lp, _ = reference.attention(q, k, v, causal=True, scale=0.3)
+    err = (out.double() - want).abs().max().item()
+    assert err <= 2 * (ref_lp.double() - want).abs().max().item() + torch.finfo(dtype).eps
+    assert (lse.double() - want_lse).abs().max().item() < 1e-5
+
+
+def test_attention_entry_is_differentiable_and_lse_is_not() -> None:
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 2, 9, 9, 8))
+    out, lse = flash.attention(q, k, v, scale=0.3)
+    assert out.requires_grad and not lse.requires_grad
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flash.attention(a, b, c, causal=True, scale=0.3)[0], (q, k, v), fast_mode=True
+    )
+    with torch.no_grad():
+        out2, _ = flash.attention(q, k, v, scale=0.3)
+    assert out2.grad_fn is None and torch.equal(out2, out.detach())
+
+
+def test_auto_picks_reference_for_tiny_and_flash_otherwise(caplog: pytest.LogCaptureFixture) -> None:
+    tiny = torch.randn(1, 1, 8, 8)
+    big = torch.randn(1, 1, 512, 8)
+    with caplog.at_level(logging.DEBUG, logger="attnzero"):
+        assert functional._auto(tiny, tiny, False) == "reference"
+        assert functional._auto(big, big, True) == "flash"
+    assert "'flash'" in caplog.text and "'reference'" in caplog.text
