@@ -180,6 +180,16 @@ def _gpt2() -> transformers.PreTrainedModel:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def _mistral() -> transformers.PreTrainedModel:
+    """MQA (one key/value head) and a sliding window of 4 keys, shorter than the sequences."""
+    config = transformers.MistralConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64, sliding_window=4, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, initializer_range=0.2,
+    )
+    return transformers.MistralForCausalLM(config).eval()
+
+
 def _padded(side: str) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids and attention_mask (3, 9): sequences of 9, 6 and 3 tokens, padded on ``side``."""
     gen = torch.Generator().manual_seed(7)
@@ -193,7 +203,7 @@ def _padded(side: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(keep == 0, 0), keep
 
 
-MODELS = {"llama-gqa": _llama, "gpt2": _gpt2}
+MODELS = {"llama-gqa": _llama, "gpt2": _gpt2, "mistral-mqa-window": _mistral}
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -211,7 +221,10 @@ def test_decoder_logits_equal_sdpa(arch: str, side: str) -> None:
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("arch", "cache"), [("llama-gqa", "dynamic"), ("gpt2", "dynamic"), ("llama-gqa", "static")])
+@pytest.mark.parametrize(
+    ("arch", "cache"),
+    [("llama-gqa", "dynamic"), ("gpt2", "dynamic"), ("llama-gqa", "static"), ("mistral-mqa-window", "dynamic")],
+)
 @torch.no_grad()
 def test_decoder_greedy_generate_equals_sdpa_with_left_padding(arch: str, cache: str) -> None:
     """Prefill, then one query at a time against the growing cache (a static cache: against all
