@@ -81,7 +81,7 @@ def test_bad_arguments() -> None:
     [
         (2, 8, 8, 17, 17, 64, True),  # a power of two, causal
         (1, 6, 2, 1, 113, 40, True),  # GQA, non-power of two, one decode step
-        (2, 12, 4, 33, 70, 96, False),  # Lq < Lk, non-causal (symmetric |p - j|)
+        (1, 12, 4, 33, 70, 96, False),  # Lq < Lk, non-causal (symmetric |p - j|)
         (1, 5, 1, 113, 113, 8, True),  # MQA, 5 heads
     ],
 )

@@ -164,7 +164,7 @@ def decode_in_pieces(m: az.MultiHeadAttention, x: torch.Tensor, pieces: list[int
 
 @pytest.mark.parametrize(("Hq", "Hkv"), [(4, 4), (4, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
 @pytest.mark.parametrize("rope", ["none", "half", "interleaved"])
-@pytest.mark.parametrize("prefill", [1, 7, 16])
+@pytest.mark.parametrize("prefill", [1, 9])
 def test_prefill_then_decode_equals_one_causal_pass(Hq: int, Hkv: int, rope: str, prefill: int) -> None:
     d_model, B, L = 16 * Hq, 2, 23
     rot = {"none": False, "half": True, "interleaved": az.RotaryEmbedding(16, interleaved=True)}[rope]
