@@ -133,3 +133,24 @@ def test_demo_writes_pngs_and_a_self_contained_page(tmp_path: Path, capsys: pyte
     page = (out_dir / "attention.html").read_text(encoding="utf-8")
     assert "src=" not in page and "href=" not in page and "@import" not in page  # nothing loaded from anywhere
     assert '"animal"' in page and '"愛"' in page
+
+
+def test_bench_writes_a_table_json_and_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    need("matplotlib", "rich")
+    import json
+
+    assert importlib.util.find_spec("attnzero.bench") is not None, "the benchmark core is part of attnzero"
+    argv = ["bench", "--lengths", "32", "48", "--repeats", "1", "--fwd-only", "--impls", "flash", "torch",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "GFLOP/s" in printed and "flash" in printed and str((tmp_path / "bench.png").resolve()) in printed
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2  # lengths × (full, causal) × impls
+    assert {r["impl"] for r in rows} == {"flash", "torch"} and all(r["seconds"] > 0 for r in rows)
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_an_unknown_implementation(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--impls", "fastest"]) == 2
+    assert "--impls" in capsys.readouterr().err
