@@ -241,7 +241,17 @@ def _print_focus_table(console: Any, number: int, text: str, view: Any) -> None:
 def _check(args: argparse.Namespace) -> int:
     from . import selfcheck
 
-    rows = selfcheck.run(quick=args.quick)
+    total = selfcheck.steps(quick=args.quick)
+    if importlib.util.find_spec("rich") is not None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("[bold]{task.description:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+        with Progress(*columns, TimeElapsedColumn(), transient=True) as progress:
+            task = progress.add_task("checking", total=total)
+            rows = selfcheck.run(quick=args.quick, on_step=lambda d: progress.update(task, advance=1, description=d))
+    else:  # without the hf extra: a dot per step
+        rows = selfcheck.run(quick=args.quick, on_step=lambda d: print(".", end="", flush=True, file=sys.stderr))
+        print(file=sys.stderr)
     print(selfcheck.format_table(rows))
     failed = [r for r in rows if r.verdict == "FAIL"]
     ran = [r for r in rows if r.verdict in ("ok", "FAIL")]

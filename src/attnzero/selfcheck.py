@@ -179,16 +179,34 @@ def dtypes(device: torch.device) -> list[torch.dtype]:
     return [torch.float64, torch.float32, torch.bfloat16]
 
 
-def run(quick: bool = False, backends: tuple[str, ...] | None = None) -> list[Row]:
-    """Check every backend (default: all but "auto") on every device here; one Row per combination."""
+def steps(quick: bool = False, backends: tuple[str, ...] | None = None) -> int:
+    """How many (backend, device, dtype, case) runs :func:`run` will report to ``on_step``."""
+    names = backends if backends is not None else tuple(b for b in BACKENDS if b != "auto")
+    return len(names) * sum(len(dtypes(d)) for d in devices()) * (1 if quick else len(CASES))
+
+
+def run(
+    quick: bool = False,
+    backends: tuple[str, ...] | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Check every backend (default: all but "auto") on every device here; one Row per combination.
+    ``on_step(description)`` is called once per (backend, device, dtype, case), for a progress bar."""
     names = backends if backends is not None else tuple(b for b in BACKENDS if b != "auto")
     cases = CASES[:1] if quick else CASES
+
+    def step(text: str, n: int = 1) -> None:
+        if on_step is not None:
+            for _ in range(n):
+                on_step(text)
+
     rows: list[Row] = []
     for device in devices():
         for name in names:
             reason = availability(name, device)
             if reason is not None:
                 rows.append(Row(name, device.type, "-", float("nan"), float("nan"), "unavailable", reason))
+                step(f"{name} unavailable", len(dtypes(device)) * len(cases))
                 continue
             golden: Runner = _torch_sdpa if name == "reference" else _attnzero("reference")
             base: Runner = _torch_sdpa if name == "reference" else _attnzero("reference")
@@ -196,9 +214,12 @@ def run(quick: bool = False, backends: tuple[str, ...] | None = None) -> list[Ro
                 worst_out = worst_grad = 0.0
                 ok = True
                 note = ""
+                done = 0
                 try:
                     for i, case in enumerate(cases):
                         e_out, e_grad, b_out, b_grad = _errors(_attnzero(name), golden, base, case, dtype, device, i)
+                        done += 1
+                        step(f"{name} {device.type} {str(dtype).removeprefix('torch.')}")
                         floor = FLOOR[dtype]
                         good = e_out <= 2 * b_out + floor and e_grad <= 3 * b_grad + floor  # NaN compares False
                         worst_out, worst_grad = max(worst_out, e_out), max(worst_grad, e_grad)
@@ -208,6 +229,7 @@ def run(quick: bool = False, backends: tuple[str, ...] | None = None) -> list[Ro
                             worst_out = worst_grad = float("nan")
                 except Exception as e:  # a crash is a failure, reported in the table
                     ok, note = False, f"{type(e).__name__}: {e}"
+                    step("", len(cases) - done)
                 if ok:
                     note = "vs torch SDPA" if name == "reference" else ""
                 rows.append(Row(name, device.type, str(dtype).removeprefix("torch."), worst_out, worst_grad,
