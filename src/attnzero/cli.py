@@ -243,10 +243,12 @@ def _check(args: argparse.Namespace) -> int:
 
     total = selfcheck.steps(quick=args.quick)
     if importlib.util.find_spec("rich") is not None:
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         columns = (TextColumn("[bold]{task.description:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
-        with Progress(*columns, TimeElapsedColumn(), transient=True) as progress:
+        # the bar goes to stderr: stdout keeps only the table
+        with Progress(*columns, TimeElapsedColumn(), transient=True, console=Console(stderr=True)) as progress:
             task = progress.add_task("checking", total=total)
             rows = selfcheck.run(quick=args.quick, on_step=lambda d: progress.update(task, advance=1, description=d))
     else:  # without the hf extra: a dot per step
