@@ -198,16 +198,18 @@ def train(
     have passed. Returns the training loss of every step; prints the mean every ``log_every``."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
-    warmup = max(1, min(50, steps // 10))
+    warmup = max(1, min(20, steps // 10))
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(steps):
-        if time_budget is not None and time.perf_counter() - start > time_budget:
+        elapsed = time.perf_counter() - start
+        if time_budget is not None and elapsed > time_budget:
             print_fn(f"time budget of {time_budget:g}s reached after {step} steps")
             break
+        # progress through the run: by steps, or by time when the budget ends it sooner
+        t = max(step / max(1, steps - 1), elapsed / time_budget if time_budget else 0.0)
         for group in opt.param_groups:  # linear warm-up, then cosine decay to lr/10
-            t = step / max(1, steps - 1)
             group["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * t))
         x, y = get_batch(data, batch_size, model.cfg.block_size, g)
         loss = loss_on(model, x, y)

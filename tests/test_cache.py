@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnzero as az
 from attnzero import modules
@@ -190,6 +192,25 @@ def test_chunked_prefill_float64_any_backend(backend: str) -> None:
     cache = az.KVCache(3, 256, 2, 8, dtype=torch.float64)
     got = decode_in_pieces(m, x, [150, 1, 13, 1, 1, 30, 4], cache)
     torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    pieces=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    heads=st.sampled_from([(4, 4), (4, 2), (4, 1)]),
+    interleaved=st.booleans(),
+)
+def test_any_split_into_chunks_equals_one_causal_pass(
+    pieces: list[int], heads: tuple[int, int], interleaved: bool
+) -> None:
+    """However the sequence is cut into calls, the outputs are those of one causal pass."""
+    Hq, Hkv = heads
+    torch.manual_seed(len(pieces))
+    m = az.MultiHeadAttention(32, Hq, 0.0, num_kv_heads=Hkv, rope=az.RotaryEmbedding(8, interleaved=interleaved))
+    m = m.double()
+    x = torch.randn(2, sum(pieces), 32, dtype=torch.float64)
+    cache = az.KVCache(2, sum(pieces) + 3, Hkv, 8, dtype=torch.float64)
+    torch.testing.assert_close(decode_in_pieces(m, x, pieces, cache), m(x, causal=True), rtol=0, atol=1e-12)
 
 
 def test_cache_implies_causal_and_mask_spans_the_whole_cache() -> None:
