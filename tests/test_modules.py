@@ -266,3 +266,26 @@ def test_from_torch_rejects_what_it_cannot_convert() -> None:
         az.MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))
     with pytest.raises(ValueError, match=r"mha: expected a module without add_bias_kv / add_zero_attn"):
         az.MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_zero_attn=True))
+
+
+def test_mha_mask_builder_with_key_padding_mask() -> None:
+    m = az.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 6, 32)
+    kpm = torch.tensor([[True] * 4 + [False] * 2, [True] * 6])
+    dense = torch.ones(6, 6, dtype=torch.bool).tril().view(1, 1, 6, 6) & kpm.view(2, 1, 1, 6)
+    torch.testing.assert_close(m(x, mask=az.masks.causal(6), key_padding_mask=kpm), m(x, mask=dense))
+    _, w = m(x, mask=az.masks.causal(6), key_padding_mask=kpm, need_weights=True)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6))
+    assert not w[0, :, :, 4:].any() and not w.triu(1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_modules_in_low_precision(dtype: torch.dtype) -> None:
+    m = az.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 6, 32)
+    want = m(x, causal=True)
+    got = m.to(dtype)(x.to(dtype), causal=True)
+    assert isinstance(got, torch.Tensor) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
+    out, w = az.ScaledDotProductAttention()(x.to(dtype), x.to(dtype), x.to(dtype))
+    assert out.dtype == w.dtype == dtype
