@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .transformers import register
+from .transformers import name_for, register
 
 
 @dataclass
@@ -56,7 +56,7 @@ def load(backend: str = "auto") -> MiniLM:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     path = model_path()
-    name = register(backend=backend)
+    name = register(name_for(backend), backend=backend)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path, attn_implementation=name).eval()
     return MiniLM(model, tokenizer, name)

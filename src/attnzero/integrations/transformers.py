@@ -148,19 +148,19 @@ def _collecting_attentions() -> bool:
 
 
 def name_for(backend: str) -> str:
-    """The name :func:`register` uses for a backend: "attnzero" for "auto", else "attnzero-<backend>"
-    — with "flash" spelled "tiled", because transformers treats any name containing "flash" as
-    its own FlashAttention kernels."""
+    """A name to register a backend under, beside the default "attnzero": "attnzero" for "auto",
+    else "attnzero-<backend>" — with "flash" spelled "tiled", because transformers treats any name
+    containing "flash" as its own FlashAttention kernels."""
     return "attnzero" if backend == "auto" else f"attnzero-{backend.replace('flash', 'tiled')}"
 
 
-def register(name: str | None = None, backend: str = "auto") -> str:
+def register(name: str = "attnzero", backend: str = "auto") -> str:
     """Register attnzero with transformers under ``name`` and return the name.
 
     Afterwards ``from_pretrained(..., attn_implementation=name)`` or
     ``model.set_attn_implementation(name)`` sends every attention call of the model through
-    ``attnzero.attention(..., backend=backend)``. ``name`` defaults to :func:`name_for` (backend),
-    which is "attnzero" for backend="auto". Registering again replaces the earlier entry.
+    ``attnzero.attention(..., backend=backend)``. Registering a name again replaces the earlier
+    entry; to keep several backends side by side, give each its own name (:func:`name_for`).
 
     Raises:
         TypeError / ValueError: ``name`` is not a non-empty string, contains "flash" (transformers
@@ -169,8 +169,6 @@ def register(name: str | None = None, backend: str = "auto") -> str:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    if name is None:
-        name = name_for(backend)
     if not isinstance(name, str) or not name:
         raise TypeError(f"name: expected a non-empty str, got {name!r}")
     if "flash" in name:
