@@ -207,6 +207,13 @@ def _blocks(rank: int, src: int, L: int, causal: bool, layout: str) -> list[_Blo
 # Forward and backward around the ring
 
 
+def _part(t: Tensor, sl: slice) -> Tensor:
+    """``t[:, :, sl]``; a copy when it is a strict part (flash runs ~20% faster on dense inputs)."""
+    if sl.start == 0 and sl.stop == t.shape[2]:
+        return t
+    return t[:, :, sl].contiguous()
+
+
 def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     """In place: (out, lse) ← merge of (out, lse) and a block's (out_b, lse_b), MATH.md's rule.
     out (B, Hq, l, Dv) and lse (B, Hq, l) in the accumulator dtype."""
@@ -234,7 +241,7 @@ def _ring_forward(
         src = (ring.rank - step) % ring.world  # whose keys/values we hold now
         for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout):
             out_b, lse_b = flash.forward(
-                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
                 mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
             )  # fmt: skip
             _merge(out[:, :, rows], lse[:, :, rows], out_b, lse_b)
@@ -265,7 +272,8 @@ def _ring_backward(
             # flash.backward recomputes P = exp(s - lse) with the GLOBAL out and lse, which gives
             # exactly this block's share of dq, dk, dv.
             dq_p, dk_p, dv_p, _ = flash.backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                _part(dout, rows), _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
+                _part(out, rows), _part(lse, rows),
                 mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
             )  # fmt: skip
             dq[:, :, rows] += dq_p
