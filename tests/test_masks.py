@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnzero as az
 from attnzero.masks import Mask, alibi_slopes, block_of, keep_block
@@ -397,3 +399,37 @@ def test_builders_reject_bad_lengths() -> None:
         az.masks.causal(3, align="left")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"num_heads: expected a positive int, got 0"):
         az.masks.alibi(0, 3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    Lq=st.integers(1, 9),
+    Lk=st.integers(1, 9),
+    left=st.none() | st.integers(0, 4),
+    right=st.none() | st.integers(0, 4),
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_property_block_equals_slice(
+    Lq: int, Lk: int, left: int | None, right: int | None, lengths: list[int], data: st.DataObject
+) -> None:
+    """Any combination of builders, any block: block() equals the slice of to_tensor(), and
+    causal/window follow their index rules."""
+    lengths = [min(n, Lk) for n in lengths]
+    m = (az.masks.causal(Lq, Lk) | az.masks.window(Lq, Lk, left, right)) & az.masks.padding(lengths, Lk)
+    i, j = torch.arange(Lq).view(-1, 1), torch.arange(Lk).view(1, -1)
+    p = i + Lk - Lq
+    win = torch.ones(Lq, Lk, dtype=torch.bool)
+    if left is not None:
+        win &= j >= p - left
+    if right is not None:
+        win &= j <= p + right
+    pad = j.view(1, 1, 1, -1) < torch.tensor(lengths).view(-1, 1, 1, 1)
+    full = m.to_tensor()
+    assert torch.equal(full, ((j <= p) | win) & pad)
+    r0 = data.draw(st.integers(0, Lq - 1))
+    r1 = data.draw(st.integers(r0 + 1, Lq))
+    c0 = data.draw(st.integers(0, Lk - 1))
+    c1 = data.draw(st.integers(c0 + 1, Lk))
+    want = full[:, :, r0:r1, c0:c1]
+    assert torch.equal(m.block((r0, r1), (c0, c1)).expand(want.shape), want)
