@@ -104,6 +104,11 @@ def _dense_uint8(B: int, H: int, Lq: int, Lk: int) -> tuple[dict[str, Any], torc
     return {"mask": m}, m != 0, None
 
 
+def _from_tensor(B: int, H: int, Lq: int, Lk: int) -> tuple[dict[str, Any], torch.Tensor, None]:
+    m = torch.randn(B, 1, Lq, Lk) * (torch.rand(B, 1, Lq, Lk) < 0.7)  # float, non-zero = keep
+    return {"mask": az.masks.from_tensor(m)}, m != 0, None
+
+
 def _padding(B: int, H: int, Lq: int, Lk: int) -> tuple[dict[str, Any], torch.Tensor, None]:
     lengths = [Lk - 3, 0] + [Lk] * (B - 2)  # the second sequence is empty: all its rows are blocked
     keep = torch.zeros(B, 1, 1, Lk, dtype=torch.bool)
@@ -166,6 +171,7 @@ KINDS: dict[str, Kind] = {
     "masks_window": _builder(
         lambda a, b: az.masks.window(a, b, 3, 2), lambda i, j, a, b: (j >= i + b - a - 3) & (j <= i + b - a + 2)
     ),
+    "masks_from_tensor": _from_tensor,
     "masks_padding": _padding,
     "masks_document": _document,
     "masks_and": _builder(
