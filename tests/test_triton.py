@@ -9,9 +9,11 @@ tests run the compiled kernels with their real tile sizes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -324,3 +326,34 @@ def test_missing_triton_says_how_to_install() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "ERR" in out.stdout and "pip install triton" in out.stdout, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/gpu.py: its correctness check and tables on the CPU, its kernels compiled for sm_90
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_check_and_tables() -> None:
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
+    assert spec is not None and spec.loader is not None
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    gpu.DEVICE = DEVICE
+    assert gpu.check("causal gqa", BF16, (1, 4, 2, 20, 20, 16), causal=True) == []
+    row = {"D": 64, "L": 1024, "B": 16, "causal": True, "pass": "fwd", "ours_tflops": 1.0, "ratio": 0.5}
+    result = {"gpu": "X", "date": "d", "torch": "t", "triton": "t", "failures": [],
+              "ceilings": {"matmul_bf16_tflops": 1.0, "copy_gbs": 2.0}, "training": [row],
+              "decode": [{"B": 1, "Lk": 4096, "Hq": 32, "Hkv": 8, "ours_gbs": 1.0}]}
+    text = gpu.tables(result)
+    assert "| 64 | 1024 | 16 | causal | fwd |" in text and "| 1 | 4096 |" in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="triton's CUDA compiler ships in its Linux wheels")
+def test_kernels_compile_for_sm90_without_a_gpu() -> None:
+    """What the interpreter cannot check: the kernels lower to sm_90 code (all features on)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--compile-check", "--quick", "--dims", "64"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("  ok   ") == 4, out.stdout
