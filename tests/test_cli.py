@@ -154,3 +154,20 @@ def test_bench_writes_a_table_json_and_a_png(tmp_path: Path, capsys: pytest.Capt
 def test_bench_rejects_an_unknown_implementation(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "--impls", "fastest"]) == 2
     assert "--impls" in capsys.readouterr().err
+
+
+def test_pngs_without_a_chinese_font_label_with_code_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    need("matplotlib")
+    from attnzero import viz
+
+    assert viz._labels(["[CLS]", "我愛", "it"], have_cjk_font=False) == ["[CLS]", "U+6211U+611B", "it"]
+    monkeypatch.setattr(viz, "cjk_font", lambda: None)
+    tokens = ["[CLS]", "我", "愛", "花", "[SEP]"]
+    weights = torch.softmax(torch.randn(2, 3, 5, 5), dim=-1)  # (layers, heads, L, L)
+    view = viz.SentenceView("中文", tokens, weights, focus=2)
+    for png in (viz.save_focus_png(view, tmp_path / "f.png"), viz.save_layers_png(view, tmp_path / "l.png")):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="focus"):
+        viz.SentenceView("x", tokens, weights, focus=5)

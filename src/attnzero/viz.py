@@ -86,25 +86,27 @@ def _labels(tokens: Sequence[str], have_cjk_font: bool) -> list[str]:
     return ["".join(f"U+{ord(c):04X}" if _is_cjk(c) else c for c in t) for t in tokens]
 
 
-def _setup_matplotlib(tokens: Sequence[str]) -> tuple[object, list[str]]:
-    """pyplot on the file-only Agg backend, with a CJK fallback font where the tokens need one."""
+def _setup_matplotlib(texts: Sequence[str]) -> tuple[object, list[str]]:
+    """pyplot on the file-only Agg backend, with a CJK fallback font where the texts need one;
+    returns pyplot and the texts as they can be drawn (see :func:`_labels`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    font = cjk_font() if needs_cjk(tokens) else None
+    font = cjk_font() if needs_cjk(texts) else None
     if font is not None:
         plt.rcParams["font.family"] = ["DejaVu Sans", font]  # DejaVu for Latin, the CJK font for the rest
     else:
         plt.rcParams["font.family"] = ["DejaVu Sans"]
-    return plt, _labels(tokens, font is not None or not needs_cjk(tokens))
+    return plt, _labels(texts, font is not None or not needs_cjk(texts))
 
 
 def save_focus_png(view: SentenceView, path: str | Path) -> Path:
     """One panel per layer: rows are heads, columns the tokens, colour = how much the focus token
     attends to each token in that head. Returns the path written."""
-    plt, labels = _setup_matplotlib(view.tokens)
+    plt, all_labels = _setup_matplotlib([*view.tokens, view.title])
+    *labels, title = all_labels
     N, H, L, _ = view.weights.shape
     rows = view.weights[:, :, view.focus, :].float().cpu()  # (N, H, L): the focus token's row in every head
     cols = min(3, N)
@@ -125,7 +127,7 @@ def save_focus_png(view: SentenceView, path: str | Path) -> Path:
         ax.set_ylabel("head", fontsize=7)
         ax.set_xticks(range(L), labels, rotation=90, fontsize=7)
         ax.get_xticklabels()[view.focus].set_color("crimson")
-    fig.suptitle(f"{view.title}: what {labels[view.focus]!r} attends to, per layer and head", fontsize=10)
+    fig.suptitle(f"{title}: what {labels[view.focus]!r} attends to, per layer and head", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     out = Path(path)
@@ -136,7 +138,8 @@ def save_focus_png(view: SentenceView, path: str | Path) -> Path:
 
 def save_layers_png(view: SentenceView, path: str | Path) -> Path:
     """One L×L heatmap per layer, averaged over the heads (row = query token, column = key token)."""
-    plt, labels = _setup_matplotlib(view.tokens)
+    plt, all_labels = _setup_matplotlib([*view.tokens, view.title])
+    *labels, title = all_labels
     N, _, L, _ = view.weights.shape
     mean = view.weights.float().mean(dim=1).cpu()  # (N, L, L): averaged over heads
     cols = min(3, N)
@@ -154,7 +157,7 @@ def save_layers_png(view: SentenceView, path: str | Path) -> Path:
         ax.set_title(f"layer {n} (mean of heads)", fontsize=9)
         ax.set_xticks(range(L), labels, rotation=90, fontsize=6)
         ax.set_yticks(range(L), labels, fontsize=6)
-    fig.suptitle(f"{view.title}: attention weights (row attends to column)", fontsize=10)
+    fig.suptitle(f"{title}: attention weights (row attends to column)", fontsize=10)
     out = Path(path)
     fig.savefig(out, dpi=90)
     plt.close(fig)  # type: ignore[attr-defined]
