@@ -168,7 +168,13 @@ def test_padding_from_lengths() -> None:
 
 @pytest.mark.parametrize(
     ("lengths", "kv_len", "match"),
-    [([3, -1], None, "non-negative"), ([5], 4, "<= kv_len 4"), ([[1, 2]], None, "1-D"), ([1.5], None, "1-D")],
+    [
+        ([3, -1], None, "non-negative"),
+        ([5], 4, "<= kv_len 4"),
+        ([[1, 2]], None, "1-D"),
+        ([1.5], None, "1-D"),
+        ([0, 0], None, r"a length > 0 somewhere \(or kv_len given\), got \[0, 0\]"),
+    ],
 )
 def test_padding_rejects_bad_lengths(lengths: list[int], kv_len: int | None, match: str) -> None:
     with pytest.raises(ValueError, match=rf"lengths: .*{match}"):

@@ -167,6 +167,8 @@ def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got {tuple(lens.shape)} {lens.dtype}")
     if len(lens) == 0 or bool((lens < 0).any()):
         raise ValueError(f"lengths: expected non-negative lengths for at least one sequence, got {lens.tolist()}")
+    if kv_len is None and int(lens.max()) == 0:
+        raise ValueError(f"lengths: expected a length > 0 somewhere (or kv_len given), got {lens.tolist()}")
     Lk = int(lens.max()) if kv_len is None else _check_len("kv_len", kv_len)
     if int(lens.max()) > Lk:
         raise ValueError(f"lengths: expected every length <= kv_len {Lk}, got {lens.tolist()}")
