@@ -155,6 +155,21 @@ def test_only_point_to_point_carries_keys_and_values(group: tuple[int, dict]) ->
             assert max(sends) <= res["kv_numel"], (cid, log["p2p"])
 
 
+def test_transfers_are_posted_before_the_computation_they_overlap(group: tuple[int, dict]) -> None:
+    """Each step posts the exchange of the next block, then computes with the block it holds. With
+    causal=False every step computes one block, so the order of events is fixed."""
+    world, results = group
+    forward = ["post", "forward"] * (world - 1) + ["forward"]
+    backward = [e for s in range(world) for e in (["post"] if s < world - 1 else []) + ["backward", "post"]]
+    for r in range(world):
+        for c in CASES:
+            order = results[r]["cases"][case_id(c)]["traffic"]["order"]
+            if not c[2]:
+                assert order == forward + backward, (case_id(c), order)
+            else:  # causal: some blocks are skipped, never the first exchange
+                assert order[0] == "post" and order.count("post") == len(forward + backward) - 2 * world, order
+
+
 def test_shard_gather_round_trip(group: tuple[int, dict]) -> None:
     world, results = group
     for r in range(world):
@@ -280,7 +295,7 @@ class Traffic:
                    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "gather")  # fmt: skip
 
     def __init__(self) -> None:
-        self.log: dict[str, list[Any]] = {"collective": [], "p2p": []}
+        self.log: dict[str, list[Any]] = {"collective": [], "p2p": [], "order": []}
         self.saved: dict[str, Any] = {}
 
     def __enter__(self) -> Traffic:
@@ -297,7 +312,21 @@ class Traffic:
 
         def batch(ops: list[Any]) -> Any:
             self.log["p2p"] += [(op.op.__name__, op.tensor.numel()) for op in ops]
+            self.log["order"].append("post")
             return self.saved["batch_isend_irecv"](ops)
+
+        from attnzero import flash
+
+        def compute(name: str, real: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self.log["order"].append(name)
+                return real(*args, **kwargs)
+
+            return call
+
+        self.flash = {name: getattr(flash, name) for name in ("forward", "backward")}
+        for name, real in self.flash.items():
+            setattr(flash, name, compute(name, real))
 
         for name in (*self.COLLECTIVES, "batch_isend_irecv", "send", "recv", "isend", "irecv"):
             self.saved[name] = getattr(dist, name)
@@ -311,8 +340,12 @@ class Traffic:
     def __exit__(self, *exc: Any) -> None:
         import torch.distributed as dist
 
+        from attnzero import flash
+
         for name, real in self.saved.items():
             setattr(dist, name, real)
+        for name, real in self.flash.items():
+            setattr(flash, name, real)
 
 
 def worker(tmp: Path, rank: int) -> None:
