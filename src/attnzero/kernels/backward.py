@@ -26,9 +26,11 @@ from .forward import dropout_keep, mm, scores_mod
 
 @triton.jit
 def delta_kernel(O, dO, Delta, soh, som, sdh, sdm, Lq, Dv, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Grid (cdiv(Lq, BLOCK_M), B·Hq). O, dO: (B·Hq, Lq, Dv) views; Delta (B·Hq, Lq) float32."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,). O, dO: (B·Hq, Lq, Dv) views; Delta (B·Hq, Lq) float32."""
+    num_m = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m = (pid % num_m).to(tl.int32)
+    pid_bh = pid // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     ok = (offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv)
@@ -74,11 +76,13 @@ def dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (cdiv(Lk, BLOCK_N), B·Hkv). dK, dV get their final values; dQacc (float32, B, Hq, Lq,
+    """Grid (cdiv(Lk, BLOCK_N)·B·Hkv,). dK, dV get their final values; dQacc (float32, B, Hq, Lq,
     D) receives atomic adds when ATOMIC_DQ; dBias (float32, B, Hq, Lq, Lk) receives dS when
     BIAS_GRAD (the caller sums it over the bias's broadcast dims)."""
-    pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1).to(tl.int64)
+    num_n = tl.cdiv(Lk, BLOCK_N)
+    pid = tl.program_id(0).to(tl.int64)
+    pid_n = (pid % num_n).to(tl.int32)  # under causal the first key blocks have the most work
+    pid_bk = pid // num_n
     Hkv = Hq // G
     b = pid_bk // Hkv
     hk = pid_bk % Hkv
@@ -207,9 +211,11 @@ def dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (cdiv(Lq, BLOCK_M), B·Hq): dQ = scale · Σ_j dS K, deterministic (no atomics)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,): dQ = scale · Σ_j dS K, deterministic (no atomics)."""
+    num_m = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m = (num_m - 1 - pid % num_m).to(tl.int32)  # the longest (causal) first
+    pid_bh = pid // num_m
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // G

@@ -27,9 +27,10 @@ def split_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (S, B·Hkv). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log)."""
-    pid_s = tl.program_id(0)
-    pid_bk = tl.program_id(1).to(tl.int64)
+    """Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log)."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_s = (pid % S).to(tl.int32)
+    pid_bk = pid // S
     Hkv = Hq // G
     b = pid_bk // Hkv
     hk = pid_bk % Hkv

@@ -151,10 +151,14 @@ def fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (cdiv(Lq, BLOCK_M), B·Hq). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32.
+    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32.
     Head dims have stride 1; the strides of broadcast mask/bias dims are 0."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    # One flat grid axis (no 65535 limit on B·Hq); query blocks of a head are neighbours (they share
+    # K/V in L2), the last (under causal: longest) first.
+    num_m = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m = (num_m - 1 - pid % num_m).to(tl.int32)
+    pid_bh = pid // num_m
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // G  # the key/value head this query head reads (GQA / MQA)

@@ -11,7 +11,8 @@ trusted inputs (``functional.py`` validated them). Under the hood:
   with ``torch.library.custom_op``, fake implementations and ``register_autograd``, so that
   ``torch.compile`` traces through them without graph breaks;
 * ``attnzero::triton_decode`` (decode.py), the split-KV kernel, taken when ``Lq <= 16``,
-  ``Lk >= DECODE_MIN_LK`` and no input requires grad (it has no backward).
+  ``Lk >= DECODE_MIN_LK``, a GQA group has at most ``DECODE_MAX_ROWS`` query rows (G·Lq) and no
+  input requires grad (it has no backward).
 
 Inputs: float16, bfloat16 and float32 (float32 accumulation always; float32 products are IEEE
 unless ``torch.backends.cuda.matmul.allow_tf32`` is set). float64 is not a GPU-kernel dtype: it is
@@ -56,6 +57,7 @@ from . import forward as fwd_k
 LOG2E = fwd_k.LOG2E
 DECODE_MAX_LQ = 16  # the split-KV path serves at most this many queries
 DECODE_MIN_LK = 1024  # ... against at least this many keys
+DECODE_MAX_ROWS = 128  # ... and G·Lq query rows per key/value head (one program holds them all)
 DETERMINISTIC: bool = os.environ.get("ATTNZERO_DETERMINISTIC", "0") not in ("", "0")
 
 
@@ -178,7 +180,7 @@ def _forward(
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
     flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
     cfg = _blocks("fwd", D, Dv, q.dtype, q.device)
-    grid = (triton.cdiv(Lq, cfg["BLOCK_M"]), B * Hq)
+    grid = (triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)
     fwd_k.fwd_kernel[grid](
         q, k, v, out, lse, mask_t, bias_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -204,7 +206,7 @@ def _decode(
     S, chunk = dec_k.splits_for(B * Hkv, Lk, cfg["BLOCK_N"], num_sms)
     opart = torch.empty((B, Hq, S, Lq, Dv), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq, Dv)
     lpart = torch.empty((B, Hq, S, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq)
-    dec_k.split_kernel[(S, B * Hkv)](
+    dec_k.split_kernel[(S * B * Hkv,)](
         q, k, v, opart, lpart, mask_t, bias_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *_strides4(mask), *_strides4(bias),
@@ -237,7 +239,7 @@ def _backward(
     BDV = fwd_k.next_pow2(Dv)
     bm = 16 if not q.is_cuda else 64
     o3, do3 = out.reshape(B * Hq, Lq, Dv), dout.reshape(B * Hq, Lq, Dv)  # (B·Hq, Lq, Dv)
-    bwd_k.delta_kernel[(triton.cdiv(Lq, bm), B * Hq)](
+    bwd_k.delta_kernel[(triton.cdiv(Lq, bm) * B * Hq,)](
         o3, do3, delta, o3.stride(0), o3.stride(1), do3.stride(0), do3.stride(1), Lq, Dv, BLOCK_M=bm, BLOCK_DV=BDV
     )
 
@@ -250,7 +252,7 @@ def _backward(
         torch.zeros((B, Hq, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else q
     )  # (B, Hq, Lq, Lk); zeros: skipped blocks have dS = 0
     cfg = _blocks("dkdv", D, Dv, q.dtype, q.device)
-    bwd_k.dkdv_kernel[(triton.cdiv(Lk, cfg["BLOCK_N"]), B * Hkv)](
+    bwd_k.dkdv_kernel[(triton.cdiv(Lk, cfg["BLOCK_N"]) * B * Hkv,)](
         q, k, v, dout, lse, delta, dq_acc, dk, dv, dbias_full, mask_t, bias_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
@@ -266,7 +268,7 @@ def _backward(
     else:
         dq = torch.empty_like(q)  # (B, Hq, Lq, D)
         cfg = _blocks("dq", D, Dv, q.dtype, q.device)
-        bwd_k.dq_kernel[(triton.cdiv(Lq, cfg["BLOCK_M"]), B * Hq)](
+        bwd_k.dq_kernel[(triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)](
             q, k, v, dout, lse, delta, dq, mask_t, bias_t,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
@@ -391,7 +393,8 @@ def attention(
     args = (dense, bias, causal, left, right, float(scale), float(dropout_p), int(dropout_seed))
     Lq, Lk = q.shape[2], k.shape[2]
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    if Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK and not needs_grad:
+    rows = (q.shape[1] // k.shape[1]) * Lq
+    if Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK and rows <= DECODE_MAX_ROWS and not needs_grad:
         out, lse = triton_decode(q, k, v, *args)
     else:
         out, lse = triton_fwd(q, k, v, *args)
