@@ -200,11 +200,21 @@ class _Problem:
         for i0 in range(0, self.Lq, step):
             yield i0, min(self.Lq, i0 + step)
 
+    def col_step(self, c: _Chunk) -> int:
+        """Key columns per block: forced, or enough for a score block of about ``elems`` floats."""
+        return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * _SIZES["rows"]))
+
     def col_blocks(self, c: _Chunk, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
         lo, hi = _key_range(rows, self.Lq, self.Lk, self.causal, self.window)
-        step = _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * (rows[1] - rows[0])))
+        step = self.col_step(c)
         for j0 in range(lo, hi, step):
             yield j0, min(hi, j0 + step)
+
+    def scratch(self, c: _Chunk) -> Tensor:
+        """Memory for one score block, reused by every block of the chunk (no allocation, and no
+        fresh pages to fault in, per block)."""
+        numel = c.n * self.G * min(_SIZES["rows"], self.Lq) * min(self.col_step(c), self.Lk)
+        return torch.empty(numel, dtype=self.acc, device=self.q.device)
 
     def scaled_q(self, c: _Chunk, rows: tuple[int, int]) -> Tensor:
         """``[q · scale · log2 e, 0]`` for the block's rows, (N, G·r, D + 1), accumulator dtype;
@@ -213,11 +223,15 @@ class _Problem:
         qa[..., :-1].mul_(self.scale2)
         return qa
 
-    def scores(self, c: _Chunk, qa: Tensor, ka: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+    def scores(
+        self, c: _Chunk, qa: Tensor, ka: Tensor, rows: tuple[int, int], cols: tuple[int, int], buf: Tensor
+    ) -> Tensor:
         """``s₂ + t = (scale · q kᵀ + bias) · log2 e + t`` for one block, blocked pairs −inf:
-        (N, G·r, c), from the augmented ``qa`` (N, G·r, D+1) and the chunk's ``ka`` (N, Lk, D+1)."""
-        s = torch.bmm(qa, ka[:, cols[0] : cols[1]].transpose(1, 2))  # (N, G·r, c)
+        (N, G·r, c), from the augmented ``qa`` (N, G·r, D+1) and the chunk's ``ka`` (N, Lk, D+1),
+        written into the front of ``buf`` (see ``scratch``)."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
+        s = buf[: qa.shape[0] * qa.shape[1] * nc].view(qa.shape[0], qa.shape[1], nc)  # (N, G·r, c)
+        torch.bmm(qa, ka[:, cols[0] : cols[1]].transpose(1, 2), out=s)
         s4 = s.view(c.b1 - c.b0, -1, r, nc)  # (nb, nh·G, r, c): one query head per slice of dim 1
         if self.bias is not None:
             s4.add_(c.heads(block_of(self.bias, rows, cols)), alpha=LOG2E)
@@ -274,15 +288,16 @@ def forward(
     for c in pb.chunks(pb.D + 1 + (pb.Dv if v.dtype != pb.acc else 0)):
         ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
         vc = c.kv(v).to(pb.acc)  # (N, Lk, Dv)
+        buf = pb.scratch(c)
         for rows in pb.row_blocks():
-            o_blk, lse_blk = _forward_rows(pb, c, rows, ka, vc)
+            o_blk, lse_blk = _forward_rows(pb, c, rows, ka, vc, buf)
             c.put(out, rows, o_blk)
             c.put(lse, rows, lse_blk)
     return out, lse
 
 
 def _forward_rows(
-    pb: _Problem, c: _Chunk, rows: tuple[int, int], ka: Tensor, vc: Tensor
+    pb: _Problem, c: _Chunk, rows: tuple[int, int], ka: Tensor, vc: Tensor, buf: Tensor
 ) -> tuple[Tensor, Tensor]:
     """One block of query rows against every key block it can see: (N, G·r, Dv) and (N, G·r).
 
@@ -301,7 +316,7 @@ def _forward_rows(
     started = False  # every row has a kept key in l (so the fast path cannot underflow a new row)
     for cols in pb.col_blocks(c, rows):
         COUNTS["forward"] += 1
-        s = pb.scores(c, qa, ka, rows, cols)  # s₂ - m: (N, G·r, c), base 2
+        s = pb.scores(c, qa, ka, rows, cols, buf)  # s₂ - m: (N, G·r, c), base 2
         fast = False
         if started:
             p = s.exp2_()  # p_ij = exp2(s_ij - m_i), in place
@@ -310,7 +325,7 @@ def _forward_rows(
             if fast:
                 l.add_(l_blk)
             else:
-                s = pb.scores(c, qa, ka, rows, cols)  # overflowed: compute it again and rebase
+                s = pb.scores(c, qa, ka, rows, cols, buf)  # overflowed: compute it again and rebase
         if not fast:
             COUNTS["rebase"] += 1
             # shift = max_j (s_ij - m_i): never below 0 for a row that has mass (so acc cannot
@@ -361,8 +376,9 @@ def backward(
     for c in pb.chunks(pb.D + pb.Dv + 2):
         ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
         va = _augment(c.kv(v), 1.0, pb.acc)  # [v, 1]: (N, Lk, Dv+1)
+        bufs = (pb.scratch(c), pb.scratch(c))  # for p and for dp
         for rows in pb.row_blocks():
-            dq_blk = _backward_rows(pb, c, rows, ka, va, dout, out, lse, dk, dv, dbias)
+            dq_blk = _backward_rows(pb, c, rows, ka, va, bufs, dout, out, lse, dk, dv, dbias)
             c.put(dq, rows, dq_blk)
     dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
@@ -375,6 +391,7 @@ def _backward_rows(
     rows: tuple[int, int],
     ka: Tensor,
     va: Tensor,
+    bufs: tuple[Tensor, Tensor],
     dout: Tensor,
     out: Tensor,
     lse: Tensor,
@@ -395,23 +412,37 @@ def _backward_rows(
     if not drop:
         doa[..., -1:] = -d_i
     dq_acc = torch.zeros((c.n, qa.shape[1], D), dtype=pb.acc, device=qa.device)
+    tmp = torch.empty(c.n * pb.col_step(c) * max(D, pb.Dv), dtype=pb.acc, device=qa.device)
     for cols in pb.col_blocks(c, rows):
         COUNTS["backward"] += 1
         j0, j1 = cols
-        p = pb.scores(c, qa, ka, rows, cols).exp2_()  # p_ij = exp(s_ij - lse_i), (N, G·r, c)
-        dp = torch.bmm(doa, va[:, j0:j1].transpose(1, 2))  # dp_ij - D_i = dO_i · v_j - D_i
+        p = pb.scores(c, qa, ka, rows, cols, bufs[0]).exp2_()  # p_ij = exp(s_ij - lse_i), (N, G·r, c)
+        dp = bufs[1][: p.numel()].view(p.shape)  # (N, G·r, c)
+        torch.bmm(doa, va[:, j0:j1].transpose(1, 2), out=dp)  # dp_ij - D_i = dO_i · v_j - D_i
         if drop:
             z = pb.dropout_scale(c, rows, cols)  # Z / (1 - p)
-            c.kv(dv, cols).baddbmm_((p * z).transpose(1, 2), doa[..., :-1])  # dV_j += Σ_i p̃_ij dO_i
+            _add_bmm(c.kv(dv, cols), (p * z).transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p̃_ij dO_i
             dp.mul_(z).sub_(d_i)  # Z∘dp/(1-p) - D_i
         else:
-            c.kv(dv, cols).baddbmm_(p.transpose(1, 2), doa[..., :-1])  # dV_j += Σ_i p_ij dO_i
+            _add_bmm(c.kv(dv, cols), p.transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p_ij dO_i
         ds = dp.mul_(p)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
         dq_acc.baddbmm_(ds, ka[:, j0:j1, :D])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
-        c.kv(dk, cols).baddbmm_(ds.transpose(1, 2), qa[..., :D])  # dK_j += Σ_i ds_ij q_i · scale · log2 e
+        _add_bmm(c.kv(dk, cols), ds.transpose(1, 2), qa[..., :D], tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds)
     return dq_acc.mul_(pb.scale2 * LN2)  # scale2 · ln 2 = scale
+
+
+def _add_bmm(dst: Tensor, a: Tensor, b: Tensor, tmp: Tensor) -> None:
+    """``dst += a @ b`` (batched). ``dst`` is a block of rows of a longer (N, Lk, E) buffer, not
+    contiguous when N > 1, where ``baddbmm_`` would fall back to one matmul per batch entry: one
+    batched matmul into the contiguous scratch ``tmp`` and one add are faster."""
+    if dst.is_contiguous():
+        dst.baddbmm_(a, b)
+        return
+    t = tmp[: dst.numel()].view(dst.shape)  # (N, c, E)
+    torch.bmm(a, b, out=t)
+    dst.add_(t)
 
 
 def _add_dbias(dbias: Tensor, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int], ds: Tensor) -> None:
