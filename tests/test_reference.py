@@ -216,6 +216,21 @@ def test_mask_kinds(backend: str, dtype: torch.dtype, shape: tuple[int, ...], ki
     check_against_golden(backend, dtype, q, k, v, bias=bias, naive=naive_for(keep, scale=kwargs.get("scale")), **kwargs)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_attention_weights_match_naive(kind: str) -> None:
+    """az.attention_weights is the P of the formula: with V = I the naive output is P itself."""
+    B, Hq, Hkv, Lq, Lk = 2, 4, 2, 17, 40
+    q, k, _ = qkv(B, Hq, Hkv, Lq, Lk, 8)
+    kwargs, keep, bias = KINDS[kind](B, Hq, Lq, Lk)
+    eye = torch.eye(Lk, dtype=torch.float64).expand(B, Hkv, Lk, Lk)
+    want, _ = naive_attention(q, k, eye, keep=keep, bias=bias, scale=kwargs.get("scale"))
+    w = az.attention_weights(q, k, bias=bias, **kwargs)
+    assert w.shape == (B, Hq, Lq, Lk) and w.dtype == torch.float64
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=1e-12)
+    w16 = az.attention_weights(q.half(), k.half(), bias=None if bias is None else bias.half(), **kwargs)
+    assert w16.dtype == torch.float16 and not torch.isnan(w16).any()
+
+
 # ---------------------------------------------------------------------------------------------
 # Fully blocked rows: output exactly 0, lse -inf, gradients exactly 0, never NaN
 
