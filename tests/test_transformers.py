@@ -60,12 +60,17 @@ def test_register_without_transformers_says_how_to_install(monkeypatch: pytest.M
 
 
 def test_keep_mask_is_bool_and_keeps_padding() -> None:
-    from transformers.masking_utils import causal_mask_function
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])  # (B, Lk): sequence 0 is left-padded
+    # queries at positions 3 and 4: said as q_length/q_offset (recent transformers) or cache_position
+    if "q_length" in inspect.signature(sdpa_mask).parameters:
+        where: dict[str, object] = {"q_length": 2, "q_offset": 3}
+    else:
+        where = {"cache_position": torch.arange(3, 5)}
     keep = hf.keep_mask(
-        batch_size=2, q_length=2, kv_length=5, q_offset=3, kv_offset=0, mask_function=causal_mask_function,
-        attention_mask=padding.bool(), allow_is_causal_skip=True, dtype=torch.float32, config=None,
+        batch_size=2, kv_length=5, kv_offset=0, mask_function=causal_mask_function, attention_mask=padding.bool(),
+        allow_is_causal_skip=True, dtype=torch.float32, config=None, **where,
     )
     assert keep is not None and keep.dtype == torch.bool and keep.shape == (2, 1, 2, 5)
     expected = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)  # queries at positions 3, 4

@@ -38,41 +38,26 @@ from torch import Tensor
 from .. import masks
 from ..functional import BACKENDS, attention, attention_weights
 
-INSTALL_HINT = 'transformers is not installed: pip install -e ".[hf]" (or pip install "transformers>=4.56")'
+INSTALL_HINT = 'transformers is not installed: pip install -e ".[hf]" (or pip install "transformers>=5")'
 
 
-def keep_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: Callable[..., Any] | None = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> Tensor | None:
+def keep_mask(**kwargs: Any) -> Tensor | None:
     """transformers' mask hook: a bool keep-mask (B, 1, Lq, Lk), True = may attend, or None.
 
-    ``mask_function`` is transformers' index predicate for this layer (causal, sliding window,
-    chunked, packed sequences, ...) and ``attention_mask`` the 2-D padding mask (B, kv_offset + Lk),
-    1 = real token; both are combined into one tensor by transformers' own builder, kept in bool.
-    None comes back only where sdpa's mask also skips: no padding and a plain causal or full
-    pattern, which :func:`attention_forward` then redraws from ``module.is_causal``.
+    transformers calls it with keywords only: ``batch_size``, the query positions (``q_length`` and
+    ``q_offset`` in recent versions, ``cache_position`` in older ones), ``kv_length``,
+    ``kv_offset``, ``mask_function`` — its index predicate for this layer (causal, sliding window,
+    chunked, packed sequences, ...) — and ``attention_mask``, the 2-D padding mask
+    (B, kv_offset + Lk), 1 = real token. transformers' own bool builder combines them into one
+    tensor, whatever the version's arguments. None comes back only where sdpa's mask also skips: no
+    padding and a plain causal or full pattern, which the attention function then redraws from
+    ``module.is_causal``.
     """
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    from transformers.masking_utils import sdpa_mask
 
     kwargs.pop("dtype", None)  # eager's float masks need it; a keep-mask is bool
     kwargs.pop("config", None)
-    return sdpa_mask(  # type: ignore[no-any-return]
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=mask_function if mask_function is not None else causal_mask_function,
-        attention_mask=attention_mask,
-        **kwargs,
-    )
+    return sdpa_mask(**kwargs)  # type: ignore[no-any-return]
 
 
 def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor, Tensor | None]]:
