@@ -25,10 +25,13 @@ blocked. ``COUNTS`` counts the blocks visited (for tests and curious readers).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -44,7 +47,8 @@ NEG_INF = float("-inf")
 # Block sizes, chosen by measuring on a 2-core AVX-512 CPU (docs/benchmarks.md). ``rows``: query rows
 # per head in a block; ``cols``: key columns (0 = as many as make a score block of about ``elems``
 # floats); ``kv``: floats of the per-chunk copy of K and V (bounds the extra memory).
-_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 20, "kv": 1 << 21}
+# ``threads``: worker threads on CPU (0 = torch.get_num_threads()).
+_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 20, "kv": 1 << 21, "threads": 0}
 
 # Blocks visited since the last reset: {"forward": n, "backward": n, "rebase": n}. Read by tests.
 COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "rebase": 0}
@@ -56,11 +60,15 @@ _LIMIT = 2.0**32
 
 @contextmanager
 def block_sizes(
-    rows: int | None = None, cols: int | None = None, elems: int | None = None, kv: int | None = None
+    rows: int | None = None,
+    cols: int | None = None,
+    elems: int | None = None,
+    kv: int | None = None,
+    threads: int | None = None,
 ) -> Iterator[None]:
     """Temporarily force the block sizes (tests use tiny blocks to hit every boundary)."""
     old = dict(_SIZES)
-    for key, value in (("rows", rows), ("cols", cols), ("elems", elems), ("kv", kv)):
+    for key, value in (("rows", rows), ("cols", cols), ("elems", elems), ("kv", kv), ("threads", threads)):
         if value is not None:
             _SIZES[key] = int(value)
     try:
@@ -109,6 +117,55 @@ class _Chunk:
         """Write (N, G·r, ...) back into rows ``rows`` of dst (B, Hq, Lq, ...)."""
         view = dst[self.b0 : self.b1, self.n0 * self.G : self.n1 * self.G, rows[0] : rows[1]]  # (nb, nh·G, r, ...)
         view.copy_(src.reshape(view.shape))
+
+
+def _count(key: str) -> None:
+    with _LOCK:
+        COUNTS[key] += 1
+
+
+_LOCK = threading.Lock()
+_Scratch = tuple[Tensor, ...]
+T = TypeVar("T")
+
+
+def _each(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], T], threads: int) -> list[T]:
+    """``fn(item, scratch)`` for every item, on ``threads`` Python threads that each take the next
+    item when done with one (so a busy core slows only its own share) and own one ``scratch()``;
+    returns the scratches. The items must write to disjoint memory.
+
+    Why threads: the other way to use several cores, torch's intra-op threads, splits every single
+    op — a dozen per block — and waits for all threads at the end of each; when another process
+    holds a core, each of those waits can cost a scheduler time slice. Here each worker runs its
+    blocks with single-threaded ops, and the threads meet only once per chunk. While the workers
+    run, torch is set to 1 intra-op thread (a process-wide setting, restored afterwards)."""
+    if threads <= 1 or len(items) <= 1:
+        st = scratch()
+        for item in items:
+            fn(item, st)
+        return [st]
+    before = torch.get_num_threads()
+    todo = iter(items)
+    take = threading.Lock()
+
+    def work() -> T:
+        torch.set_num_threads(1)  # this worker's ops run on its own core
+        with torch.no_grad():  # grad mode is per thread
+            st = scratch()
+            while True:
+                with take:
+                    item = next(todo, None)
+                if item is None:
+                    return st
+                fn(item, st)
+
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
+            futures = [pool.submit(work) for _ in range(min(threads, len(items)))]
+            return [f.result() for f in futures]
+    finally:
+        torch.set_num_threads(before)
 
 
 def _chunks(B: int, Hkv: int, G: int, per_pair: int) -> list[_Chunk]:
@@ -192,6 +249,14 @@ class _Problem:
         self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
 
+    def threads(self, mutex: bool) -> int:
+        """Worker threads for the row blocks of a chunk: torch's thread count on CPU; 1 on other
+        devices, when forced by ``_SIZES["threads"]``, or when blocks add into shared memory
+        (``mutex``: a broadcast bias gradient)."""
+        if mutex or self.q.device.type != "cpu":
+            return 1
+        return _SIZES["threads"] or torch.get_num_threads()
+
     def chunks(self, per_pair: int) -> list[_Chunk]:
         return _chunks(self.B, self.Hkv, self.G, per_pair * self.Lk)
 
@@ -267,6 +332,7 @@ class _Problem:
         return z.to(self.acc) * (1.0 / (1.0 - self.dropout_p))
 
 
+@torch.no_grad()
 def forward(
     q: Tensor,
     k: Tensor,
@@ -288,11 +354,13 @@ def forward(
     for c in pb.chunks(pb.D + 1 + (pb.Dv if v.dtype != pb.acc else 0)):
         ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
         vc = c.kv(v).to(pb.acc)  # (N, Lk, Dv)
-        buf = pb.scratch(c)
-        for rows in pb.row_blocks():
+
+        def rows_of(rows: tuple[int, int], buf: Tensor, c: _Chunk = c, ka: Tensor = ka, vc: Tensor = vc) -> None:
             o_blk, lse_blk = _forward_rows(pb, c, rows, ka, vc, buf)
-            c.put(out, rows, o_blk)
+            c.put(out, rows, o_blk)  # each row block writes only its own rows
             c.put(lse, rows, lse_blk)
+
+        _each(list(pb.row_blocks()), rows_of, partial(pb.scratch, c), pb.threads(mutex=False))
     return out, lse
 
 
@@ -315,7 +383,7 @@ def _forward_rows(
     acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qa.device)  # unnormalised output
     started = False  # every row has a kept key in l (so the fast path cannot underflow a new row)
     for cols in pb.col_blocks(c, rows):
-        COUNTS["forward"] += 1
+        _count("forward")
         s = pb.scores(c, qa, ka, rows, cols, buf)  # s₂ - m: (N, G·r, c), base 2
         fast = False
         if started:
@@ -327,7 +395,7 @@ def _forward_rows(
             else:
                 s = pb.scores(c, qa, ka, rows, cols, buf)  # overflowed: compute it again and rebase
         if not fast:
-            COUNTS["rebase"] += 1
+            _count("rebase")
             # shift = max_j (s_ij - m_i): never below 0 for a row that has mass (so acc cannot
             # overflow), and 0 where the block is fully blocked (never exp2(−inf − (−inf))).
             blk_max = s.amax(dim=-1, keepdim=True)  # (N, G·r, 1)
@@ -348,6 +416,7 @@ def _forward_rows(
     return out, lse
 
 
+@torch.no_grad()
 def backward(
     dout: Tensor,
     q: Tensor,
@@ -376,10 +445,20 @@ def backward(
     for c in pb.chunks(pb.D + pb.Dv + 2):
         ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
         va = _augment(c.kv(v), 1.0, pb.acc)  # [v, 1]: (N, Lk, Dv+1)
-        bufs = (pb.scratch(c), pb.scratch(c))  # for p and for dp
-        for rows in pb.row_blocks():
-            dq_blk = _backward_rows(pb, c, rows, ka, va, bufs, dout, out, lse, dk, dv, dbias)
+
+        def scratch(c: _Chunk = c) -> _Scratch:
+            # p and dp blocks, and dK / dV of the chunk: each worker sums its own, added up below
+            dk_c = torch.zeros(c.n, pb.Lk, pb.D, dtype=pb.acc, device=q.device)  # (N, Lk, D)
+            dv_c = torch.zeros(c.n, pb.Lk, pb.Dv, dtype=pb.acc, device=q.device)  # (N, Lk, Dv)
+            return pb.scratch(c), pb.scratch(c), dk_c, dv_c
+
+        def rows_of(rows: tuple[int, int], st: _Scratch, c: _Chunk = c, ka: Tensor = ka, va: Tensor = va) -> None:
+            dq_blk = _backward_rows(pb, c, rows, ka, va, st, dout, out, lse, dbias)
             c.put(dq, rows, dq_blk)
+
+        for _, _, dk_c, dv_c in _each(list(pb.row_blocks()), rows_of, scratch, pb.threads(mutex=dbias is not None)):
+            c.kv(dk).add_(dk_c)  # a view of dk: the chunk's (batch, head) pairs are one run of memory
+            c.kv(dv).add_(dv_c)
     dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
@@ -391,18 +470,18 @@ def _backward_rows(
     rows: tuple[int, int],
     ka: Tensor,
     va: Tensor,
-    bufs: tuple[Tensor, Tensor],
+    st: _Scratch,
     dout: Tensor,
     out: Tensor,
     lse: Tensor,
-    dk: Tensor,
-    dv: Tensor,
     dbias: Tensor | None,
 ) -> Tensor:
-    """Gradients from one block of query rows: returns dq (N, G·r, D); adds into dk, dv, dbias.
+    """Gradients from one block of query rows: returns dq (N, G·r, D); adds into the chunk's dK and
+    dV in ``st`` (N, Lk, ·) and into dbias.
     Both shifts come out of the matmuls (see ``_Problem``): ``[q, −lse₂]·[k, 1] = s₂ − lse₂`` and
     ``[dO, −D]·[v, 1] = dp − D``."""
     D = pb.D
+    bufs, (dk, dv) = st[:2], st[2:]
     qa = pb.scaled_q(c, rows)  # (N, G·r, D+1)
     lse2 = c.rows(lse.unsqueeze(-1), rows) * LOG2E  # (N, G·r, 1), base 2
     qa[..., -1:] = torch.where(lse2 == NEG_INF, 0.0, -lse2)  # a blocked row's scores are all −inf anyway
@@ -414,20 +493,20 @@ def _backward_rows(
     dq_acc = torch.zeros((c.n, qa.shape[1], D), dtype=pb.acc, device=qa.device)
     tmp = torch.empty(c.n * pb.col_step(c) * max(D, pb.Dv), dtype=pb.acc, device=qa.device)
     for cols in pb.col_blocks(c, rows):
-        COUNTS["backward"] += 1
+        _count("backward")
         j0, j1 = cols
         p = pb.scores(c, qa, ka, rows, cols, bufs[0]).exp2_()  # p_ij = exp(s_ij - lse_i), (N, G·r, c)
         dp = bufs[1][: p.numel()].view(p.shape)  # (N, G·r, c)
         torch.bmm(doa, va[:, j0:j1].transpose(1, 2), out=dp)  # dp_ij - D_i = dO_i · v_j - D_i
         if drop:
             z = pb.dropout_scale(c, rows, cols)  # Z / (1 - p)
-            _add_bmm(c.kv(dv, cols), (p * z).transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p̃_ij dO_i
+            _add_bmm(dv[:, j0:j1], (p * z).transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p̃_ij dO_i
             dp.mul_(z).sub_(d_i)  # Z∘dp/(1-p) - D_i
         else:
-            _add_bmm(c.kv(dv, cols), p.transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p_ij dO_i
+            _add_bmm(dv[:, j0:j1], p.transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p_ij dO_i
         ds = dp.mul_(p)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
         dq_acc.baddbmm_(ds, ka[:, j0:j1, :D])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
-        _add_bmm(c.kv(dk, cols), ds.transpose(1, 2), qa[..., :D], tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
+        _add_bmm(dk[:, j0:j1], ds.transpose(1, 2), qa[..., :D], tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds)
     return dq_acc.mul_(pb.scale2 * LN2)  # scale2 · ln 2 = scale
