@@ -28,9 +28,9 @@ from .forward import dropout_keep, mm, scores_mod
 def delta_kernel(O, dO, Delta, soh, som, sdh, sdm, Lq, Dv, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Grid (cdiv(Lq, BLOCK_M)·B·Hq,). O, dO: (B·Hq, Lq, Dv) views; Delta (B·Hq, Lq) float32."""
     num_m = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0).to(tl.int64)
-    pid_m = (pid % num_m).to(tl.int32)
-    pid_bh = pid // num_m
+    pid = tl.program_id(0)
+    pid_m = pid % num_m
+    pid_bh = (pid // num_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     ok = (offs_m[:, None] < Lq) & (offs_dv[None, :] < Dv)
@@ -80,9 +80,9 @@ def dkdv_kernel(
     D) receives atomic adds when ATOMIC_DQ; dBias (float32, B, Hq, Lq, Lk) receives dS when
     BIAS_GRAD (the caller sums it over the bias's broadcast dims)."""
     num_n = tl.cdiv(Lk, BLOCK_N)
-    pid = tl.program_id(0).to(tl.int64)
-    pid_n = (pid % num_n).to(tl.int32)  # under causal the first key blocks have the most work
-    pid_bk = pid // num_n
+    pid = tl.program_id(0)
+    pid_n = pid % num_n  # under causal the first key blocks have the most work
+    pid_bk = (pid // num_n).to(tl.int64)
     Hkv = Hq // G
     b = pid_bk // Hkv
     hk = pid_bk % Hkv
@@ -213,9 +213,9 @@ def dq_kernel(
 ):
     """Grid (cdiv(Lq, BLOCK_M)·B·Hq,): dQ = scale · Σ_j dS K, deterministic (no atomics)."""
     num_m = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0).to(tl.int64)
-    pid_m = (num_m - 1 - pid % num_m).to(tl.int32)  # the longest (causal) first
-    pid_bh = pid // num_m
+    pid = tl.program_id(0)
+    pid_m = num_m - 1 - pid % num_m  # the longest (causal) first
+    pid_bh = (pid // num_m).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // G

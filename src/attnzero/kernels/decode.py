@@ -28,9 +28,9 @@ def split_kernel(
     HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log)."""
-    pid = tl.program_id(0).to(tl.int64)
-    pid_s = (pid % S).to(tl.int32)
-    pid_bk = pid // S
+    pid = tl.program_id(0)
+    pid_s = pid % S
+    pid_bk = (pid // S).to(tl.int64)
     Hkv = Hq // G
     b = pid_bk // Hkv
     hk = pid_bk % Hkv

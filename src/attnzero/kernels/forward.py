@@ -156,9 +156,9 @@ def fwd_kernel(
     # One flat grid axis (no 65535 limit on B·Hq); query blocks of a head are neighbours (they share
     # K/V in L2), the last (under causal: longest) first.
     num_m = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0).to(tl.int64)
-    pid_m = (num_m - 1 - pid % num_m).to(tl.int32)
-    pid_bh = pid // num_m
+    pid = tl.program_id(0)
+    pid_m = num_m - 1 - pid % num_m
+    pid_bh = (pid // num_m).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // G  # the key/value head this query head reads (GQA / MQA)

@@ -84,15 +84,16 @@ def unsupported_device_reason(device: torch.device) -> str | None:
 
 # Launch settings on CUDA per kernel and head-dim class (16-bit inputs, then float32 inputs whose
 # tiles take twice the registers and shared memory). Chosen for Hopper by compiling for sm_90
-# without a GPU (triton 3.6): fwd and dq use no local memory; dkdv still spills a little (≤ 128 bytes
-# per thread at D ≤ 128). Not yet timed on a GPU.
+# without a GPU (triton 3.6), preferring tiles whose products lower to Hopper's wgmma (every tile
+# dim of a product >= 64 rows) and little local memory: with 16-bit inputs at D <= 128 only dK/dV at
+# D = 128 spills (about 200 bytes per thread). Not yet timed on a GPU.
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); set TILES[...] to override.
 TILES: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
-    ("fwd", 64, False): (128, 128, 8, 3), ("fwd", 128, False): (128, 64, 8, 3), ("fwd", 256, False): (64, 32, 8, 2),
+    ("fwd", 64, False): (128, 64, 8, 3), ("fwd", 128, False): (128, 64, 8, 3), ("fwd", 256, False): (64, 32, 8, 2),
     ("fwd", 64, True): (64, 64, 4, 2), ("fwd", 128, True): (64, 32, 4, 2), ("fwd", 256, True): (32, 32, 4, 1),
-    ("dkdv", 64, False): (64, 64, 8, 3), ("dkdv", 128, False): (32, 64, 8, 2), ("dkdv", 256, False): (16, 32, 8, 2),
+    ("dkdv", 64, False): (32, 64, 8, 3), ("dkdv", 128, False): (32, 64, 8, 2), ("dkdv", 256, False): (16, 32, 8, 2),
     ("dkdv", 64, True): (16, 64, 4, 2), ("dkdv", 128, True): (16, 32, 8, 2), ("dkdv", 256, True): (16, 16, 8, 1),
-    ("dq", 64, False): (128, 32, 4, 3), ("dq", 128, False): (64, 32, 8, 3), ("dq", 256, False): (32, 16, 8, 2),
+    ("dq", 64, False): (128, 32, 8, 3), ("dq", 128, False): (64, 32, 8, 3), ("dq", 256, False): (32, 16, 8, 2),
     ("dq", 64, True): (32, 32, 4, 2), ("dq", 128, True): (32, 16, 8, 2), ("dq", 256, True): (16, 16, 8, 1),
     ("decode", 64, False): (0, 128, 4, 3), ("decode", 128, False): (0, 64, 4, 3), ("decode", 256, False): (0, 32, 4, 2),
     ("decode", 64, True): (0, 64, 4, 2), ("decode", 128, True): (0, 32, 4, 2), ("decode", 256, True): (0, 16, 4, 2),
