@@ -269,7 +269,7 @@ def run_attention(
 def _cast_keep_strides(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.is_contiguous():
         return t.detach().to(dtype).clone()
-    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype)  # same (non-contiguous) strides
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)  # same (non-contiguous) strides
     out.copy_(t.detach())
     return out
 
@@ -304,6 +304,7 @@ def check_against_golden(
     if grads:
         Dv = v.shape[-1]
         dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], Dv, dtype=torch.float64).to(dtype).to(torch.float64)
+        dout = dout.to(q.device)
     gold = run_attention("reference", torch.float64, qr, kr, vr, dout, bias=br, seed=seed, **kwargs)
     assert gold.lse.dtype == torch.float64
 

@@ -210,7 +210,7 @@ def test_deterministic_backward_is_bitwise_reproducible(monkeypatch: pytest.Monk
 
 
 def test_float64_uses_a_float64_path() -> None:
-    q, k, v = qkv(1, 2, 1, 9, 12, 8)
+    q, k, v = to_device(*qkv(1, 2, 1, 9, 12, 8))
     out, lse = az.attention(q, k, v, causal=True, backend="triton", return_lse=True)
     ref, ref_lse = az.attention(q, k, v, causal=True, backend="reference", return_lse=True)
     assert out.dtype == lse.dtype == torch.float64
