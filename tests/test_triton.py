@@ -280,7 +280,8 @@ def test_decode_not_taken_when_grad_is_needed(decode_calls: list[int]) -> None:
 
 
 def test_custom_ops_pass_opcheck() -> None:
-    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE, requires_grad=True) for n in (17, 20, 20))
+    # (B, L, H, D) storage viewed as (B, H, L, D): fakes and kernels must agree on output strides
+    q, k, v = (torch.randn(1, n, 2, 16, device=DEVICE).transpose(1, 2).requires_grad_() for n in (17, 20, 20))
     bias = torch.randn(1, 2, 17, 20, device=DEVICE, requires_grad=True)
     keep = random_keep(1, 1, 17, 20).to(DEVICE)
     args = (q, k, v, keep, bias, True, 5, -1, 0.25, 0.0, 0)
@@ -357,3 +358,16 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("  ok   ") == 3, out.stdout
+
+
+def test_auto_picks_triton_for_cuda_inputs() -> None:
+    """functional._auto on a CUDA query (a stand-in object: this machine may have no GPU)."""
+    from types import SimpleNamespace
+
+    from attnzero import functional
+
+    cuda_q = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 512, 64), device="cuda")
+    k = SimpleNamespace(shape=(1, 2, 512, 64))
+    assert functional._auto(cuda_q, k, False) == "triton"  # type: ignore[arg-type]
+    cuda_q64 = SimpleNamespace(is_cuda=True, dtype=torch.float64, shape=(1, 2, 512, 64), device="cuda")
+    assert functional._auto(cuda_q64, k, False) != "triton"  # type: ignore[arg-type]

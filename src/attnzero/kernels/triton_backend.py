@@ -245,8 +245,8 @@ def _backward(
     )
 
     # 2. dK, dV per key block (and dQ by atomics unless deterministic)
-    dk = torch.empty_like(k)  # (B, Hkv, Lk, D)
-    dv = torch.empty_like(v)  # (B, Hkv, Lk, Dv)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Hkv, Lk, D), contiguous like the fakes
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Hkv, Lk, Dv)
     atomic = not deterministic
     dq_acc = torch.zeros((B, Hq, Lq, D), dtype=torch.float32, device=q.device) if atomic else q
     dbias_full = (
@@ -267,7 +267,7 @@ def _backward(
     if atomic:
         dq = dq_acc.to(q.dtype)
     else:
-        dq = torch.empty_like(q)  # (B, Hq, Lq, D)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, Hq, Lq, D)
         cfg = _blocks("dq", D, Dv, q.dtype, q.device)
         bwd_k.dq_kernel[(triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)](
             q, k, v, dout, lse, delta, dq, mask_t, bias_t,
@@ -337,8 +337,8 @@ def triton_bwd(
 @triton_bwd.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad,  # type: ignore[no-untyped-def]
       deterministic):
-    dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
