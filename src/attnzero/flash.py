@@ -260,10 +260,13 @@ class _Problem:
     def chunks(self, per_pair: int) -> list[_Chunk]:
         return _chunks(self.B, self.Hkv, self.G, per_pair * self.Lk)
 
-    def row_blocks(self) -> Iterator[tuple[int, int]]:
+    def row_blocks(self) -> list[tuple[int, int]]:
+        """The blocks of query rows, the costliest first (under causal the last rows see the most
+        keys), so that the worker threads finish together."""
         step = _SIZES["rows"]
-        for i0 in range(0, self.Lq, step):
-            yield i0, min(self.Lq, i0 + step)
+        blocks = [(i0, min(self.Lq, i0 + step)) for i0 in range(0, self.Lq, step)]
+        ranges = [_key_range(r, self.Lq, self.Lk, self.causal, self.window) for r in blocks]
+        return [b for _, b in sorted(zip([hi - lo for lo, hi in ranges], blocks), key=lambda x: -x[0])]
 
     def col_step(self, c: _Chunk) -> int:
         """Key columns per block: forced, or enough for a score block of about ``elems`` floats."""
@@ -360,7 +363,7 @@ def forward(
             c.put(out, rows, o_blk)  # each row block writes only its own rows
             c.put(lse, rows, lse_blk)
 
-        _each(list(pb.row_blocks()), rows_of, partial(pb.scratch, c), pb.threads(mutex=False))
+        _each(pb.row_blocks(), rows_of, partial(pb.scratch, c), pb.threads(mutex=False))
     return out, lse
 
 
@@ -456,7 +459,7 @@ def backward(
             dq_blk = _backward_rows(pb, c, rows, ka, va, st, dout, out, lse, dbias)
             c.put(dq, rows, dq_blk)
 
-        for _, _, dk_c, dv_c in _each(list(pb.row_blocks()), rows_of, scratch, pb.threads(mutex=dbias is not None)):
+        for _, _, dk_c, dv_c in _each(pb.row_blocks(), rows_of, scratch, pb.threads(mutex=dbias is not None)):
             c.kv(dk).add_(dk_c)  # a view of dk: the chunk's (batch, head) pairs are one run of memory
             c.kv(dv).add_(dv_c)
     dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
