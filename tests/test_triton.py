@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import check_against_golden, qkv, random_keep
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attnzero as az
 from attnzero import dropout as az_dropout
@@ -371,3 +373,24 @@ def test_auto_picks_triton_for_cuda_inputs() -> None:
     assert functional._auto(cuda_q, k, False) == "triton"  # type: ignore[arg-type]
     cuda_q64 = SimpleNamespace(is_cuda=True, dtype=torch.float64, shape=(1, 2, 512, 64), device="cuda")
     assert functional._auto(cuda_q64, k, False) != "triton"  # type: ignore[arg-type]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    Lq=st.integers(1, 50),
+    Lk=st.integers(1, 50),
+    causal=st.booleans(),
+    left=st.one_of(st.none(), st.integers(0, 20)),
+    right=st.one_of(st.none(), st.integers(0, 20)),
+    gqa=st.sampled_from([(2, 2), (2, 1), (4, 2)]),
+    deterministic=st.booleans(),
+)
+def test_property_block_ranges(
+    monkeypatch: pytest.MonkeyPatch, Lq: int, Lk: int, causal: bool, left: int | None, right: int | None,
+    gqa: tuple[int, int], deterministic: bool,
+) -> None:
+    """Random lengths and bands against the golden: the block skipping and edge masking of every
+    kernel (16×16 tiles under the interpreter) must agree with the dense formula."""
+    monkeypatch.setattr(tb, "DETERMINISTIC", deterministic)
+    window = None if left is None and right is None else (left, right)
+    golden(F32, 1, gqa[0], gqa[1], Lq, Lk, 16, causal=causal, window=window)
