@@ -148,7 +148,7 @@ def _child(spec: dict[str, Any]) -> float:
     """Run in the subprocess: the extra peak of one case (inputs allocated before measuring)."""
     torch.manual_seed(0)
     case = Case(**spec)
-    small = Case(**{**spec, "L": 64})
+    small = Case(**{**spec, "L": min(spec["L"], 1024)})  # big enough to start every code path
     return extra_peak_mb(runner(case), warmup=runner(small))
 
 

@@ -48,14 +48,16 @@ NEG_INF = float("-inf")
 # per head in a block; ``cols``: key columns (0 = as many as make a score block of about ``elems``
 # floats); ``kv``: floats of the per-chunk copy of K and V (bounds the extra memory).
 # ``threads``: worker threads on CPU (0 = torch.get_num_threads()).
-_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 20, "kv": 1 << 21, "threads": 0}
+_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 18, "kv": 1 << 21, "threads": 0}
 
 # Blocks visited since the last reset: {"forward": n, "backward": n, "rebase": n}. Read by tests.
 COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "rebase": 0}
 
-# The fast path accepts a block when every row's sum of exp2(s - m_ref) stays below this: the
-# scores then grew by less than ~32 (base 2) over the row's reference max, far from overflow.
+# The forward's fast path accepts a block when every row's sum of exp2(s - m) stays below _LIMIT
+# (the scores grew by less than ~32, base 2, over the row's reference m: far from overflow) and,
+# for a row without mass so far, above _TINY (far from underflow).
 _LIMIT = 2.0**32
+_TINY = 2.0**-64
 
 
 @contextmanager
@@ -258,7 +260,10 @@ class _Problem:
         return _SIZES["threads"] or torch.get_num_threads()
 
     def chunks(self, per_pair: int) -> list[_Chunk]:
-        return _chunks(self.B, self.Hkv, self.G, per_pair * self.Lk)
+        """Chunks whose copies of K/V (``per_pair`` floats per position and pair) fit in
+        ``_SIZES["kv"]`` and whose score blocks can still be 512 keys wide."""
+        wide = _SIZES["elems"] // (self.G * min(_SIZES["rows"], self.Lq) * min(512, self.Lk))
+        return _chunks(self.B, self.Hkv, self.G, max(per_pair * self.Lk, _SIZES["kv"] // max(1, wide)))
 
     def row_blocks(self) -> list[tuple[int, int]]:
         """The blocks of query rows, the costliest first (under causal the last rows see the most
@@ -294,9 +299,10 @@ class _Problem:
     def scores(
         self, c: _Chunk, qa: Tensor, ka: Tensor, rows: tuple[int, int], cols: tuple[int, int], buf: Tensor
     ) -> Tensor:
-        """``s₂ + t = (scale · q kᵀ + bias) · log2 e + t`` for one block, blocked pairs −inf:
-        (N, G·r, c), from the augmented ``qa`` (N, G·r, D+1) and the chunk's ``ka`` (N, Lk, D+1),
-        written into the front of ``buf`` (see ``scratch``)."""
+        """``s₂ = (scale · q kᵀ + bias) · log2 e`` for one block, blocked pairs −inf: (N, G·r, c),
+        from the scaled queries ``qa`` (N, G·r, E) and the chunk's keys ``ka`` (N, Lk, E), written
+        into the front of ``buf`` (see ``scratch``). With the augmented ``[q, t]`` and ``[k, 1]``
+        (E = D + 1) it is ``s₂ + t``."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         s = buf[: qa.shape[0] * qa.shape[1] * nc].view(qa.shape[0], qa.shape[1], nc)  # (N, G·r, c)
         torch.bmm(qa, ka[:, cols[0] : cols[1]].transpose(1, 2), out=s)
@@ -354,12 +360,12 @@ def forward(
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=q.device)
-    for c in pb.chunks(pb.D + 1 + (pb.Dv if v.dtype != pb.acc else 0)):
-        ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
+    for c in pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv):
+        kc = c.kv(k).to(pb.acc)  # (N, Lk, D): a view unless k needs converting or was not contiguous
         vc = c.kv(v).to(pb.acc)  # (N, Lk, Dv)
 
-        def rows_of(rows: tuple[int, int], buf: Tensor, c: _Chunk = c, ka: Tensor = ka, vc: Tensor = vc) -> None:
-            o_blk, lse_blk = _forward_rows(pb, c, rows, ka, vc, buf)
+        def rows_of(rows: tuple[int, int], buf: Tensor, c: _Chunk = c, kc: Tensor = kc, vc: Tensor = vc) -> None:
+            o_blk, lse_blk = _forward_rows(pb, c, rows, kc, vc, buf)
             c.put(out, rows, o_blk)  # each row block writes only its own rows
             c.put(lse, rows, lse_blk)
 
@@ -368,48 +374,50 @@ def forward(
 
 
 def _forward_rows(
-    pb: _Problem, c: _Chunk, rows: tuple[int, int], ka: Tensor, vc: Tensor, buf: Tensor
+    pb: _Problem, c: _Chunk, rows: tuple[int, int], kc: Tensor, vc: Tensor, buf: Tensor
 ) -> tuple[Tensor, Tensor]:
     """One block of query rows against every key block it can see: (N, G·r, Dv) and (N, G·r).
 
-    The running max of MATH.md is kept lazily as a reference ``m`` per row (base 2): the scores
-    come out of the matmul already shifted by −m (``qa``'s last column), and a block whose
-    ``exp2(s - m)`` stays moderate (its row sums below ``_LIMIT``) is accumulated as it is — p may
-    exceed 1 there, which changes nothing in ``acc / l``. Only the first block of a row, or a block
-    whose scores grew far beyond m, takes the rebase step of the textbook online softmax:
-    ``shift = max_j (s_ij - m)``, ``p = exp2(s - m - shift)``, ``alpha = exp2(-shift)``,
+    The running max of MATH.md is kept lazily, as a reference ``m`` per row (base 2) that starts
+    at 0 and moves only when it must: a block whose ``p = exp2(s - m)`` stays moderate (row sums
+    below ``_LIMIT``, and above ``_TINY`` for rows that have no mass yet) is accumulated as it is —
+    p may exceed 1 there, which changes nothing in ``acc / l``. For scores of ordinary size that is
+    every block, with no max pass and no subtraction (``m`` stays 0). Otherwise the block is computed
+    again and the rows that need it are rebased as in the textbook online softmax:
+    ``shift = max_j (s_ij - m_i)``, ``p = exp2(s - m - shift)``, ``alpha = exp2(-shift)``,
     ``l = alpha·l + Σ p``, ``acc = alpha·acc + p·v``, ``m += shift``."""
-    qa = pb.scaled_q(c, rows)  # [q · scale · log2 e, −m]: (N, G·r, D+1)
-    n_rows = qa.shape[1]
-    m = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qa.device)  # reference max (base 2)
-    l = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qa.device)  # running sum
-    acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qa.device)  # unnormalised output
-    started = False  # every row has a kept key in l (so the fast path cannot underflow a new row)
+    qs = torch.mul(c.rows(pb.q, rows).to(pb.acc), pb.scale2)  # q · scale · log2 e: (N, G·r, D)
+    n_rows = qs.shape[1]
+    m = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qs.device)  # reference max (base 2)
+    l = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qs.device)  # running sum
+    acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qs.device)  # unnormalised output
+    shifted = False  # some row has m != 0
     for cols in pb.col_blocks(c, rows):
         _count("forward")
-        s = pb.scores(c, qa, ka, rows, cols, buf)  # s₂ - m: (N, G·r, c), base 2
-        fast = False
-        if started:
-            p = s.exp2_()  # p_ij = exp2(s_ij - m_i), in place
-            l_blk = p.sum(dim=-1, keepdim=True)  # (N, G·r, 1)
-            fast = bool((l_blk < _LIMIT).all())  # also False for NaN
-            if fast:
-                l.add_(l_blk)
-            else:
-                s = pb.scores(c, qa, ka, rows, cols, buf)  # overflowed: compute it again and rebase
-        if not fast:
+        s = pb.scores(c, qs, kc, rows, cols, buf)  # s₂: (N, G·r, c), base 2
+        if shifted:
+            s.sub_(m)
+        p = s.exp2_()  # p_ij = exp2(s_ij - m_i), in place
+        l_blk = p.sum(dim=-1, keepdim=True)  # (N, G·r, 1)
+        if bool(((l_blk < _LIMIT) & (l + l_blk > _TINY)).all()):  # False for NaN too
+            l.add_(l_blk)
+        else:
             _count("rebase")
-            # shift = max_j (s_ij - m_i): never below 0 for a row that has mass (so acc cannot
-            # overflow), and 0 where the block is fully blocked (never exp2(−inf − (−inf))).
-            blk_max = s.amax(dim=-1, keepdim=True)  # (N, G·r, 1)
-            shift = torch.where(l > 0, blk_max.clamp_min(0.0), torch.where(blk_max == NEG_INF, 0.0, blk_max))
+            s = pb.scores(c, qs, kc, rows, cols, buf)  # compute the block again
+            if shifted:
+                s.sub_(m)
+            # A row moves its reference when the block's max grew far past it, or when it has no
+            # mass yet and the block's max lies far below it (p would underflow); never for a
+            # row whose block is fully blocked (max −inf: no exp2(−inf − (−inf))).
+            rel = s.amax(dim=-1, keepdim=True)  # max_j (s_ij - m_i): (N, G·r, 1)
+            need = (rel > 16.0) | ((l == 0) & (rel < -16.0) & (rel > NEG_INF))
+            shift = torch.where(need, rel, 0.0)
             p = s.sub_(shift).exp2_()  # p_ij = exp2(s_ij - m_i - shift_i)
             alpha = torch.exp2(-shift)  # rescales what was accumulated so far
             l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
             acc.mul_(alpha)
             m.add_(shift)
-            qa[..., -1:].sub_(shift)  # the matmul now shifts by the new −m
-            started = bool((l > 0).all())
+            shifted = shifted or bool(need.any())
         if pb.dropout_p > 0.0:
             p = p * pb.dropout_scale(c, rows, cols)  # the normaliser l keeps every entry
         acc.baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc += p · v
