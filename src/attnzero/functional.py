@@ -60,14 +60,9 @@ def _check_triton(device: torch.device) -> None:
 def _auto(q: Tensor, k: Tensor, requires_grad: bool) -> str:
     """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements)."""
     del requires_grad
-    name = "reference"
-    try:
-        from . import flash  # noqa: F401
-
-        if q.shape[2] * k.shape[2] > 128 * 128:
-            name = "flash"
-    except ImportError:
-        pass
+    # Tiny problems: the materialised reference has the fewest ops (the flash loop's per-block
+    # overhead dominates below ~128 × 128 scores per head). Otherwise flash, on any device.
+    name = "flash" if q.shape[2] * k.shape[2] > 128 * 128 else "reference"
     if q.is_cuda and q.dtype != torch.float64 and importlib.util.find_spec("triton") is not None:
         name = "triton"  # the Triton kernels (kernels/), for every size on CUDA
     log.debug("backend='auto' chose %r for q %s, k %s on %s", name, tuple(q.shape), tuple(k.shape), q.device)
