@@ -213,6 +213,16 @@ def _all_kept(
     return ok
 
 
+def _five(t: Tensor, G: int) -> Tensor:
+    """A block (nb|1, nh·G|1, r|1, c|1) → (nb|1, nh|1, G|1, r|1, c|1), to broadcast against a
+    score block viewed per (batch, kv head, group member); a 2-D (r, c) block broadcasts as is."""
+    if t.ndim < 4:
+        return t
+    if t.shape[1] == 1:
+        return t.unsqueeze(2)
+    return t.view(t.shape[0], t.shape[1] // G, G, t.shape[2], t.shape[3])
+
+
 def _augment(x: Tensor, col: float, dtype: torch.dtype) -> Tensor:
     """(N, L, E) → (N, L, E + 1) in ``dtype`` with a last column ``col``: ``[x, col]``."""
     out = torch.empty(x.shape[0], x.shape[1], x.shape[2] + 1, dtype=dtype, device=x.device)  # (N, L, E+1)
@@ -297,18 +307,31 @@ class _Problem:
         return qa
 
     def scores(
-        self, c: _Chunk, qa: Tensor, ka: Tensor, rows: tuple[int, int], cols: tuple[int, int], buf: Tensor
+        self,
+        c: _Chunk,
+        qa: Tensor,
+        ka: Tensor,
+        rows: tuple[int, int],
+        cols: tuple[int, int],
+        buf: Tensor,
+        transposed: bool = False,
     ) -> Tensor:
         """``s₂ = (scale · q kᵀ + bias) · log2 e`` for one block, blocked pairs −inf: (N, G·r, c),
         from the scaled queries ``qa`` (N, G·r, E) and the chunk's keys ``ka`` (N, Lk, E), written
         into the front of ``buf`` (see ``scratch``). With the augmented ``[q, t]`` and ``[k, 1]``
-        (E = D + 1) it is ``s₂ + t``."""
+        (E = D + 1) it is ``s₂ + t``. ``transposed``: return sᵀ (N, c, G·r), computed as K Qᵀ."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
-        s = buf[: qa.shape[0] * qa.shape[1] * nc].view(qa.shape[0], qa.shape[1], nc)  # (N, G·r, c)
-        torch.bmm(qa, ka[:, cols[0] : cols[1]].transpose(1, 2), out=s)
-        s4 = s.view(c.b1 - c.b0, -1, r, nc)  # (nb, nh·G, r, c): one query head per slice of dim 1
+        N, GR = qa.shape[0], qa.shape[1]
+        if transposed:
+            s_t = buf[: N * GR * nc].view(N, nc, GR)  # (N, c, G·r)
+            torch.bmm(ka[:, cols[0] : cols[1]], qa.transpose(1, 2), out=s_t)
+            s = s_t.transpose(1, 2)  # (N, G·r, c), a view
+        else:
+            s = buf[: N * GR * nc].view(N, GR, nc)  # (N, G·r, c)
+            torch.bmm(qa, ka[:, cols[0] : cols[1]].transpose(1, 2), out=s)
+        s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
         if self.bias is not None:
-            s4.add_(c.heads(block_of(self.bias, rows, cols)), alpha=LOG2E)
+            s5.add_(_five(c.heads(block_of(self.bias, rows, cols)), self.G), alpha=LOG2E)
         whole = _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window)
         keep = keep_block(
             self.mask,
@@ -321,8 +344,8 @@ class _Problem:
             s.device,
         )
         if keep is not None:
-            s4.masked_fill_(c.heads(keep).logical_not(), NEG_INF)
-        return s
+            s5.masked_fill_(_five(c.heads(keep), self.G).logical_not(), NEG_INF)
+        return s.transpose(1, 2) if transposed else s
 
     def dropout_scale(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
         """Z / (1 - p) for one block, (N, G·r, c): the entries ``dropout.keep_mask`` keeps for the
@@ -503,23 +526,25 @@ def _backward_rows(
         doa[..., -1:] = -d_i
     dq_acc = torch.zeros((c.n, qa.shape[1], D), dtype=pb.acc, device=qa.device)
     tmp = torch.empty(c.n * pb.col_step(c) * max(D, pb.Dv), dtype=pb.acc, device=qa.device)
+    # The blocks are computed transposed, (N, c, G·r): then three of the four matmuls that read them
+    # (dV, dp, dK) take them as they are laid out, and only dQ reads a transposed operand.
     for cols in pb.col_blocks(c, rows):
         _count("backward")
         j0, j1 = cols
-        p = pb.scores(c, qa, ka, rows, cols, bufs[0]).exp2_()  # p_ij = exp(s_ij - lse_i), (N, G·r, c)
-        dp = bufs[1][: p.numel()].view(p.shape)  # (N, G·r, c)
-        torch.bmm(doa, va[:, j0:j1].transpose(1, 2), out=dp)  # dp_ij - D_i = dO_i · v_j - D_i
+        p_t = pb.scores(c, qa, ka, rows, cols, bufs[0], transposed=True).exp2_()  # pᵀ: p_ij = exp(s_ij - lse_i)
+        dp_t = bufs[1][: p_t.numel()].view(p_t.shape)  # (N, c, G·r)
+        torch.bmm(va[:, j0:j1], doa.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ = (v_j · dO_i - D_i)ᵀ
         if drop:
-            z = pb.dropout_scale(c, rows, cols)  # Z / (1 - p)
-            _add_bmm(dv[:, j0:j1], (p * z).transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p̃_ij dO_i
-            dp.mul_(z).sub_(d_i)  # Z∘dp/(1-p) - D_i
+            z_t = pb.dropout_scale(c, rows, cols).transpose(1, 2)  # (Z / (1 - p))ᵀ
+            _add_bmm(dv[:, j0:j1], p_t * z_t, doa[..., :-1], tmp)  # dV_j += Σ_i p̃_ij dO_i
+            dp_t.mul_(z_t).sub_(d_i.transpose(1, 2))  # Z∘dp/(1-p) - D_i
         else:
-            _add_bmm(dv[:, j0:j1], p.transpose(1, 2), doa[..., :-1], tmp)  # dV_j += Σ_i p_ij dO_i
-        ds = dp.mul_(p)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
-        dq_acc.baddbmm_(ds, ka[:, j0:j1, :D])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
-        _add_bmm(dk[:, j0:j1], ds.transpose(1, 2), qa[..., :D], tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
+            _add_bmm(dv[:, j0:j1], p_t, doa[..., :-1], tmp)  # dV_j += Σ_i p_ij dO_i
+        ds_t = dp_t.mul_(p_t)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
+        dq_acc.baddbmm_(ds_t.transpose(1, 2), ka[:, j0:j1, :D])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
+        _add_bmm(dk[:, j0:j1], ds_t, qa[..., :D], tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
         if dbias is not None:
-            _add_dbias(dbias, c, rows, cols, ds)
+            _add_dbias(dbias, c, rows, cols, ds_t.transpose(1, 2))
     return dq_acc.mul_(pb.scale2 * LN2)  # scale2 · ln 2 = scale
 
 
@@ -537,7 +562,7 @@ def _add_bmm(dst: Tensor, a: Tensor, b: Tensor, tmp: Tensor) -> None:
 
 def _add_dbias(dbias: Tensor, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int], ds: Tensor) -> None:
     """dbias += ds, summed over the dims where bias broadcasts (size 1)."""
-    ds4 = ds.view(c.b1 - c.b0, -1, rows[1] - rows[0], cols[1] - cols[0])  # (nb, nh·G, r, c)
+    ds4 = ds.reshape(c.b1 - c.b0, -1, rows[1] - rows[0], cols[1] - cols[0])  # (nb, nh·G, r, c)
     dims = [d for d in range(4) if dbias.shape[d] == 1 and ds4.shape[d] > 1]
     part = ds4.sum(dim=dims, keepdim=True) if dims else ds4
     target = c.heads(block_of(dbias, rows, cols))  # a view into dbias
