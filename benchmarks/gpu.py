@@ -352,7 +352,8 @@ def compile_check(dims: list[int], quick: bool = False) -> int:
 
                 common = {"Mask": "*u8", "Bias": ty, "Lse": "*fp32"}
                 b, w, s = blocks("fwd")
-                one(fwd_k.fwd_kernel, {"Q": ty, "K": ty, "V": ty, "Out": ty, **common}, {**flags, **b}, w, s)
+                ptrs = {"Q": ty, "K": ty, "V": ty, "Out": ty, "Out32": "*fp32", **common}
+                one(fwd_k.fwd_kernel, ptrs, {**flags, **b, "STORE_F32": full}, w, s)
                 b, w, s = blocks("dkdv")
                 ptrs = {"Q": ty, "K": ty, "V": ty, "dO": ty, "dK": ty, "dV": ty, "Delta": "*fp32", "dQacc": "*fp32",
                         "dBias": "*fp32", **common}

@@ -286,7 +286,7 @@ def test_custom_ops_pass_opcheck() -> None:
     q, k, v = (torch.randn(1, n, 2, 16, device=DEVICE).transpose(1, 2).requires_grad_() for n in (17, 20, 20))
     bias = torch.randn(1, 2, 17, 20, device=DEVICE, requires_grad=True)
     keep = random_keep(1, 1, 17, 20).to(DEVICE)
-    args = (q, k, v, keep, bias, True, 5, -1, 0.25, 0.0, 0)
+    args = (q, k, v, keep, bias, True, 5, -1, 0.25, 0.0, 0, True)
     torch.library.opcheck(tb.triton_fwd, args)
     with torch.no_grad():
         dargs = (q.detach()[:, :, :2], k.detach(), v.detach(), None, None, False, -1, -1, 0.25, 0.0, 0)

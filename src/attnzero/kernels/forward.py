@@ -143,15 +143,17 @@ def finish_rows(acc, m_i, l_i, keep_scale):
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
 def fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Bias,
+    Q, K, V, Out, Lse, Out32, Mask, Bias,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
     Hq, G, Lq, Lk, D, Dv, qk_scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, STORE_F32: tl.constexpr,
 ):
-    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32.
+    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32, and
+    with STORE_F32 the unrounded output to Out32 (B, Hq, Lq, Dv) float32, contiguous — for the
+    backward's Δ = rowsum(dO·O), which a 16-bit O would perturb by one rounding.
     Head dims have stride 1; the strides of broadcast mask/bias dims are 0."""
     # One flat grid axis (no 65535 limit on B·Hq); query blocks of a head are neighbours (they share
     # K/V in L2), the last (under causal: longest) first.
@@ -226,6 +228,9 @@ def fwd_kernel(
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=rows_ok[:, None] & dv_ok[None, :])
     tl.store(Lse + pid_bh * Lq + offs_m, lse, mask=rows_ok)
+    if STORE_F32:
+        tl.store(Out32 + (pid_bh * Lq + offs_m)[:, None] * Dv + offs_dv[None, :], out,
+                 mask=rows_ok[:, None] & dv_ok[None, :])
 
 
 def next_pow2(n: int, floor: int = 16) -> int:

@@ -172,25 +172,26 @@ def _launch_opts(cfg: dict[str, int]) -> dict[str, int]:
 
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
-    scale: float, dropout_p: float, seed: int,
-) -> tuple[Tensor, Tensor]:
+    scale: float, dropout_p: float, seed: int, keep_f32: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
+    out32 = torch.empty((B, Hq, Lq, Dv) if keep_f32 else (0,), dtype=torch.float32, device=q.device)
     flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
     cfg = _blocks("fwd", D, Dv, q.dtype, q.device)
     grid = (triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)
     fwd_k.fwd_kernel[grid](
-        q, k, v, out, lse, mask_t, bias_t,
+        q, k, v, out, lse, out32 if keep_f32 else lse, mask_t, bias_t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *_strides4(mask), *_strides4(bias),
         Hq, Hq // Hkv, Lq, Lk, D, Dv, scale * LOG2E, *scalars,
-        **_launch_opts(cfg), **flags,
+        **_launch_opts(cfg), **flags, STORE_F32=keep_f32,
     )
-    return out, lse
+    return out, lse, out32
 
 
 def _decode(
@@ -295,16 +296,18 @@ def _backward(
 @torch.library.custom_op("attnzero::triton_fwd", mutates_args=())
 def triton_fwd(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
-    scale: float, dropout_p: float, seed: int,
-) -> tuple[Tensor, Tensor]:
-    """Forward kernel: (out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32). ``left``/``right`` = -1: unbounded."""
-    return _forward(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed)
+    scale: float, dropout_p: float, seed: int, keep_f32: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward kernel: (out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32, out32). ``left``/``right`` =
+    -1: unbounded. ``keep_f32``: out32 is the float32 output (B, Hq, Lq, Dv) for the backward, else empty."""
+    return _forward(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed, keep_f32)
 
 
 @triton_fwd.register_fake
-def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type: ignore[no-untyped-def]
+def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed, keep_f32):  # type: ignore[no-untyped-def]
     B, Hq, Lq, _ = q.shape
-    return q.new_empty((B, Hq, Lq, v.shape[3])), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+    out32 = q.new_empty((B, Hq, Lq, v.shape[3]) if keep_f32 else (0,), dtype=torch.float32)
+    return q.new_empty((B, Hq, Lq, v.shape[3])), q.new_empty((B, Hq, Lq), dtype=torch.float32), out32
 
 
 @torch.library.custom_op("attnzero::triton_decode", mutates_args=())
@@ -341,22 +344,22 @@ def _(dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias)
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed, keep_f32 = inputs
+    out, lse, out32 = output
+    ctx.save_for_backward(q, k, v, out32 if keep_f32 else out, lse, mask, bias)  # Δ from the unrounded O
     ctx.args = (causal, left, right, scale, dropout_p, seed)
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
 
 
-def _backward_rule(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
-    del dlse  # lse is a by-product; its gradient is not propagated
+def _backward_rule(ctx: Any, dout: Tensor, dlse: Tensor, dout32: Tensor) -> tuple[Tensor | None, ...]:
+    del dlse, dout32  # by-products; their gradients are not propagated
     q, k, v, out, lse, mask, bias = ctx.saved_tensors
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv, dbias = triton_bwd(
         dout, q, k, v, out, lse, mask, bias, *ctx.args, ctx.bias_grad, deterministic
     )
-    return dq, dk, dv, None, (dbias if ctx.bias_grad else None), None, None, None, None, None, None
+    return dq, dk, dv, None, (dbias if ctx.bias_grad else None), None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attnzero::triton_fwd", _backward_rule, setup_context=_setup_context)
@@ -398,7 +401,9 @@ def attention(
     if Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK and rows <= DECODE_MAX_ROWS and not needs_grad:
         out, lse = triton_decode(q, k, v, *args)
     else:
-        out, lse = triton_fwd(q, k, v, *args)
+        # 16-bit outputs: keep the float32 output for the backward's Δ = rowsum(dO·O) when training
+        keep_f32 = needs_grad and q.dtype != torch.float32
+        out, lse, _ = triton_fwd(q, k, v, *args, keep_f32)
     return out, lse
 
 
