@@ -17,9 +17,11 @@ trusted inputs (``functional.py`` validated them). Under the hood:
 Inputs: float16, bfloat16 and float32 (float32 accumulation always; float32 products are IEEE
 unless ``torch.backends.cuda.matmul.allow_tf32`` is set). As in FlashAttention, P is rounded to
 the input dtype before P·V and dS before dS·K / dSᵀ·Q; when a 16-bit input requires grad the
-forward also keeps O in float32 for the backward's Δ = rowsum(dO·O). float64 is not a GPU-kernel dtype: it is
-computed by the plain-PyTorch ``flash`` backend (or ``reference`` where flash is absent), in float64,
-on the same device — the same answer, with gradients, just not by a Triton kernel.
+forward also keeps O in float32 for the backward's Δ = rowsum(dO·O).
+
+float64 is not a GPU-kernel dtype: it is computed by the plain-PyTorch ``flash`` backend (or
+``reference`` where flash is absent), in float64, on the same device — the same answer, with
+gradients, just not by a Triton kernel.
 
 A mask given as an ``az.masks.Mask`` is materialised here to a dense bool tensor (broadcast dims kept
 at size 1) and read per block; causal and window are never materialised — they drive block skipping.
