@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fwd-only", action="store_true", help="forward only")
     ap.add_argument("--causal-only", action="store_true", help="causal only")
     ap.add_argument("--full-only", action="store_true", help="full (non-causal) only")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for JSON and PNG")
+    ap.add_argument("--out", type=Path, default=Path("out/bench"), help="folder for JSON and PNG (out/ is git-ignored)")
     args = ap.parse_args(argv)
 
     lengths = args.lengths or (QUICK if args.quick else FULL)
