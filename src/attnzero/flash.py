@@ -25,6 +25,7 @@ blocked. ``COUNTS`` counts the blocks visited (for tests and curious readers).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -164,11 +165,25 @@ def _each(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], 
 
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
-            futures = [pool.submit(work) for _ in range(min(threads, len(items)))]
-            return [f.result() for f in futures]
+        helpers = [_pool(threads - 1).submit(work) for _ in range(min(threads, len(items)) - 1)]
+        mine = work()  # the calling thread is one of the workers
+        return [mine] + [f.result() for f in helpers]
     finally:
         torch.set_num_threads(before)
+
+
+_POOL: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The helper threads, started once and kept (a new process after fork starts its own)."""
+    if workers not in _POOL:
+        _POOL[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnzero-flash")
+    return _POOL[workers]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.clear)  # the parent's threads do not exist in a child
 
 
 def _chunks(B: int, Hkv: int, G: int, per_pair: int) -> list[_Chunk]:
