@@ -125,6 +125,13 @@ def test_dense_mask_with_blocked_rows(dtype: torch.dtype) -> None:
     golden(dtype, 2, 2, 1, 33, 40, 16, mask=keep.to(DEVICE), causal=dtype == F32)
 
 
+def test_strided_mask_and_bias() -> None:
+    keep = random_keep(2, 30, 21).transpose(1, 2).unsqueeze(1)  # (B, 1, Lq, Lk), column-major
+    keep[:, :, 5] = False
+    bias = torch.randn(30, 21, dtype=torch.float64).t().expand(2, 21, 30).unsqueeze(1)  # zero batch stride
+    golden(F32, 2, 2, 1, 21, 30, 16, mask=keep.to(DEVICE), bias=bias.to(DEVICE), causal=True)
+
+
 def test_key_padding_mask_and_window() -> None:
     keep = torch.tensor([[True] * 30 + [False] * 8, [True] * 12 + [False] * 26]).view(2, 1, 1, 38)
     golden(F32, 2, 2, 2, 25, 38, 16, mask=keep.to(DEVICE), window=(7, 2))
