@@ -212,7 +212,8 @@ def sweep(
         for backward in modes:
             for causal in masks:
                 mode, mask = ("fwd+bwd" if backward else "fwd"), ("causal" if causal else "full")
-                todo, skipped = [], []
+                todo: list[str] = []
+                skipped: list[str] = []
                 for impl in impls:
                     need = score_bytes(impl, B, H, L, backward)
                     (skipped if need > max_bytes else todo).append(impl)
@@ -222,8 +223,8 @@ def sweep(
                 fl = flops(B, H, L, D, causal, backward)
                 for impl in impls:
                     if impl in skipped:
-                        need = score_bytes(impl, B, H, L, backward) / 1e9
-                        rows.append(Row(impl, L, mode, mask, None, None, None, None, f"skipped: needs ~{need:.0f} GB"))
+                        gb = score_bytes(impl, B, H, L, backward) / 1e9
+                        rows.append(Row(impl, L, mode, mask, None, None, None, None, f"skipped: needs ~{gb:.0f} GB"))
                         continue
                     s = secs[impl]
                     ratio = secs["torch"] / s if "torch" in secs and impl != "torch" else None
