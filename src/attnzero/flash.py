@@ -291,14 +291,6 @@ class _Problem:
         wide = _SIZES["elems"] // (self.G * min(_SIZES["rows"], self.Lq) * min(512, self.Lk))
         return _chunks(self.B, self.Hkv, self.G, max(per_pair * self.Lk, _SIZES["kv"] // max(1, wide)))
 
-    def row_blocks(self) -> list[tuple[int, int]]:
-        """The blocks of query rows, the costliest first (under causal the last rows see the most
-        keys), so that the worker threads finish together."""
-        step = _SIZES["rows"]
-        blocks = [(i0, min(self.Lq, i0 + step)) for i0 in range(0, self.Lq, step)]
-        ranges = [_key_range(r, self.Lq, self.Lk, self.causal, self.window) for r in blocks]
-        return [b for _, b in sorted(zip([hi - lo for lo, hi in ranges], blocks), key=lambda x: -x[0])]
-
     def col_step(self, c: _Chunk) -> int:
         """Key columns per block: forced, or enough for a score block of about ``elems`` floats."""
         return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * _SIZES["rows"]))
@@ -309,11 +301,21 @@ class _Problem:
         for j0 in range(lo, hi, step):
             yield j0, min(hi, j0 + step)
 
-    def scratch(self, c: _Chunk) -> Tensor:
-        """Memory for one score block, reused by every block of the chunk (no allocation, and no
-        fresh pages to fault in, per block)."""
-        numel = c.n * self.G * min(_SIZES["rows"], self.Lq) * min(self.col_step(c), self.Lk)
+    def scratch(self, chunks: list[_Chunk]) -> Tensor:
+        """Memory for one score block of any of the chunks, reused by every block a worker
+        computes (no allocation, and no fresh pages to fault in, per block)."""
+        numel = max(c.n * self.G * min(_SIZES["rows"], self.Lq) * min(self.col_step(c), self.Lk) for c in chunks)
         return torch.empty(numel, dtype=self.acc, device=self.q.device)
+
+    def tasks(self, chunks: list[_Chunk]) -> list[tuple[int, tuple[int, int]]]:
+        """Every (chunk, block of query rows), the costliest first (under causal the last rows see
+        the most keys), so that the worker threads finish together."""
+        step = _SIZES["rows"]
+        blocks = [(i0, min(self.Lq, i0 + step)) for i0 in range(0, self.Lq, step)]
+        ranges = [_key_range(r, self.Lq, self.Lk, self.causal, self.window) for r in blocks]
+        cost = [hi - lo for lo, hi in ranges]
+        todo = [(cost[i] * c.n, ci, b) for ci, c in enumerate(chunks) for i, b in enumerate(blocks)]
+        return [(ci, b) for _, ci, b in sorted(todo, key=lambda t: -t[0])]
 
     def scaled_q(self, c: _Chunk, rows: tuple[int, int]) -> Tensor:
         """``[q · scale · log2 e, 0]`` for the block's rows, (N, G·r, D + 1), accumulator dtype;
@@ -399,16 +401,18 @@ def forward(
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=q.device)
-    for c in pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv):
-        kc = c.kv(k).to(pb.acc)  # (N, Lk, D): a view unless k needs converting or was not contiguous
-        vc = c.kv(v).to(pb.acc)  # (N, Lk, Dv)
+    chunks = pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv)
+    # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
+    kv = [(c.kv(k).to(pb.acc), c.kv(v).to(pb.acc)) for c in chunks]
 
-        def rows_of(rows: tuple[int, int], buf: Tensor, c: _Chunk = c, kc: Tensor = kc, vc: Tensor = vc) -> None:
-            o_blk, lse_blk = _forward_rows(pb, c, rows, kc, vc, buf)
-            c.put(out, rows, o_blk)  # each row block writes only its own rows
-            c.put(lse, rows, lse_blk)
+    def rows_of(task: tuple[int, tuple[int, int]], buf: Tensor) -> None:
+        ci, rows = task
+        c, (kc, vc) = chunks[ci], kv[ci]
+        o_blk, lse_blk = _forward_rows(pb, c, rows, kc, vc, buf)
+        c.put(out, rows, o_blk)  # each task writes only its own rows
+        c.put(lse, rows, lse_blk)
 
-        _each(pb.row_blocks(), rows_of, partial(pb.scratch, c), pb.threads(mutex=False))
+    _each(pb.tasks(chunks), rows_of, partial(pb.scratch, chunks), pb.threads(mutex=False))
     return out, lse
 
 
@@ -516,26 +520,28 @@ def backward(
     (or when ``bias_grad`` is False)."""
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
+    dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D), summed over the workers
     dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
     dbias = torch.zeros(bias.shape, dtype=pb.acc, device=q.device) if bias is not None and bias_grad else None
-    for c in pb.chunks(pb.D + pb.Dv + 2):
-        ka = _augment(c.kv(k), 1.0, pb.acc)  # [k, 1]: (N, Lk, D+1)
-        va = _augment(c.kv(v), 1.0, pb.acc)  # [v, 1]: (N, Lk, Dv+1)
+    chunks = pb.chunks(pb.D + pb.Dv + 2)
+    # [k, 1] (N, Lk, D+1) and [v, 1] (N, Lk, Dv+1) of each chunk
+    kv = [(_augment(c.kv(k), 1.0, pb.acc), _augment(c.kv(v), 1.0, pb.acc)) for c in chunks]
 
-        def scratch(c: _Chunk = c) -> _Scratch:
-            # p and dp blocks, and dK / dV of the chunk: each worker sums its own, added up below
-            dk_c = torch.zeros(c.n, pb.Lk, pb.D, dtype=pb.acc, device=q.device)  # (N, Lk, D)
-            dv_c = torch.zeros(c.n, pb.Lk, pb.Dv, dtype=pb.acc, device=q.device)  # (N, Lk, Dv)
-            return pb.scratch(c), pb.scratch(c), dk_c, dv_c
+    def scratch() -> _Scratch:
+        # p and dp blocks, and dK / dV: each worker sums its own, added up below
+        dk_w = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
+        dv_w = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
+        return pb.scratch(chunks), pb.scratch(chunks), dk_w, dv_w
 
-        def rows_of(rows: tuple[int, int], st: _Scratch, c: _Chunk = c, ka: Tensor = ka, va: Tensor = va) -> None:
-            dq_blk = _backward_rows(pb, c, rows, ka, va, st, dout, out, lse, dbias)
-            c.put(dq, rows, dq_blk)
+    def rows_of(task: tuple[int, tuple[int, int]], st: _Scratch) -> None:
+        ci, rows = task
+        c, (ka, va) = chunks[ci], kv[ci]
+        dq_blk = _backward_rows(pb, c, rows, ka, va, (st[0], st[1], c.kv(st[2]), c.kv(st[3])), dout, out, lse, dbias)
+        c.put(dq, rows, dq_blk)
 
-        for _, _, dk_c, dv_c in _each(pb.row_blocks(), rows_of, scratch, pb.threads(mutex=dbias is not None)):
-            c.kv(dk).add_(dk_c)  # a view of dk: the chunk's (batch, head) pairs are one run of memory
-            c.kv(dv).add_(dv_c)
+    for _, _, dk_w, dv_w in _each(pb.tasks(chunks), rows_of, scratch, pb.threads(mutex=dbias is not None)):
+        dk.add_(dk_w)
+        dv.add_(dv_w)
     dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
