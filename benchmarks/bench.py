@@ -71,7 +71,8 @@ def plot(rows: Sequence[bench.Row], path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="L", ylabel="MB", title="extra peak memory (full)")
     ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # no memory lines after --no-memory
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
