@@ -25,6 +25,7 @@ blocked. ``COUNTS`` counts the blocks visited (for tests and curious readers).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -527,8 +528,13 @@ def backward(
     # [k, 1] (N, Lk, D+1) and [v, 1] (N, Lk, Dv+1) of each chunk
     kv = [(_augment(c.kv(k), 1.0, pb.acc), _augment(c.kv(v), 1.0, pb.acc)) for c in chunks]
 
+    first = itertools.count()
+
     def scratch() -> _Scratch:
-        # p and dp blocks, and dK / dV: each worker sums its own, added up below
+        # p and dp blocks, and dK / dV: the first worker adds into dk / dv, any other one sums its
+        # own, added up below
+        if next(first) == 0:
+            return pb.scratch(chunks), pb.scratch(chunks), dk, dv
         dk_w = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
         dv_w = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
         return pb.scratch(chunks), pb.scratch(chunks), dk_w, dv_w
@@ -540,8 +546,9 @@ def backward(
         c.put(dq, rows, dq_blk)
 
     for _, _, dk_w, dv_w in _each(pb.tasks(chunks), rows_of, scratch, pb.threads(mutex=dbias is not None)):
-        dk.add_(dk_w)
-        dv.add_(dv_w)
+        if dk_w is not dk:
+            dk.add_(dk_w)
+            dv.add_(dv_w)
     dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
