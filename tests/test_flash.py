@@ -6,6 +6,7 @@ max rebase, and what backend="auto" picks."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -265,3 +266,25 @@ def test_auto_picks_reference_for_tiny_and_flash_otherwise(caplog: pytest.LogCap
         assert functional._auto(tiny, tiny, False) == "reference"
         assert functional._auto(big, big, True) == "flash"
     assert "'flash'" in caplog.text and "'reference'" in caplog.text
+
+
+def test_concurrent_calls_from_threads_are_right_and_restore_torch_threads() -> None:
+    """The worker threads set torch to 1 intra-op thread while they run: calls made at the same time
+    from several Python threads still give the right result, and torch's setting comes back."""
+    q, k, v = qkv(1, 4, 2, 600, 600, 16)
+    want, _ = reference.attention(q, k, v, causal=True, scale=0.3)
+    before = torch.get_num_threads()
+    errs: list[float] = []
+
+    def run() -> None:
+        for _ in range(3):
+            out, _ = flash.forward(q, k, v, bias=None, **options(causal=True))
+            errs.append((out - want).abs().max().item())
+
+    workers = [threading.Thread(target=run) for _ in range(3)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert len(errs) == 9 and max(errs) < 1e-12
+    assert torch.get_num_threads() == before

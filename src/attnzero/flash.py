@@ -143,12 +143,24 @@ def _each(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], 
     op — a dozen per block — and waits for all threads at the end of each; when another process
     holds a core, each of those waits can cost a scheduler time slice. Here each worker runs its
     blocks with single-threaded ops, and the threads meet only once per chunk. While the workers
-    run, torch is set to 1 intra-op thread (a process-wide setting, restored afterwards)."""
-    if threads <= 1 or len(items) <= 1:
+    run, torch is set to 1 intra-op thread (a process-wide setting, restored afterwards); so only
+    one call at a time takes this path, and a call made meanwhile from another thread runs its
+    items in order on its own thread."""
+    if threads <= 1 or len(items) <= 1 or not _THREADED.acquire(blocking=False):
         st = scratch()
         for item in items:
             fn(item, st)
         return [st]
+    try:
+        return _each_threaded(items, fn, scratch, threads)
+    finally:
+        _THREADED.release()
+
+
+_THREADED = threading.Lock()  # held while a call runs on worker threads
+
+
+def _each_threaded(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], T], threads: int) -> list[T]:
     before = torch.get_num_threads()
     todo = iter(items)
     take = threading.Lock()
