@@ -252,21 +252,14 @@ def _five(t: Tensor, G: int) -> Tensor:
     return t.view(t.shape[0], t.shape[1] // G, G, t.shape[2], t.shape[3])
 
 
-def _augment(x: Tensor, col: float, dtype: torch.dtype) -> Tensor:
-    """(N, L, E) → (N, L, E + 1) in ``dtype`` with a last column ``col``: ``[x, col]``."""
-    out = torch.empty(x.shape[0], x.shape[1], x.shape[2] + 1, dtype=dtype, device=x.device)  # (N, L, E+1)
-    out[..., :-1].copy_(x)
-    out[..., -1] = col
-    return out
-
 
 class _Problem:
     """The trusted arguments of one call, and how to read one block of scores from them.
 
-    A trick used by both passes: a per-row shift ``t_i`` is folded into the score matmul by giving
-    the queries one more column ``t_i`` and the keys one more column of ones, so that
-    ``[q_i, t_i] · [k_j, 1] = q_i · k_j + t_i`` comes out of the matmul already shifted — one pass
-    over the score block fewer."""
+    A trick used by the backward: a per-row shift ``t_i`` is folded into the score matmul as the
+    ``input`` of ``baddbmm``, broadcast along the row, so that ``q_i · k_j + t_i`` comes out of the
+    matmul already shifted — one pass over the score block fewer (and faster than giving q and k
+    one more column, which makes the matmul's inner size an awkward 65)."""
 
     def __init__(
         self,
@@ -331,11 +324,8 @@ class _Problem:
         return [(ci, b) for _, ci, b in sorted(todo, key=lambda t: -t[0])]
 
     def scaled_q(self, c: _Chunk, rows: tuple[int, int]) -> Tensor:
-        """``[q · scale · log2 e, 0]`` for the block's rows, (N, G·r, D + 1), accumulator dtype;
-        the last column holds the row's shift."""
-        qa = _augment(c.rows(self.q, rows), 0.0, self.acc)  # (N, G·r, D+1)
-        qa[..., :-1].mul_(self.scale2)
-        return qa
+        """``q · scale · log2 e`` for the block's rows, (N, G·r, D), accumulator dtype."""
+        return torch.mul(c.rows(self.q, rows).to(self.acc), self.scale2)
 
     def scores(
         self,
@@ -346,16 +336,21 @@ class _Problem:
         cols: tuple[int, int],
         buf: Tensor,
         transposed: bool = False,
+        shift: Tensor | None = None,
     ) -> Tensor:
         """``s₂ = (scale · q kᵀ + bias) · log2 e`` for one block, blocked pairs −inf: (N, G·r, c),
-        from the scaled queries ``qa`` (N, G·r, E) and the chunk's keys ``ka`` (N, Lk, E), written
-        into the front of ``buf`` (see ``scratch``). With the augmented ``[q, t]`` and ``[k, 1]``
-        (E = D + 1) it is ``s₂ + t``. ``transposed``: return sᵀ (N, c, G·r), computed as K Qᵀ."""
+        from the scaled queries ``qa`` (N, G·r, D) and the chunk's keys ``ka`` (N, Lk, D), written
+        into the front of ``buf`` (see ``scratch``). ``transposed``: return sᵀ (N, c, G·r),
+        computed as K Qᵀ; then ``shift`` (N, G·r, 1), if given, is added to every score of its row
+        (see the class docstring)."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         if transposed:
             s_t = buf[: N * GR * nc].view(N, nc, GR)  # (N, c, G·r)
-            torch.bmm(ka[:, cols[0] : cols[1]], qa.transpose(1, 2), out=s_t)
+            if shift is None:
+                torch.bmm(ka[:, cols[0] : cols[1]], qa.transpose(1, 2), out=s_t)
+            else:  # s_t = shiftᵀ (N, 1, G·r), broadcast down the columns, + K Qᵀ
+                torch.baddbmm(shift.transpose(1, 2), ka[:, cols[0] : cols[1]], qa.transpose(1, 2), out=s_t)
             s = s_t.transpose(1, 2)  # (N, G·r, c), a view
         else:
             s = buf[: N * GR * nc].view(N, GR, nc)  # (N, G·r, c)
@@ -440,7 +435,7 @@ def _forward_rows(
     — the fewest passes over the block. Whether that held is checked once, at the end (every row
     sum in (_TINY, _LIMIT), acc finite); if not, the rows are computed again by the online softmax
     of ``_forward_rows_safe``, which also serves rows that see no key."""
-    qs = torch.mul(c.rows(pb.q, rows).to(pb.acc), pb.scale2)  # q · scale · log2 e: (N, G·r, D)
+    qs = pb.scaled_q(c, rows)  # q · scale · log2 e: (N, G·r, D)
     l = torch.zeros((c.n, qs.shape[1], 1), dtype=pb.acc, device=qs.device)  # Σ_j exp2(s_ij)
     acc = torch.zeros((c.n, qs.shape[1], pb.Dv), dtype=pb.acc, device=qs.device)  # Σ_j exp2(s_ij) v_j
     for cols in pb.col_blocks(c, rows):
@@ -536,9 +531,9 @@ def backward(
     dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D), summed over the workers
     dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
     dbias = torch.zeros(bias.shape, dtype=pb.acc, device=q.device) if bias is not None and bias_grad else None
-    chunks = pb.chunks(pb.D + pb.Dv + 2)
-    # [k, 1] (N, Lk, D+1) and [v, 1] (N, Lk, Dv+1) of each chunk
-    kv = [(_augment(c.kv(k), 1.0, pb.acc), _augment(c.kv(v), 1.0, pb.acc)) for c in chunks]
+    chunks = pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv)
+    # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
+    kv = [(c.kv(k).to(pb.acc), c.kv(v).to(pb.acc)) for c in chunks]
 
     first = itertools.count()
 
@@ -553,8 +548,8 @@ def backward(
 
     def rows_of(task: tuple[int, tuple[int, int]], st: _Scratch) -> None:
         ci, rows = task
-        c, (ka, va) = chunks[ci], kv[ci]
-        dq_blk = _backward_rows(pb, c, rows, ka, va, (st[0], st[1], c.kv(st[2]), c.kv(st[3])), dout, out, lse, dbias)
+        c, (kc, vc) = chunks[ci], kv[ci]
+        dq_blk = _backward_rows(pb, c, rows, kc, vc, (st[0], st[1], c.kv(st[2]), c.kv(st[3])), dout, out, lse, dbias)
         c.put(dq, rows, dq_blk)
 
     for _, _, dk_w, dv_w in _each(pb.tasks(chunks), rows_of, scratch, pb.threads(mutex=dbias is not None)):
@@ -570,8 +565,8 @@ def _backward_rows(
     pb: _Problem,
     c: _Chunk,
     rows: tuple[int, int],
-    ka: Tensor,
-    va: Tensor,
+    kc: Tensor,
+    vc: Tensor,
     st: _Scratch,
     dout: Tensor,
     out: Tensor,
@@ -580,37 +575,35 @@ def _backward_rows(
 ) -> Tensor:
     """Gradients from one block of query rows: returns dq (N, G·r, D); adds into the chunk's dK and
     dV in ``st`` (N, Lk, ·) and into dbias.
-    Both shifts come out of the matmuls (see ``_Problem``): ``[q, −lse₂]·[k, 1] = s₂ − lse₂`` and
-    ``[dO, −D]·[v, 1] = dp − D``."""
-    D = pb.D
+    Both shifts come out of the matmuls (see ``_Problem``): ``s₂ − lse₂`` and ``dp − D``."""
     bufs, (dk, dv) = st[:2], st[2:]
-    qa = pb.scaled_q(c, rows)  # (N, G·r, D+1)
+    qs = pb.scaled_q(c, rows)  # q · scale · log2 e: (N, G·r, D)
     lse2 = c.rows(lse.unsqueeze(-1), rows) * LOG2E  # (N, G·r, 1), base 2
-    qa[..., -1:] = torch.where(lse2 == NEG_INF, 0.0, -lse2)  # a blocked row's scores are all −inf anyway
-    doa = _augment(c.rows(dout, rows), 0.0, pb.acc)  # [dO, −D]: (N, G·r, Dv+1)
-    d_i = (doa[..., :-1] * c.rows(out, rows).to(pb.acc)).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id O_id
+    neg_lse2 = torch.where(lse2 == NEG_INF, 0.0, -lse2)  # a blocked row's scores are all −inf anyway
+    do = c.rows(dout, rows).to(pb.acc)  # (N, G·r, Dv)
+    d_i = (do * c.rows(out, rows).to(pb.acc)).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id O_id: (N, G·r, 1)
+    neg_d_t = d_i.transpose(1, 2).neg()  # −Dᵀ: (N, 1, G·r)
     drop = pb.dropout_p > 0.0
-    if not drop:
-        doa[..., -1:] = -d_i
-    dq_acc = torch.zeros((c.n, qa.shape[1], D), dtype=pb.acc, device=qa.device)
-    tmp = torch.empty(c.n * pb.col_step(c) * max(D, pb.Dv), dtype=pb.acc, device=qa.device)
+    dq_acc = torch.zeros((c.n, qs.shape[1], pb.D), dtype=pb.acc, device=qs.device)
+    tmp = torch.empty(c.n * pb.col_step(c) * max(pb.D, pb.Dv), dtype=pb.acc, device=qs.device)
     # The blocks are computed transposed, (N, c, G·r): then three of the four matmuls that read them
     # (dV, dp, dK) take them as they are laid out, and only dQ reads a transposed operand.
     for cols in pb.col_blocks(c, rows):
         _count("backward")
         j0, j1 = cols
-        p_t = pb.scores(c, qa, ka, rows, cols, bufs[0], transposed=True).exp2_()  # pᵀ: p_ij = exp(s_ij - lse_i)
+        p_t = pb.scores(c, qs, kc, rows, cols, bufs[0], transposed=True, shift=neg_lse2).exp2_()  # pᵀ: exp(s - lse)
         dp_t = bufs[1][: p_t.numel()].view(p_t.shape)  # (N, c, G·r)
-        torch.bmm(va[:, j0:j1], doa.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ = (v_j · dO_i - D_i)ᵀ
         if drop:
+            torch.bmm(vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # dpᵀ = (v_j · dO_i)ᵀ
             z_t = pb.dropout_scale(c, rows, cols).transpose(1, 2)  # (Z / (1 - p))ᵀ
-            _add_bmm(dv[:, j0:j1], p_t * z_t, doa[..., :-1], tmp)  # dV_j += Σ_i p̃_ij dO_i
-            dp_t.mul_(z_t).sub_(d_i.transpose(1, 2))  # Z∘dp/(1-p) - D_i
+            _add_bmm(dv[:, j0:j1], p_t * z_t, do, tmp)  # dV_j += Σ_i p̃_ij dO_i
+            dp_t.mul_(z_t).add_(neg_d_t)  # Z∘dp/(1-p) - D_i
         else:
-            _add_bmm(dv[:, j0:j1], p_t, doa[..., :-1], tmp)  # dV_j += Σ_i p_ij dO_i
+            torch.baddbmm(neg_d_t, vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ
+            _add_bmm(dv[:, j0:j1], p_t, do, tmp)  # dV_j += Σ_i p_ij dO_i
         ds_t = dp_t.mul_(p_t)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
-        dq_acc.baddbmm_(ds_t.transpose(1, 2), ka[:, j0:j1, :D])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
-        _add_bmm(dk[:, j0:j1], ds_t, qa[..., :D], tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
+        dq_acc.baddbmm_(ds_t.transpose(1, 2), kc[:, j0:j1])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
+        _add_bmm(dk[:, j0:j1], ds_t, qs, tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds_t.transpose(1, 2))
     return dq_acc.mul_(pb.scale2 * LN2)  # scale2 · ln 2 = scale
