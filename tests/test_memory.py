@@ -34,10 +34,12 @@ def test_memory_grows_linearly_in_L(backward: bool) -> None:
 
 
 def test_the_measurement_sees_quadratic_memory() -> None:
-    """The same measurement on the reference backend, which materialises L×L, grows ~16× — so the
-    linear growth above is the backend's, not the method's blind spot."""
+    """The same measurement on the reference backend, which materialises L×L, grows towards 16× —
+    so the linear growth above is the backend's, not the method's blind spot. (The threshold sits
+    between linear, 4×, and quadratic, 16×: at L=512 the allocator's own slack is a visible part of
+    the ~20 MB measured, so the observed ratio is about 10×, not 16×.)"""
     small, large = extra("reference", 512, backward=False), extra("reference", 2048, backward=False)
-    assert large > 10.0 * small, f"reference: {small:.1f} MB at L=512, {large:.1f} MB at L=2048"
+    assert large > 8.0 * small, f"reference: {small:.1f} MB at L=512, {large:.1f} MB at L=2048"
 
 
 def test_long_sequence_memory_within_1p5x_of_torch_sdpa() -> None:
