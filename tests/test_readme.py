@@ -21,3 +21,12 @@ def test_readme_example_runs() -> None:
     assert isinstance(out, torch.Tensor) and out.shape == (2, 8, 128, 64)
     assert isinstance(y, torch.Tensor) and y.shape == (2, 10, 512)
     assert torch.isfinite(out).all() and torch.isfinite(y).all()
+
+
+def test_readme_decoding_example_runs() -> None:
+    block = next(b for b in python_blocks(README) if "KVCache" in b)
+    scope: dict[str, object] = {}
+    exec(compile(block, str(README), "exec"), scope)
+    cache, step = scope["cache"], scope["step"]
+    assert len(cache) == 21  # type: ignore[arg-type]
+    assert isinstance(step, torch.Tensor) and step.shape == (1, 1, 256)
