@@ -184,8 +184,6 @@ def test_prefill_then_decode_equals_one_causal_pass(Hq: int, Hkv: int, rope: str
 def test_chunked_prefill_float64_any_backend(backend: str) -> None:
     """Chunks of any size (chunked prefill, speculative verification) all match, in float64 to
     rounding; the long piece goes through auto's choice for long inputs too."""
-    if backend == "flash":
-        pytest.importorskip("attnzero.flash", reason="the flash backend is not in this tree yet")
     m = az.MultiHeadAttention(48, 6, 0.0, num_kv_heads=2, rope=True, backend=backend).double()  # type: ignore[arg-type]
     x = torch.randn(3, 200, 48, dtype=torch.float64)
     full = m(x, causal=True)
