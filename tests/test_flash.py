@@ -263,8 +263,8 @@ def test_auto_picks_reference_for_tiny_and_flash_otherwise(caplog: pytest.LogCap
     tiny = torch.randn(1, 1, 8, 8)
     big = torch.randn(1, 1, 512, 8)
     with caplog.at_level(logging.DEBUG, logger="attnzero"):
-        assert functional._auto(tiny, tiny, False) == "reference"
-        assert functional._auto(big, big, True) == "flash"
+        assert functional._auto(tiny, tiny) == "reference"
+        assert functional._auto(big, big) == "flash"
     assert "'flash'" in caplog.text and "'reference'" in caplog.text
 
 

@@ -377,9 +377,9 @@ def test_auto_picks_triton_for_cuda_inputs() -> None:
 
     cuda_q = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 512, 64), device="cuda")
     k = SimpleNamespace(shape=(1, 2, 512, 64))
-    assert functional._auto(cuda_q, k, False) == "triton"  # type: ignore[arg-type]
+    assert functional._auto(cuda_q, k) == "triton"  # type: ignore[arg-type]
     cuda_q64 = SimpleNamespace(is_cuda=True, dtype=torch.float64, shape=(1, 2, 512, 64), device="cuda")
-    assert functional._auto(cuda_q64, k, False) != "triton"  # type: ignore[arg-type]
+    assert functional._auto(cuda_q64, k) != "triton"  # type: ignore[arg-type]
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

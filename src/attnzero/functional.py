@@ -57,9 +57,10 @@ def _check_triton(device: torch.device) -> None:
         raise ValueError(f"backend: {reason}")
 
 
-def _auto(q: Tensor, k: Tensor, requires_grad: bool) -> str:
-    """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements)."""
-    del requires_grad
+def _auto(q: Tensor, k: Tensor) -> str:
+    """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements).
+    Whether gradients are needed does not change the choice: the triton backend itself takes its
+    split-KV decode path only when no input requires grad."""
     # Tiny problems: the materialised reference has the fewest ops (the flash loop's per-block
     # overhead dominates below ~128 × 128 scores per head). Otherwise flash, on any device.
     name = "flash" if q.shape[2] * k.shape[2] > 128 * 128 else "reference"
@@ -118,8 +119,7 @@ def attention(
     want_lse = checks.flag("return_lse", return_lse)
 
     if name == "auto":
-        grad = any(t is not None and t.requires_grad for t in (q, k, v, add))
-        name = _auto(q, k, grad)
+        name = _auto(q, k)
     if name == "triton":
         _check_triton(q.device)
     seed = dropout.draw_seed(q.device) if p > 0.0 else 0
