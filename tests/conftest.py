@@ -9,6 +9,7 @@ max-abs differences against the golden. NaN never passes.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import zlib
@@ -60,6 +61,21 @@ def _seed(request: pytest.FixtureRequest) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The tolerance rule
+
+
+def absent(message: str) -> None:
+    """A dependency is missing: skip on a user's machine, but fail under CI (which installs every
+    extra and Chromium), so a broken install step can never pass as a skip."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def need(*modules: str) -> None:
+    """Python modules of the ``hf`` extra that a test needs (see ``absent``)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        absent(f"not installed: {', '.join(missing)} (pip install -e '.[hf]')")
 
 
 def max_err(x: torch.Tensor, golden: torch.Tensor) -> float:

@@ -9,31 +9,25 @@ machine; under CI=true (where .ci/run installs chromium and chromium-driver) tha
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import absent
 
 from attnzero import viz
-
-
-def _absent(message: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 def _browser() -> tuple[str, str]:
     """Paths of the Chromium binary and its driver (Debian: chromium, chromium-driver)."""
     if importlib.util.find_spec("selenium") is None:
-        _absent("selenium is not installed (pip install -e '.[hf]')")
+        absent("selenium is not installed (pip install -e '.[hf]')")
     binary = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
     driver = shutil.which("chromedriver")
     if binary is None or driver is None:
-        _absent("Chromium and its driver are not installed (apt-get install chromium chromium-driver)")
+        absent("Chromium and its driver are not installed (apt-get install chromium chromium-driver)")
     assert binary is not None and driver is not None
     return binary, driver
 

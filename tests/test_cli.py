@@ -10,20 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import need
 
 from attnzero import cli, functional, selfcheck
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-def need(*modules: str) -> None:
-    """Skip when a module is absent on a user's machine; under CI (which installs the hf extra) fail."""
-    absent = [m for m in modules if importlib.util.find_spec(m) is None]
-    if absent:
-        message = f"not installed: {', '.join(absent)} (pip install -e '.[hf]')"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def test_python_m_attnzero_and_the_installed_command_list_the_commands() -> None:

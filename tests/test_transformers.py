@@ -8,25 +8,15 @@ key length), output_attentions. Nothing is downloaded: HF_HUB_OFFLINE=1.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import sys
 
 import pytest
 import torch
+from conftest import need
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-def need(*modules: str) -> None:
-    """Skip when a module is absent on a user's machine; under CI (which installs the hf extra) fail."""
-    absent = [m for m in modules if importlib.util.find_spec(m) is None]
-    if absent:
-        message = f"not installed: {', '.join(absent)} (pip install -e '.[hf]')"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 need("transformers")
