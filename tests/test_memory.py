@@ -25,12 +25,14 @@ def extra(impl: str, L: int, *, backward: bool, causal: bool = False, H: int = 4
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
 def test_memory_grows_linearly_in_L(backward: bool) -> None:
-    """4× the length → at most ~4× the extra memory (quadratic would be 16×); and at L = 4096 the
-    extra memory is a fraction of what the L×L scores alone would take."""
-    small, large = extra("flash", 1024, backward=backward), extra("flash", 4096, backward=backward)
-    assert large < 6.0 * max(small, 1.0), f"extra peak {small:.1f} MB at L=1024 but {large:.1f} MB at L=4096"
-    scores_mb = 4 * 4096 * 4096 * 4 / 2**20  # float32 (B=1, H=4, L, L): 256 MB
-    assert large < 0.5 * scores_mb, f"extra peak {large:.1f} MB at L=4096"
+    """8× the length → about 8× the extra memory at most (quadratic would be 64×; the bar, 24×, sits
+    between the two, because a few MB of allocator slack at L=1024 make the measured ratio noisy —
+    forward+backward measured 4–10 MB there and ~52 MB at L=8192); and at L = 8192 the extra memory
+    is a small fraction of what the L×L scores alone would take."""
+    small, large = extra("flash", 1024, backward=backward), extra("flash", 8192, backward=backward)
+    assert large < 24.0 * max(small, 1.0), f"extra peak {small:.1f} MB at L=1024 but {large:.1f} MB at L=8192"
+    scores_mb = 4 * 8192 * 8192 * 4 / 2**20  # float32 (B=1, H=4, L, L): 1024 MB
+    assert large < 0.25 * scores_mb, f"extra peak {large:.1f} MB at L=8192"
 
 
 def test_the_measurement_sees_quadratic_memory() -> None:
@@ -39,7 +41,9 @@ def test_the_measurement_sees_quadratic_memory() -> None:
     between linear, 4×, and quadratic, 16×: at L=512 the allocator's own slack is a visible part of
     the ~20 MB measured, so the observed ratio is about 10×, not 16×.)"""
     small, large = extra("reference", 512, backward=False), extra("reference", 2048, backward=False)
-    assert large > 8.0 * small, f"reference: {small:.1f} MB at L=512, {large:.1f} MB at L=2048"
+    scores_mb = 4 * 2048 * 2048 * 4 / 2**20  # float32 (B=1, H=4, L, L): 64 MB, held several times
+    assert large > 2.0 * scores_mb, f"reference: {large:.1f} MB at L=2048"
+    assert large > 6.0 * small, f"reference: {small:.1f} MB at L=512, {large:.1f} MB at L=2048"
 
 
 def test_long_sequence_memory_within_1p5x_of_torch_sdpa() -> None:
