@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import dropout_keep, mm, scores_mod
+from .forward import dropout_keep, key_blocks, mm, scores_mod
 
 
 @triton.jit
@@ -240,24 +240,7 @@ def dq_kernel(
     pos = offs_m + off
 
     # The same key ranges as fwd_kernel.
-    p_min = m0 + off
-    p_max = tl.minimum(m0 + BLOCK_M, Lq) - 1 + off
-    lo = 0
-    hi = Lk
-    if HAS_LEFT:
-        lo = tl.maximum(p_min - left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(tl.maximum(p_max + right + 1, 0), Lk)
-    start = lo // BLOCK_N
-    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
-    f_lo = start
-    if HAS_LEFT:
-        f_lo = tl.maximum(start, (tl.maximum(p_max - left, 0) + BLOCK_N - 1) // BLOCK_N)
-    f_hi = tl.minimum(end, Lk // BLOCK_N)
-    if HAS_RIGHT:
-        f_hi = tl.minimum(f_hi, tl.maximum(p_min + right + 1, 0) // BLOCK_N)
-    f_lo = tl.minimum(f_lo, end)
-    f_hi = tl.maximum(f_hi, f_lo)
+    start, f_lo, f_hi, end = key_blocks(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for nb in range(start, f_lo):

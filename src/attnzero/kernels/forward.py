@@ -141,6 +141,34 @@ def finish_rows(acc, m_i, l_i, keep_scale):
     return out, lse
 
 
+@triton.jit
+def key_blocks(
+    m0, Lq, Lk, off, left, right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """Key blocks ``[start, end)`` that query rows ``[m0, m0 + BLOCK_M)`` (at positions ``+ off``)
+    can see, and within them ``[f_lo, f_hi)``, the blocks that need no range checks."""
+    p_min = m0 + off
+    p_max = tl.minimum(m0 + BLOCK_M, Lq) - 1 + off
+    lo = 0
+    hi = Lk
+    if HAS_LEFT:
+        lo = tl.maximum(p_min - left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(p_max + right + 1, 0), Lk)
+    start = lo // BLOCK_N
+    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
+    f_lo = start
+    if HAS_LEFT:
+        f_lo = tl.maximum(start, (tl.maximum(p_max - left, 0) + BLOCK_N - 1) // BLOCK_N)
+    f_hi = tl.minimum(end, Lk // BLOCK_N)
+    if HAS_RIGHT:
+        f_hi = tl.minimum(f_hi, tl.maximum(p_min + right + 1, 0) // BLOCK_N)
+    f_lo = tl.minimum(f_lo, end)
+    f_hi = tl.maximum(f_hi, f_lo)
+    return start, f_lo, f_hi, end
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
 def fwd_kernel(
     Q, K, V, Out, Lse, Out32, Mask, Bias,
@@ -183,24 +211,7 @@ def fwd_kernel(
     drop_rows = pid_bh * Lq + offs_m  # (BLOCK_M,) int64 dropout counters / Lk
 
     # The key range this block can see, and the part of it that needs no range checks.
-    p_min = m0 + off
-    p_max = tl.minimum(m0 + BLOCK_M, Lq) - 1 + off
-    lo = 0
-    hi = Lk
-    if HAS_LEFT:
-        lo = tl.maximum(p_min - left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(tl.maximum(p_max + right + 1, 0), Lk)
-    start = lo // BLOCK_N
-    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
-    f_lo = start
-    if HAS_LEFT:
-        f_lo = tl.maximum(start, (tl.maximum(p_max - left, 0) + BLOCK_N - 1) // BLOCK_N)
-    f_hi = tl.minimum(end, Lk // BLOCK_N)
-    if HAS_RIGHT:
-        f_hi = tl.minimum(f_hi, tl.maximum(p_min + right + 1, 0) // BLOCK_N)
-    f_lo = tl.minimum(f_lo, end)
-    f_hi = tl.maximum(f_hi, f_lo)
+    start, f_lo, f_hi, end = key_blocks(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
