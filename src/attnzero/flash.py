@@ -26,20 +26,20 @@ blocked. ``COUNTS`` counts the blocks visited (for tests and curious readers).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from . import dropout
-from .masks import Mask, block_of, keep_block
+from .masks import Mask, block_of, keep_block, window_keep
 from .reference import accum_dtype
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
@@ -118,9 +118,14 @@ class _Chunk:
         x = t[self.b0 : self.b1, self.n0 * self.G : self.n1 * self.G, rows[0] : rows[1]]  # (nb, nh·G, r, E)
         return x.reshape(self.n, -1, x.shape[-1])  # (N, G·r, E)
 
+    def block(self, dst: Tensor, rows: tuple[int, int]) -> Tensor:
+        """The chunk's rows ``rows`` of dst (B, Hq, Lq, ...), a view (nb, nh·G, r, ...): an
+        (N, G·r, ...) block viewed to this shape lines up with it."""
+        return dst[self.b0 : self.b1, self.n0 * self.G : self.n1 * self.G, rows[0] : rows[1]]
+
     def put(self, dst: Tensor, rows: tuple[int, int], src: Tensor) -> None:
         """Write (N, G·r, ...) back into rows ``rows`` of dst (B, Hq, Lq, ...)."""
-        view = dst[self.b0 : self.b1, self.n0 * self.G : self.n1 * self.G, rows[0] : rows[1]]  # (nb, nh·G, r, ...)
+        view = self.block(dst, rows)  # (nb, nh·G, r, ...)
         view.copy_(src.reshape(view.shape))
 
 
@@ -130,8 +135,27 @@ def _count(key: str) -> None:
 
 
 _LOCK = threading.Lock()
-_Scratch = tuple[Tensor, ...]
 T = TypeVar("T")
+
+
+class _Arena:
+    """One worker's scratch memory: named buffers reused by every block it computes, so that a
+    block allocates nothing and touches no fresh pages (a fresh large allocation costs page faults,
+    about as much as a pass over it)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.bufs: dict[str, Tensor] = {}
+
+    def get(self, name: str, *shape: int) -> Tensor:
+        """A tensor of ``shape`` (contents undefined) in the buffer ``name``."""
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self.bufs.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self.bufs[name] = torch.empty(n, dtype=self.dtype, device=self.device)
+        return buf[:n].view(shape)
 
 
 def _each(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], T], threads: int) -> list[T]:
@@ -282,6 +306,7 @@ class _Problem:
         self.mask, self.bias, self.causal, self.window = mask, bias, causal, window
         self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
+        self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
 
     def threads(self, mutex: bool) -> int:
         """Worker threads for the row blocks of a chunk: torch's thread count on CPU; 1 on other
@@ -307,11 +332,9 @@ class _Problem:
         for j0 in range(lo, hi, step):
             yield j0, min(hi, j0 + step)
 
-    def scratch(self, chunks: list[_Chunk]) -> Tensor:
-        """Memory for one score block of any of the chunks, reused by every block a worker
-        computes (no allocation, and no fresh pages to fault in, per block)."""
-        numel = max(c.n * self.G * min(_SIZES["rows"], self.Lq) * min(self.col_step(c), self.Lk) for c in chunks)
-        return torch.empty(numel, dtype=self.acc, device=self.q.device)
+    def arena(self) -> _Arena:
+        """A worker's scratch memory (see ``_Arena``)."""
+        return _Arena(self.acc, self.q.device)
 
     def tasks(self, chunks: list[_Chunk]) -> list[tuple[int, tuple[int, int]]]:
         """Every (chunk, block of query rows), the costliest first (under causal the last rows see
@@ -323,9 +346,39 @@ class _Problem:
         todo = [(cost[i] * c.n, ci, b) for ci, c in enumerate(chunks) for i, b in enumerate(blocks)]
         return [(ci, b) for _, ci, b in sorted(todo, key=lambda t: -t[0])]
 
-    def scaled_q(self, c: _Chunk, rows: tuple[int, int]) -> Tensor:
+    def scaled_q(self, c: _Chunk, rows: tuple[int, int], ar: _Arena) -> Tensor:
         """``q · scale · log2 e`` for the block's rows, (N, G·r, D), accumulator dtype."""
-        return torch.mul(c.rows(self.q, rows).to(self.acc), self.scale2)
+        x = c.rows(self.q, rows)  # (N, G·r, D)
+        qs = ar.get("q", *x.shape)
+        if x.dtype == self.acc:
+            return torch.mul(x, self.scale2, out=qs)
+        return qs.copy_(x).mul_(self.scale2)  # convert first: the product is taken in float32
+
+    def edge(self, rows: tuple[int, int], cols: tuple[int, int], transposed: bool) -> Tensor | None:
+        """Causal / window of one block as an additive 0 / −inf tile, (G·r, c) (transposed: (c, G·r)),
+        the G query heads of a group stacked as in the score block; None when they keep the whole
+        block. It enters the score matmul as ``baddbmm``'s input, so masking costs no pass of its
+        own. Whether pair (i, j) is kept depends only on ``j - i`` and the block's offset
+        ``delta = c0 - (r0 + Lk - Lq)``, so blocks with the same (r, c, delta) share one tile."""
+        if _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window):
+            return None
+        r, nc = rows[1] - rows[0], cols[1] - cols[0]
+        delta = cols[0] - rows[0] - (self.Lk - self.Lq)
+        key = (r, nc, delta, transposed)
+        tile = self._edges.get(key)
+        if tile is None:
+            dev = self.q.device
+            # key position − query position of every pair: (r, c)
+            ahead = torch.arange(nc, device=dev) - torch.arange(r, device=dev).view(-1, 1) + delta
+            keep = window_keep(torch.zeros((), dtype=torch.long, device=dev), ahead, self.window or (None, None))
+            if self.causal:
+                keep = keep & (ahead <= 0)
+            tile = torch.zeros((r, nc), dtype=self.acc, device=dev).masked_fill_(~keep, NEG_INF)
+            tile = tile.repeat(self.G, 1)  # (G·r, c): one copy per query head of the group
+            tile = tile.t().contiguous() if transposed else tile  # (c, G·r)
+            if len(self._edges) < 16:  # a handful of offsets recur; hold at most 16 tiles
+                self._edges[key] = tile
+        return tile
 
     def scores(
         self,
@@ -334,43 +387,46 @@ class _Problem:
         ka: Tensor,
         rows: tuple[int, int],
         cols: tuple[int, int],
-        buf: Tensor,
+        ar: _Arena,
+        name: str = "s",
         transposed: bool = False,
         shift: Tensor | None = None,
     ) -> Tensor:
         """``s₂ = (scale · q kᵀ + bias) · log2 e`` for one block, blocked pairs −inf: (N, G·r, c),
         from the scaled queries ``qa`` (N, G·r, D) and the chunk's keys ``ka`` (N, Lk, D), written
-        into the front of ``buf`` (see ``scratch``). ``transposed``: return sᵀ (N, c, G·r),
-        computed as K Qᵀ; then ``shift`` (N, G·r, 1), if given, is added to every score of its row
-        (see the class docstring)."""
+        into the arena's buffer ``name``. ``transposed``: return sᵀ (N, c, G·r), computed as K Qᵀ;
+        then ``shift`` (N, G·r, 1), if given, is added to every score of its row (see the class
+        docstring)."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
+        kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
+        edge = self.edge(rows, cols, transposed)  # (G·r, c) or (c, G·r), 0 / −inf
         if transposed:
-            s_t = buf[: N * GR * nc].view(N, nc, GR)  # (N, c, G·r)
-            if shift is None:
-                torch.bmm(ka[:, cols[0] : cols[1]], qa.transpose(1, 2), out=s_t)
-            else:  # s_t = shiftᵀ (N, 1, G·r), broadcast down the columns, + K Qᵀ
-                torch.baddbmm(shift.transpose(1, 2), ka[:, cols[0] : cols[1]], qa.transpose(1, 2), out=s_t)
+            s_t = ar.get(name, N, nc, GR)  # (N, c, G·r)
+            # shiftᵀ (N, 1, G·r) and the edge (c, G·r) broadcast down the columns / over N
+            add = shift.transpose(1, 2) if shift is not None else None
+            if add is not None and edge is not None:
+                torch.add(add, edge, out=s_t).baddbmm_(kb, qa.transpose(1, 2))
+            elif add is not None:
+                torch.baddbmm(add, kb, qa.transpose(1, 2), out=s_t)
+            elif edge is not None:
+                torch.baddbmm(edge, kb, qa.transpose(1, 2), out=s_t)
+            else:
+                torch.bmm(kb, qa.transpose(1, 2), out=s_t)
             s = s_t.transpose(1, 2)  # (N, G·r, c), a view
         else:
-            s = buf[: N * GR * nc].view(N, GR, nc)  # (N, G·r, c)
-            torch.bmm(qa, ka[:, cols[0] : cols[1]].transpose(1, 2), out=s)
-        s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
-        if self.bias is not None:
-            s5.add_(_five(c.heads(block_of(self.bias, rows, cols)), self.G), alpha=LOG2E)
-        whole = _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window)
-        keep = keep_block(
-            self.mask,
-            self.causal and not whole,
-            None if whole else self.window,
-            self.Lq,
-            self.Lk,
-            rows,
-            cols,
-            s.device,
-        )
-        if keep is not None:
-            s5.masked_fill_(_five(c.heads(keep), self.G).logical_not(), NEG_INF)
+            s = ar.get(name, N, GR, nc)  # (N, G·r, c)
+            if edge is not None:
+                torch.baddbmm(edge, qa, kb.transpose(1, 2), out=s)
+            else:
+                torch.bmm(qa, kb.transpose(1, 2), out=s)
+        if self.bias is not None or self.mask is not None:
+            s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
+            if self.bias is not None:
+                s5.add_(_five(c.heads(block_of(self.bias, rows, cols)), self.G), alpha=LOG2E)
+            keep = keep_block(self.mask, False, None, self.Lq, self.Lk, rows, cols, s.device)
+            if keep is not None:
+                s5.masked_fill_(_five(c.heads(keep), self.G).logical_not(), NEG_INF)
         return s.transpose(1, 2) if transposed else s
 
     def dropout_scale(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
@@ -413,21 +469,19 @@ def forward(
     # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
     kv = [(c.kv(k).to(pb.acc), c.kv(v).to(pb.acc)) for c in chunks]
 
-    def rows_of(task: tuple[int, tuple[int, int]], buf: Tensor) -> None:
+    def rows_of(task: tuple[int, tuple[int, int]], ar: _Arena) -> None:
         ci, rows = task
         c, (kc, vc) = chunks[ci], kv[ci]
-        o_blk, lse_blk = _forward_rows(pb, c, rows, kc, vc, buf)
-        c.put(out, rows, o_blk)  # each task writes only its own rows
-        c.put(lse, rows, lse_blk)
+        _forward_rows(pb, c, rows, kc, vc, ar, out, lse)  # each task writes only its own rows
 
-    _each(pb.tasks(chunks), rows_of, partial(pb.scratch, chunks), pb.threads(mutex=False))
+    _each(pb.tasks(chunks), rows_of, pb.arena, pb.threads(mutex=False))
     return out, lse
 
 
 def _forward_rows(
-    pb: _Problem, c: _Chunk, rows: tuple[int, int], kc: Tensor, vc: Tensor, buf: Tensor
-) -> tuple[Tensor, Tensor]:
-    """One block of query rows against every key block it can see: (N, G·r, Dv) and (N, G·r).
+    pb: _Problem, c: _Chunk, rows: tuple[int, int], kc: Tensor, vc: Tensor, ar: _Arena, out: Tensor, lse: Tensor
+) -> None:
+    """One block of query rows against every key block it can see; writes its rows of out and lse.
 
     First without any max at all: for scores of ordinary size (|s| well below 100 in base 2),
     ``p = exp2(s)`` neither overflows nor underflows, and ``acc / l`` is the same whatever common
@@ -435,27 +489,39 @@ def _forward_rows(
     — the fewest passes over the block. Whether that held is checked once, at the end (every row
     sum in (_TINY, _LIMIT), acc finite); if not, the rows are computed again by the online softmax
     of ``_forward_rows_safe``, which also serves rows that see no key."""
-    qs = pb.scaled_q(c, rows)  # q · scale · log2 e: (N, G·r, D)
-    l = torch.zeros((c.n, qs.shape[1], 1), dtype=pb.acc, device=qs.device)  # Σ_j exp2(s_ij)
-    acc = torch.zeros((c.n, qs.shape[1], pb.Dv), dtype=pb.acc, device=qs.device)  # Σ_j exp2(s_ij) v_j
+    qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e: (N, G·r, D)
+    l = ar.get("l", c.n, qs.shape[1], 1).zero_()  # Σ_j exp2(s_ij): (N, G·r, 1)
+    acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # Σ_j exp2(s_ij) v_j: (N, G·r, Dv)
     for cols in pb.col_blocks(c, rows):
         _count("forward")
-        p = pb.scores(c, qs, kc, rows, cols, buf).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
+        p = pb.scores(c, qs, kc, rows, cols, ar).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
         l.add_(p.sum(dim=-1, keepdim=True))
         if pb.dropout_p > 0.0:
             p = p * pb.dropout_scale(c, rows, cols)  # the normaliser l keeps every entry
         acc.baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc += p · v
-    if not bool(((l > _TINY) & (l < _LIMIT)).all() and torch.isfinite(acc).all()):  # False for NaN too
+    # One small read-back: the smallest and largest row sum (NaN if any is) and the sum of acc
+    # (not finite if any entry is; an overflow of the sum alone just takes the safe path).
+    lo, hi, total = torch.stack((*torch.aminmax(l), acc.sum())).tolist()
+    if not (_TINY < lo and hi < _LIMIT and math.isfinite(total)):  # False for NaN too
         _count("rebase")
-        return _forward_rows_safe(pb, c, rows, qs, kc, vc, buf)
-    out = acc.div_(l)  # O = acc / l
-    lse = (torch.log2(l) * LN2).squeeze(-1)  # natural log: (N, G·r)
-    return out, lse
+        _forward_rows_safe(pb, c, rows, qs, kc, vc, ar, out, lse)
+        return
+    o = c.block(out, rows)  # (nb, nh·G, r, Dv), a view
+    torch.div(acc.view(o.shape), l.view(*o.shape[:-1], 1), out=o)  # O = acc / l
+    c.put(lse, rows, (torch.log2(l) * LN2).squeeze(-1))  # natural log: (N, G·r)
 
 
 def _forward_rows_safe(
-    pb: _Problem, c: _Chunk, rows: tuple[int, int], qs: Tensor, kc: Tensor, vc: Tensor, buf: Tensor
-) -> tuple[Tensor, Tensor]:
+    pb: _Problem,
+    c: _Chunk,
+    rows: tuple[int, int],
+    qs: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    ar: _Arena,
+    out: Tensor,
+    lse: Tensor,
+) -> None:
     """The rows of ``_forward_rows`` by the online softmax, for scores of any size.
 
     The running max of MATH.md is kept lazily, as a reference ``m`` per row (base 2) that starts
@@ -472,7 +538,7 @@ def _forward_rows_safe(
     acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qs.device)  # unnormalised output
     shifted = False  # some row has m != 0
     for cols in pb.col_blocks(c, rows):
-        s = pb.scores(c, qs, kc, rows, cols, buf)  # s₂: (N, G·r, c), base 2
+        s = pb.scores(c, qs, kc, rows, cols, ar)  # s₂: (N, G·r, c), base 2
         if shifted:
             s.sub_(m)
         p = s.exp2_()  # p_ij = exp2(s_ij - m_i), in place
@@ -481,7 +547,7 @@ def _forward_rows_safe(
             l.add_(l_blk)
         else:
             _count("shift")
-            s = pb.scores(c, qs, kc, rows, cols, buf)  # compute the block again
+            s = pb.scores(c, qs, kc, rows, cols, ar)  # compute the block again
             if shifted:
                 s.sub_(m)
             # A row moves its reference when the block's max grew far past it, or when it has no
@@ -500,9 +566,9 @@ def _forward_rows_safe(
             p = p * pb.dropout_scale(c, rows, cols)  # the normaliser l keeps every entry
         acc.baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc += p · v
     # O = acc / l and lse = (m + log2 l) · ln 2; rows with l = 0 saw no key: 0 and −inf.
-    out = acc.div_(torch.where(l > 0, l, 1.0))
-    lse = torch.where(l > 0, (m + torch.log2(l)) * LN2, NEG_INF).squeeze(-1)  # (N, G·r)
-    return out, lse
+    o = c.block(out, rows)  # (nb, nh·G, r, Dv), a view
+    torch.div(acc.view(o.shape), torch.where(l > 0, l, 1.0).view(*o.shape[:-1], 1), out=o)
+    c.put(lse, rows, torch.where(l > 0, (m + torch.log2(l)) * LN2, NEG_INF).squeeze(-1))  # (N, G·r)
 
 
 @torch.no_grad()
@@ -537,22 +603,20 @@ def backward(
 
     first = itertools.count()
 
-    def scratch() -> _Scratch:
-        # p and dp blocks, and dK / dV: the first worker adds into dk / dv, any other one sums its
-        # own, added up below
+    def scratch() -> tuple[_Arena, Tensor, Tensor]:
+        # the first worker adds into dk / dv, any other one sums its own, added up below
         if next(first) == 0:
-            return pb.scratch(chunks), pb.scratch(chunks), dk, dv
+            return pb.arena(), dk, dv
         dk_w = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
         dv_w = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
-        return pb.scratch(chunks), pb.scratch(chunks), dk_w, dv_w
+        return pb.arena(), dk_w, dv_w
 
-    def rows_of(task: tuple[int, tuple[int, int]], st: _Scratch) -> None:
+    def rows_of(task: tuple[int, tuple[int, int]], st: tuple[_Arena, Tensor, Tensor]) -> None:
         ci, rows = task
-        c, (kc, vc) = chunks[ci], kv[ci]
-        dq_blk = _backward_rows(pb, c, rows, kc, vc, (st[0], st[1], c.kv(st[2]), c.kv(st[3])), dout, out, lse, dbias)
-        c.put(dq, rows, dq_blk)
+        c, (kc, vc), (ar, dk_w, dv_w) = chunks[ci], kv[ci], st
+        _backward_rows(pb, c, rows, kc, vc, ar, c.kv(dk_w), c.kv(dv_w), dout, out, lse, dq, dbias)
 
-    for _, _, dk_w, dv_w in _each(pb.tasks(chunks), rows_of, scratch, pb.threads(mutex=dbias is not None)):
+    for _, dk_w, dv_w in _each(pb.tasks(chunks), rows_of, scratch, pb.threads(mutex=dbias is not None)):
         if dk_w is not dk:
             dk.add_(dk_w)
             dv.add_(dv_w)
@@ -567,58 +631,65 @@ def _backward_rows(
     rows: tuple[int, int],
     kc: Tensor,
     vc: Tensor,
-    st: _Scratch,
+    ar: _Arena,
+    dk: Tensor,
+    dv: Tensor,
     dout: Tensor,
     out: Tensor,
     lse: Tensor,
+    dq: Tensor,
     dbias: Tensor | None,
-) -> Tensor:
-    """Gradients from one block of query rows: returns dq (N, G·r, D); adds into the chunk's dK and
-    dV in ``st`` (N, Lk, ·) and into dbias.
+) -> None:
+    """Gradients from one block of query rows: writes its rows of dq; adds into the chunk's dK and
+    dV (N, Lk, ·) and into dbias.
     Both shifts come out of the matmuls (see ``_Problem``): ``s₂ − lse₂`` and ``dp − D``."""
-    bufs, (dk, dv) = st[:2], st[2:]
-    qs = pb.scaled_q(c, rows)  # q · scale · log2 e: (N, G·r, D)
+    qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e: (N, G·r, D)
+    N, GR = qs.shape[0], qs.shape[1]
     lse2 = c.rows(lse.unsqueeze(-1), rows) * LOG2E  # (N, G·r, 1), base 2
     neg_lse2 = torch.where(lse2 == NEG_INF, 0.0, -lse2)  # a blocked row's scores are all −inf anyway
-    do = c.rows(dout, rows).to(pb.acc)  # (N, G·r, Dv)
-    d_i = (do * c.rows(out, rows).to(pb.acc)).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id O_id: (N, G·r, 1)
+    do = _in(ar, "do", c.rows(dout, rows), pb.acc)  # (N, G·r, Dv)
+    o = _in(ar, "o", c.rows(out, rows), pb.acc)  # (N, G·r, Dv)
+    d_i = torch.mul(do, o, out=ar.get("do_o", N, GR, pb.Dv)).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id O_id
     neg_d_t = d_i.transpose(1, 2).neg()  # −Dᵀ: (N, 1, G·r)
     drop = pb.dropout_p > 0.0
-    dq_acc = torch.zeros((c.n, qs.shape[1], pb.D), dtype=pb.acc, device=qs.device)
-    tmp = torch.empty(c.n * pb.col_step(c) * max(pb.D, pb.Dv), dtype=pb.acc, device=qs.device)
+    dq_acc = ar.get("dq", N, GR, pb.D).zero_()
     # The blocks are computed transposed, (N, c, G·r): then three of the four matmuls that read them
     # (dV, dp, dK) take them as they are laid out, and only dQ reads a transposed operand.
     for cols in pb.col_blocks(c, rows):
         _count("backward")
         j0, j1 = cols
-        p_t = pb.scores(c, qs, kc, rows, cols, bufs[0], transposed=True, shift=neg_lse2).exp2_()  # pᵀ: exp(s - lse)
-        dp_t = bufs[1][: p_t.numel()].view(p_t.shape)  # (N, c, G·r)
+        p_t = pb.scores(c, qs, kc, rows, cols, ar, "p", transposed=True, shift=neg_lse2).exp2_()  # pᵀ: exp(s - lse)
+        dp_t = ar.get("dp", *p_t.shape)  # (N, c, G·r)
         if drop:
             torch.bmm(vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # dpᵀ = (v_j · dO_i)ᵀ
             z_t = pb.dropout_scale(c, rows, cols).transpose(1, 2)  # (Z / (1 - p))ᵀ
-            _add_bmm(dv[:, j0:j1], p_t * z_t, do, tmp)  # dV_j += Σ_i p̃_ij dO_i
+            _add_bmm(dv[:, j0:j1], p_t * z_t, do, ar)  # dV_j += Σ_i p̃_ij dO_i
             dp_t.mul_(z_t).add_(neg_d_t)  # Z∘dp/(1-p) - D_i
         else:
             torch.baddbmm(neg_d_t, vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ
-            _add_bmm(dv[:, j0:j1], p_t, do, tmp)  # dV_j += Σ_i p_ij dO_i
+            _add_bmm(dv[:, j0:j1], p_t, do, ar)  # dV_j += Σ_i p_ij dO_i
         ds_t = dp_t.mul_(p_t)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
         dq_acc.baddbmm_(ds_t.transpose(1, 2), kc[:, j0:j1])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
-        _add_bmm(dk[:, j0:j1], ds_t, qs, tmp)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
+        _add_bmm(dk[:, j0:j1], ds_t, qs, ar)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds_t.transpose(1, 2))
-    return dq_acc.mul_(pb.scale2 * LN2)  # scale2 · ln 2 = scale
+    g = c.block(dq, rows)  # (nb, nh·G, r, D), a view
+    torch.mul(dq_acc.view(g.shape), pb.scale2 * LN2, out=g)  # scale2 · ln 2 = scale
 
 
-def _add_bmm(dst: Tensor, a: Tensor, b: Tensor, tmp: Tensor) -> None:
+def _in(ar: _Arena, name: str, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype``: itself, or converted into the arena's buffer ``name``."""
+    return x if x.dtype == dtype else ar.get(name, *x.shape).copy_(x)
+
+
+def _add_bmm(dst: Tensor, a: Tensor, b: Tensor, ar: _Arena) -> None:
     """``dst += a @ b`` (batched). ``dst`` is a block of rows of a longer (N, Lk, E) buffer, not
     contiguous when N > 1, where ``baddbmm_`` would fall back to one matmul per batch entry: one
-    batched matmul into the contiguous scratch ``tmp`` and one add are faster."""
+    batched matmul into the arena and one add are faster."""
     if dst.is_contiguous():
         dst.baddbmm_(a, b)
         return
-    t = tmp[: dst.numel()].view(dst.shape)  # (N, c, E)
-    torch.bmm(a, b, out=t)
-    dst.add_(t)
+    dst.add_(torch.bmm(a, b, out=ar.get("tmp", *dst.shape)))
 
 
 def _add_dbias(dbias: Tensor, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int], ds: Tensor) -> None:
