@@ -25,10 +25,10 @@ blocked. ``COUNTS`` counts the blocks visited (for tests and curious readers).
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -158,10 +158,15 @@ class _Arena:
         return buf[:n].view(shape)
 
 
-def _each(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], T], threads: int) -> list[T]:
-    """``fn(item, scratch)`` for every item, on ``threads`` Python threads that each take the next
-    item when done with one (so a busy core slows only its own share) and own one ``scratch()``;
-    returns the scratches. The items must write to disjoint memory.
+def _each(
+    items: list[tuple[int, Any]], fn: Callable[[Any, T, bool], None], scratch: Callable[[], T], threads: int
+) -> list[T]:
+    """``fn(item, scratch, own)`` for every ``(group, item)`` of ``items`` (costliest first), on
+    ``threads`` Python threads that each take the next item when done with one (so a busy core
+    slows only its own share) and own one ``scratch()``; returns the scratches. Items of one group
+    may add into the same memory: ``own`` tells whether this worker owns the item's group and may
+    add there directly, or must add into memory of its own (see ``_Queue``). On one thread every
+    item is owned.
 
     Why threads: the other way to use several cores, torch's intra-op threads, splits every single
     op — a dozen per block — and waits for all threads at the end of each; when another process
@@ -172,11 +177,11 @@ def _each(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], 
     items in order on its own thread."""
     if threads <= 1 or len(items) <= 1 or not _THREADED.acquire(blocking=False):
         st = scratch()
-        for item in items:
-            fn(item, st)
+        for _, item in items:
+            fn(item, st, True)
         return [st]
     try:
-        return _each_threaded(items, fn, scratch, threads)
+        return _each_threaded(_Queue(items), fn, scratch, min(threads, len(items)))
     finally:
         _THREADED.release()
 
@@ -184,26 +189,57 @@ def _each(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], 
 _THREADED = threading.Lock()  # held while a call runs on worker threads
 
 
-def _each_threaded(items: list[Any], fn: Callable[[Any, T], None], scratch: Callable[[], T], threads: int) -> list[T]:
-    before = torch.get_num_threads()
-    todo = iter(items)
-    take = threading.Lock()
+class _Queue:
+    """The items of one call, handed to the worker threads one at a time.
 
-    def work() -> T:
+    A worker takes the next item of a group it owns; when those are done it claims the next group
+    nobody owns (groups in the order of their first item); when every group is claimed it helps
+    the group with the most items left, taking its last (cheapest) item, without owning it. So in
+    the backward, where a group is a chunk whose dK/dV its items add into, two threads on two
+    chunks each add into their own chunk with no private copy, and a thread that runs dry still
+    helps with what is left."""
+
+    def __init__(self, items: list[tuple[int, Any]]) -> None:
+        self.queues: dict[int, deque[Any]] = {}
+        for group, item in items:
+            self.queues.setdefault(group, deque()).append(item)
+        self.free = deque(self.queues)  # unclaimed groups
+        self.owned: dict[int, list[int]] = {}  # worker → its groups
+        self.lock = threading.Lock()
+
+    def take(self, worker: int) -> tuple[Any, bool] | None:
+        """The next ``(item, own)`` for ``worker``; None when nothing is left."""
+        with self.lock:
+            for group in self.owned.get(worker, []):
+                if self.queues[group]:
+                    return self.queues[group].popleft(), True
+            if self.free:
+                group = self.free.popleft()
+                self.owned.setdefault(worker, []).append(group)
+                return self.queues[group].popleft(), True
+            left = [g for g, q in self.queues.items() if q]
+            if not left:
+                return None
+            return self.queues[max(left, key=lambda g: len(self.queues[g]))].pop(), False
+
+
+def _each_threaded(
+    queue: _Queue, fn: Callable[[Any, T, bool], None], scratch: Callable[[], T], threads: int
+) -> list[T]:
+    before = torch.get_num_threads()
+
+    def work(worker: int) -> T:
         torch.set_num_threads(1)  # this worker's ops run on its own core
         with torch.no_grad():  # grad mode is per thread
             st = scratch()
-            while True:
-                with take:
-                    item = next(todo, None)
-                if item is None:
-                    return st
-                fn(item, st)
+            while (got := queue.take(worker)) is not None:
+                fn(got[0], st, got[1])
+            return st
 
     torch.set_num_threads(1)
     try:
-        helpers = [_pool(threads - 1).submit(work) for _ in range(min(threads, len(items)) - 1)]
-        mine = work()  # the calling thread is one of the workers
+        helpers = [_pool(threads - 1).submit(work, w) for w in range(1, threads)]
+        mine = work(0)  # the calling thread is one of the workers
         return [mine] + [f.result() for f in helpers]
     finally:
         torch.set_num_threads(before)
@@ -254,7 +290,11 @@ def _key_range(
 
 
 def _all_kept(
-    rows: tuple[int, int], cols: tuple[int, int], Lq: int, Lk: int, causal: bool,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    Lq: int,
+    Lk: int,
+    causal: bool,
     window: tuple[int | None, int | None] | None,
 ) -> bool:
     """True when causal / window keep every pair of the block (so it needs no masking from them)."""
@@ -274,7 +314,6 @@ def _five(t: Tensor, G: int) -> Tensor:
     if t.shape[1] == 1:
         return t.unsqueeze(2)
     return t.view(t.shape[0], t.shape[1] // G, G, t.shape[2], t.shape[3])
-
 
 
 class _Problem:
@@ -469,12 +508,13 @@ def forward(
     # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
     kv = [(c.kv(k).to(pb.acc), c.kv(v).to(pb.acc)) for c in chunks]
 
-    def rows_of(task: tuple[int, tuple[int, int]], ar: _Arena) -> None:
+    def rows_of(task: tuple[int, tuple[int, int]], ar: _Arena, own: bool) -> None:
         ci, rows = task
         c, (kc, vc) = chunks[ci], kv[ci]
         _forward_rows(pb, c, rows, kc, vc, ar, out, lse)  # each task writes only its own rows
 
-    _each(pb.tasks(chunks), rows_of, pb.arena, pb.threads(mutex=False))
+    # every task is a group of its own: the workers take them in order, costliest first
+    _each(list(enumerate(pb.tasks(chunks))), rows_of, pb.arena, pb.threads(mutex=False))
     return out, lse
 
 
@@ -594,32 +634,35 @@ def backward(
     (or when ``bias_grad`` is False)."""
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D), summed over the workers
+    dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
     dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
     dbias = torch.zeros(bias.shape, dtype=pb.acc, device=q.device) if bias is not None and bias_grad else None
     chunks = pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv)
     # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
     kv = [(c.kv(k).to(pb.acc), c.kv(v).to(pb.acc)) for c in chunks]
 
-    first = itertools.count()
+    def scratch() -> tuple[_Arena, dict[int, tuple[Tensor, Tensor]]]:
+        return pb.arena(), {}  # and the worker's own dK / dV of chunks it helps with (see _Queue)
 
-    def scratch() -> tuple[_Arena, Tensor, Tensor]:
-        # the first worker adds into dk / dv, any other one sums its own, added up below
-        if next(first) == 0:
-            return pb.arena(), dk, dv
-        dk_w = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
-        dv_w = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
-        return pb.arena(), dk_w, dv_w
-
-    def rows_of(task: tuple[int, tuple[int, int]], st: tuple[_Arena, Tensor, Tensor]) -> None:
+    def rows_of(
+        task: tuple[int, tuple[int, int]], st: tuple[_Arena, dict[int, tuple[Tensor, Tensor]]], own: bool
+    ) -> None:
         ci, rows = task
-        c, (kc, vc), (ar, dk_w, dv_w) = chunks[ci], kv[ci], st
-        _backward_rows(pb, c, rows, kc, vc, ar, c.kv(dk_w), c.kv(dv_w), dout, out, lse, dq, dbias)
+        c, (kc, vc), (ar, helped) = chunks[ci], kv[ci], st
+        if own:  # this worker owns the chunk: it adds into dk / dv themselves
+            dk_c, dv_c = c.kv(dk), c.kv(dv)  # (N, Lk, D), (N, Lk, Dv): views
+        else:
+            if ci not in helped:
+                helped[ci] = (torch.zeros_like(c.kv(dk)), torch.zeros_like(c.kv(dv)))
+            dk_c, dv_c = helped[ci]
+        _backward_rows(pb, c, rows, kc, vc, ar, dk_c, dv_c, dout, out, lse, dq, dbias)
 
-    for _, dk_w, dv_w in _each(pb.tasks(chunks), rows_of, scratch, pb.threads(mutex=dbias is not None)):
-        if dk_w is not dk:
-            dk.add_(dk_w)
-            dv.add_(dv_w)
+    # a group per chunk: the tasks of one chunk add into the same rows of dk / dv
+    tasks = [(ci, (ci, rows)) for ci, rows in pb.tasks(chunks)]
+    for _, helped in _each(tasks, rows_of, scratch, pb.threads(mutex=dbias is not None)):
+        for ci, (dk_h, dv_h) in helped.items():
+            chunks[ci].kv(dk).add_(dk_h)
+            chunks[ci].kv(dv).add_(dv_h)
     dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
@@ -750,9 +793,7 @@ def attention(
         "dropout_p": dropout_p,
         "dropout_seed": dropout_seed,
     }
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, bias)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     if not needs_grad:
         return forward(q, k, v, bias=bias, **options)
     out, lse = _FlashAttention.apply(q, k, v, bias, options)
