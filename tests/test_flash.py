@@ -288,3 +288,45 @@ def test_concurrent_calls_from_threads_are_right_and_restore_torch_threads() -> 
         t.join()
     assert len(errs) == 9 and max(errs) < 1e-12
     assert torch.get_num_threads() == before
+
+
+def test_queue_owners_help_and_split_cover_every_row_once() -> None:
+    """The worker queue: a worker owns the groups it claims, helps others only when every group is
+    claimed (taking their last item, not owned), and splits the last items in halves — and the
+    pieces handed out cover every row of every task exactly once."""
+    tasks = [(ci, (i0, i0 + 256)) for ci in range(2) for i0 in range(0, 1024, 256)]
+    queue = flash._Queue([(ci, t) for ci, t in ((t[0], t) for t in tasks)], threads=2, split=flash._Problem.split)
+    first = queue.take(0)
+    assert first == ((0, (0, 256)), True)  # worker 0 claims chunk 0
+    assert queue.take(1) == ((1, (0, 256)), True)  # worker 1 claims the next free chunk
+    got: list[tuple[int, tuple[Any, bool]]] = [(0, first), (1, ((1, (0, 256)), True))]
+    while (item := queue.take(0)) is not None:  # worker 0 alone drains everything left
+        got.append((0, item))
+    owner = {0: 0, 1: 1}
+    for worker, ((ci, _), own) in got:
+        assert own == (owner[ci] == worker)
+    assert any(not own for _, (_, own) in got), "worker 0 never helped with chunk 1"
+    assert any(r1 - r0 < 256 for _, ((_, (r0, r1)), _) in got), "no item was split"
+    for ci in range(2):
+        rows = sorted(r for _, ((c, r), _) in got if c == ci)
+        covered = [i for r0, r1 in rows for i in range(r0, r1)]
+        assert covered == list(range(1024)), f"chunk {ci}: rows not covered exactly once"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_worker_threads_that_help_and_split_give_exact_gradients(causal: bool) -> None:
+    """Three worker threads, chunks of one head, 128-row tasks: threads own chunks, help with
+    others' (private dK/dV, added at the end) and split the last tasks; float64 stays exact."""
+    q, k, v = qkv(2, 4, 2, 700, 650, 16)
+    dout = torch.randn(2, 4, 700, 16, dtype=F64)
+    want_out, want_lse, want = ref_grads(q, k, v, dout, causal=causal, scale=0.3)
+    for key in ("split", "help"):
+        flash.COUNTS[key] = 0
+    with flash.block_sizes(rows=128, cols=96, kv=1, threads=3):
+        out, lse = flash.forward(q, k, v, bias=None, **options(causal=causal))
+        grads = flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=causal))
+    assert_close(out, want_out, name="out")
+    assert_close(lse, want_lse, name="lse")
+    for name, got, exp in zip(("dq", "dk", "dv"), grads[:3], want[:3]):
+        assert_close(got, exp, name=name)
+    assert flash.COUNTS["split"] > 0 and flash.COUNTS["help"] > 0, dict(flash.COUNTS)

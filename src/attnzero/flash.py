@@ -53,8 +53,10 @@ NEG_INF = float("-inf")
 _SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0}
 
 # Counters read by tests: blocks visited by the forward and the backward, row blocks the forward
-# computed again by the online softmax ("rebase"), and blocks where that moved the max ("shift").
-COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "rebase": 0, "shift": 0}
+# computed again by the online softmax ("rebase"), blocks where that moved the max ("shift"), and
+# of the worker threads' tasks, those split in two near the end ("split") and those a thread took
+# from a chunk another one owns ("help"; see ``_Queue``).
+COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "rebase": 0, "shift": 0, "split": 0, "help": 0}
 
 # The forward accepts exp2 of unshifted scores when every row's sum lies between _TINY and _LIMIT
 # (far from underflow and overflow); its safe path accepts a block, without moving the reference
@@ -159,14 +161,18 @@ class _Arena:
 
 
 def _each(
-    items: list[tuple[int, Any]], fn: Callable[[Any, T, bool], None], scratch: Callable[[], T], threads: int
+    items: list[tuple[int, Any]],
+    fn: Callable[[Any, T, bool], None],
+    scratch: Callable[[], T],
+    threads: int,
+    split: Callable[[Any], tuple[Any, Any] | None],
 ) -> list[T]:
     """``fn(item, scratch, own)`` for every ``(group, item)`` of ``items`` (costliest first), on
     ``threads`` Python threads that each take the next item when done with one (so a busy core
     slows only its own share) and own one ``scratch()``; returns the scratches. Items of one group
     may add into the same memory: ``own`` tells whether this worker owns the item's group and may
-    add there directly, or must add into memory of its own (see ``_Queue``). On one thread every
-    item is owned.
+    add there directly, or must add into memory of its own (see ``_Queue``), which also says how
+    ``split`` halves the last items. On one thread every item is owned and none is split.
 
     Why threads: the other way to use several cores, torch's intra-op threads, splits every single
     op — a dozen per block — and waits for all threads at the end of each; when another process
@@ -181,7 +187,8 @@ def _each(
             fn(item, st, True)
         return [st]
     try:
-        return _each_threaded(_Queue(items), fn, scratch, min(threads, len(items)))
+        threads = min(threads, len(items))
+        return _each_threaded(_Queue(items, threads, split), fn, scratch, threads)
     finally:
         _THREADED.release()
 
@@ -197,30 +204,51 @@ class _Queue:
     the group with the most items left, taking its last (cheapest) item, without owning it. So in
     the backward, where a group is a chunk whose dK/dV its items add into, two threads on two
     chunks each add into their own chunk with no private copy, and a thread that runs dry still
-    helps with what is left."""
+    helps with what is left.
 
-    def __init__(self, items: list[tuple[int, Any]]) -> None:
+    Near the end (fewer items left than threads) a taken item is split in two by ``split`` when it
+    can be, and the second half is put back: the last pieces get smaller, so the threads finish
+    closer together (an idle thread at the end costs up to a whole item: ~10 ms at L = 2048)."""
+
+    def __init__(self, items: list[tuple[int, Any]], threads: int, split: Callable[[Any], tuple[Any, Any] | None]):
         self.queues: dict[int, deque[Any]] = {}
         for group, item in items:
             self.queues.setdefault(group, deque()).append(item)
         self.free = deque(self.queues)  # unclaimed groups
         self.owned: dict[int, list[int]] = {}  # worker → its groups
+        self.left, self.threads, self.split = len(items), threads, split
         self.lock = threading.Lock()
 
     def take(self, worker: int) -> tuple[Any, bool] | None:
         """The next ``(item, own)`` for ``worker``; None when nothing is left."""
         with self.lock:
-            for group in self.owned.get(worker, []):
-                if self.queues[group]:
-                    return self.queues[group].popleft(), True
-            if self.free:
-                group = self.free.popleft()
-                self.owned.setdefault(worker, []).append(group)
-                return self.queues[group].popleft(), True
-            left = [g for g, q in self.queues.items() if q]
-            if not left:
+            got = self._pick(worker)
+            if got is None:
                 return None
-            return self.queues[max(left, key=lambda g: len(self.queues[g]))].pop(), False
+            group, item, own = got
+            self.left -= 1
+            if self.left < self.threads and (halves := self.split(item)) is not None:
+                _count("split")
+                item = halves[0]
+                self.queues[group].append(halves[1])
+                self.left += 1
+            if not own:
+                _count("help")
+            return item, own
+
+    def _pick(self, worker: int) -> tuple[int, Any, bool] | None:
+        for group in self.owned.get(worker, []):
+            if self.queues[group]:
+                return group, self.queues[group].popleft(), True
+        if self.free:
+            group = self.free.popleft()
+            self.owned.setdefault(worker, []).append(group)
+            return group, self.queues[group].popleft(), True
+        left = [g for g, q in self.queues.items() if q]
+        if not left:
+            return None
+        group = max(left, key=lambda g: len(self.queues[g]))
+        return group, self.queues[group].pop(), False
 
 
 def _each_threaded(
@@ -385,6 +413,15 @@ class _Problem:
         todo = [(cost[i] * c.n, ci, b) for ci, c in enumerate(chunks) for i, b in enumerate(blocks)]
         return [(ci, b) for _, ci, b in sorted(todo, key=lambda t: -t[0])]
 
+    @staticmethod
+    def split(task: tuple[int, tuple[int, int]]) -> tuple[Any, Any] | None:
+        """A task's rows in two halves (multiples of 32 rows), or None when it has under 128."""
+        ci, (r0, r1) = task
+        if r1 - r0 < 128:
+            return None
+        mid = r0 + (r1 - r0) // 64 * 32
+        return (ci, (r0, mid)), (ci, (mid, r1))
+
     def scaled_q(self, c: _Chunk, rows: tuple[int, int], ar: _Arena) -> Tensor:
         """``q · scale · log2 e`` for the block's rows, (N, G·r, D), accumulator dtype."""
         x = c.rows(self.q, rows)  # (N, G·r, D)
@@ -514,7 +551,7 @@ def forward(
         _forward_rows(pb, c, rows, kc, vc, ar, out, lse)  # each task writes only its own rows
 
     # every task is a group of its own: the workers take them in order, costliest first
-    _each(list(enumerate(pb.tasks(chunks))), rows_of, pb.arena, pb.threads(mutex=False))
+    _each(list(enumerate(pb.tasks(chunks))), rows_of, pb.arena, pb.threads(mutex=False), pb.split)
     return out, lse
 
 
@@ -634,8 +671,11 @@ def backward(
     (or when ``bias_grad`` is False)."""
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
-    dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
+    # dK / dV, zeroed chunk by chunk by the worker that owns the chunk, on its first task there
+    # (so both threads zero, and touch fresh pages, in parallel)
+    dk = torch.empty(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
+    dv = torch.empty(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
+    zeroed: set[int] = set()
     dbias = torch.zeros(bias.shape, dtype=pb.acc, device=q.device) if bias is not None and bias_grad else None
     chunks = pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv)
     # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
@@ -651,6 +691,10 @@ def backward(
         c, (kc, vc), (ar, helped) = chunks[ci], kv[ci], st
         if own:  # this worker owns the chunk: it adds into dk / dv themselves
             dk_c, dv_c = c.kv(dk), c.kv(dv)  # (N, Lk, D), (N, Lk, Dv): views
+            if ci not in zeroed:  # only the owner gets here for this chunk
+                zeroed.add(ci)
+                dk_c.zero_()
+                dv_c.zero_()
         else:
             if ci not in helped:
                 helped[ci] = (torch.zeros_like(c.kv(dk)), torch.zeros_like(c.kv(dv)))
@@ -659,7 +703,7 @@ def backward(
 
     # a group per chunk: the tasks of one chunk add into the same rows of dk / dv
     tasks = [(ci, (ci, rows)) for ci, rows in pb.tasks(chunks)]
-    for _, helped in _each(tasks, rows_of, scratch, pb.threads(mutex=dbias is not None)):
+    for _, helped in _each(tasks, rows_of, scratch, pb.threads(mutex=dbias is not None), pb.split):
         for ci, (dk_h, dv_h) in helped.items():
             chunks[ci].kv(dk).add_(dk_h)
             chunks[ci].kv(dv).add_(dv_h)
