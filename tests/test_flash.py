@@ -6,12 +6,13 @@ max rebase, and what backend="auto" picks."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any
 
 import pytest
 import torch
-from conftest import qkv
+from conftest import absent, qkv
 
 import attnzero as az
 from attnzero import flash, functional, reference
@@ -330,3 +331,23 @@ def test_worker_threads_that_help_and_split_give_exact_gradients(causal: bool) -
     for name, got, exp in zip(("dq", "dk", "dv"), grads[:3], want[:3]):
         assert_close(got, exp, name=name)
     assert flash.COUNTS["split"] > 0 and flash.COUNTS["help"] > 0, dict(flash.COUNTS)
+
+
+def test_openmp_threads_are_let_go_and_torch_still_runs_in_parallel() -> None:
+    """Before our workers start, torch's spinning OpenMP threads are released (see _quiet_openmp);
+    torch's next parallel op starts them again and computes the same."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the OpenMP runtime is looked up through /proc/self/maps (Linux)")
+    if flash._omp_pause() is None:
+        absent("no omp_pause_resource_all in the OpenMP runtime torch loaded")
+    a, b = torch.randn(512, 256), torch.randn(256, 384)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = (a.double() @ b.double()).float()
+        for _ in range(3):
+            torch.mm(a, b)  # leaves OpenMP threads spinning
+            flash._quiet_openmp()
+            assert torch.allclose(torch.mm(a, b), want, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
