@@ -316,14 +316,14 @@ def test_queue_owners_help_and_split_cover_every_row_once() -> None:
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_worker_threads_that_help_and_split_give_exact_gradients(causal: bool) -> None:
-    """Three worker threads, chunks of one head, 128-row tasks: threads own chunks, help with
+    """Three worker threads, chunks of one head, 256-row tasks: threads own chunks, help with
     others' (private dK/dV, added at the end) and split the last tasks; float64 stays exact."""
-    q, k, v = qkv(2, 4, 2, 700, 650, 16)
-    dout = torch.randn(2, 4, 700, 16, dtype=F64)
+    q, k, v = qkv(2, 4, 2, 1300, 650, 16)
+    dout = torch.randn(2, 4, 1300, 16, dtype=F64)
     want_out, want_lse, want = ref_grads(q, k, v, dout, causal=causal, scale=0.3)
     for key in ("split", "help"):
         flash.COUNTS[key] = 0
-    with flash.block_sizes(rows=128, cols=96, kv=1, threads=3):
+    with flash.block_sizes(rows=256, cols=96, kv=1, threads=3):
         out, lse = flash.forward(q, k, v, bias=None, **options(causal=causal))
         grads = flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=causal))
     assert_close(out, want_out, name="out")

@@ -55,6 +55,10 @@ NEG_INF = float("-inf")
 # ``threads``: worker threads on CPU (0 = torch.get_num_threads()).
 _SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0}
 
+# Below this many scores (B·Hq·Lq·Lk; 8 heads at L ≈ 1450) one thread of ours runs the tasks with
+# torch's intra-op threads inside each op: measured on 2 cores, that is as fast or faster there.
+_THREADED_MIN = 1 << 24
+
 # Counters read by tests: blocks visited by the forward and the backward, row blocks the forward
 # computed again by the online softmax ("rebase"), blocks where that moved the max ("shift"), and
 # of the worker threads' tasks, those split in two near the end ("split") and those a thread took
@@ -407,12 +411,17 @@ class _Problem:
         self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
 
     def threads(self, mutex: bool) -> int:
-        """Worker threads for the row blocks of a chunk: torch's thread count on CPU; 1 on other
-        devices, when forced by ``_SIZES["threads"]``, or when blocks add into shared memory
-        (``mutex``: a broadcast bias gradient)."""
+        """Worker threads for the tasks: 1 on other devices or when blocks add into shared memory
+        (``mutex``: a broadcast bias gradient); else as forced by ``_SIZES["threads"]``; else 1
+        for problems under ``_THREADED_MIN`` scores, where starting the workers costs more than
+        they gain and torch's intra-op threads split each op instead; else torch's thread count."""
         if mutex or self.q.device.type != "cpu":
             return 1
-        return _SIZES["threads"] or torch.get_num_threads()
+        if _SIZES["threads"]:
+            return _SIZES["threads"]
+        if self.B * self.Hq * self.Lq * self.Lk < _THREADED_MIN:
+            return 1
+        return torch.get_num_threads()
 
     def chunks(self, per_pair: int) -> list[_Chunk]:
         """Chunks whose copies of K/V (``per_pair`` floats per position and pair) fit in
@@ -446,9 +455,10 @@ class _Problem:
 
     @staticmethod
     def split(task: tuple[int, tuple[int, int]]) -> tuple[Any, Any] | None:
-        """A task's rows in two halves (multiples of 32 rows), or None when it has under 128."""
+        """A task's rows in two halves (multiples of 32 rows), or None when it has under 256 (a
+        smaller piece would cost more in per-task work than it saves at the end)."""
         ci, (r0, r1) = task
-        if r1 - r0 < 128:
+        if r1 - r0 < 256:
             return None
         mid = r0 + (r1 - r0) // 64 * 32
         return (ci, (r0, mid)), (ci, (mid, r1))
