@@ -20,7 +20,12 @@ three times faster than ``exp`` on CPU); the log-sum-exp is converted back to na
 
 Skipping: for each block of query rows only the key columns that causal / window can reach are
 visited, so causal does about half the work; a block is masked only where some pair in it is
-blocked. ``COUNTS`` counts the blocks visited (for tests and curious readers).
+blocked, and the causal / window edge enters the score matmul as an additive 0 / −inf tile (no
+pass of its own). ``COUNTS`` counts the blocks visited (for tests and curious readers).
+
+Cores: on CPU, large problems run on Python worker threads, one per core, each taking whole
+(chunk, row block) tasks with single-threaded ops (see ``_each`` and ``_Queue``); small ones run
+on one thread with torch's intra-op threads inside each op.
 """
 
 from __future__ import annotations
