@@ -352,3 +352,54 @@ def test_openmp_threads_are_let_go_and_torch_still_runs_in_parallel() -> None:
             assert torch.allclose(torch.mm(a, b), want, atol=1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("case", ["nan_key", "inf_bias"])
+def test_blocked_pairs_stay_blocked_whatever_their_score(case: str) -> None:
+    """A pair that causal blocks does not matter even when its score is NaN or +inf (a NaN in a
+    future key, a +inf bias there), as in the reference: the causal edge is then masked after the
+    scores instead of entering the matmul as a −inf tile."""
+    q, k, v = qkv(1, 2, 2, 40, 40, 8)
+    bias = None
+    if case == "nan_key":
+        k[:, :, 30] = float("nan")  # only rows ≥ 30 see key 30
+    else:
+        bias = torch.zeros(1, 1, 40, 40, dtype=F64)
+        bias[..., 5, 7] = float("inf")  # blocked for row 5, in a block that is visited
+    dout = torch.randn(1, 2, 40, 8, dtype=F64)
+    want_out, want_lse, want = ref_grads(q, k, v, dout, bias=bias, causal=True, scale=0.3)
+    with flash.block_sizes(rows=8, cols=16):
+        out, lse = flash.forward(q, k, v, bias=bias, **options(causal=True))
+        dq, dk, dv, _ = flash.backward(dout, q, k, v, out, lse, bias=bias, **options(causal=True))
+    rows = slice(0, 30) if case == "nan_key" else slice(None)  # the rows the reference keeps finite
+    assert torch.isfinite(want_out[:, :, rows]).all()
+    assert_close(out[:, :, rows], want_out[:, :, rows], name="out")
+    assert_close(lse[:, :, rows], want_lse[:, :, rows], name="lse")
+    if case == "inf_bias":  # (a NaN key makes dQ = dS·K NaN everywhere, in the reference too)
+        for name, got, exp in zip(("dq", "dk", "dv"), (dq, dk, dv), want[:3]):
+            assert_close(got, exp, name=name)
+
+
+def test_scratch_kept_from_inference_mode_serves_training_later() -> None:
+    """The per-thread scratch kept between calls is an ordinary tensor even when first made under
+    torch.inference_mode: a training step afterwards on the same thread still works."""
+    flash._SCRATCH.__dict__.pop("arenas", None)  # start this thread with nothing kept
+    q, k, v = qkv(1, 2, 2, 300, 300, 8)
+    with torch.inference_mode():
+        out_inf, _ = flash.attention(q, k, v, causal=True, scale=0.3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, _ = flash.attention(*leaves, causal=True, scale=0.3)
+    out.sum().backward()
+    assert torch.equal(out.detach(), out_inf)
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_one_thread_pool_per_requested_thread_count() -> None:
+    """Calls with fewer tasks than threads use fewer workers from the same pool, not a new pool
+    (and new threads that live on) per task count."""
+    before = set(flash._POOL)
+    with flash.block_sizes(rows=16, threads=4):
+        for L in (20, 40, 70):  # 2, 3 and 5 row blocks
+            q, k, v = qkv(1, 1, 1, L, L, 8)
+            flash.forward(q, k, v, bias=None, **options())
+    assert set(flash._POOL) - before <= {3}

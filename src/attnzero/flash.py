@@ -57,7 +57,7 @@ NEG_INF = float("-inf")
 # Block sizes, chosen by measuring on a 2-core AVX-512 CPU (docs/benchmarks.md). ``rows``: query rows
 # per head in a block; ``cols``: key columns (0 = as many as make a score block of about ``elems``
 # floats); ``kv``: floats of the per-chunk copy of K and V (bounds the extra memory).
-# ``threads``: worker threads on CPU (0 = torch.get_num_threads()).
+# ``threads``: worker threads on CPU (0 = torch.get_num_threads(), or 1 below ``_THREADED_MIN``).
 _SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0}
 
 # Below this many scores (B·Hq·Lq·Lk; 8 heads at L ≈ 1450) one thread of ours runs the tasks with
@@ -156,9 +156,9 @@ _SCRATCH = threading.local()  # each thread's kept arenas, by dtype (see _Proble
 
 
 class _Arena:
-    """One worker's scratch memory: named buffers reused by every block it computes, so that a
-    block allocates nothing and touches no fresh pages (a fresh large allocation costs page faults,
-    about as much as a pass over it)."""
+    """One worker's scratch memory: named buffers reused by every block it computes, so that no
+    block allocates its large tensors or touches fresh pages (a fresh large allocation costs page
+    faults, about as much as a pass over it)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
@@ -171,7 +171,10 @@ class _Arena:
             n *= d
         buf = self.bufs.get(name)
         if buf is None or buf.numel() < n:
-            buf = self.bufs[name] = torch.empty(n, dtype=self.dtype, device=self.device)
+            # a normal tensor even under inference_mode: a kept buffer made there could not be
+            # written in place by a later call outside it
+            with torch.inference_mode(False):
+                buf = self.bufs[name] = torch.empty(n, dtype=self.dtype, device=self.device)
         return buf[:n].view(shape)
 
 
@@ -202,8 +205,8 @@ def _each(
             fn(item, st, True)
         return [st]
     try:
-        threads = min(threads, len(items))
-        return _each_threaded(_Queue(items, threads, split), fn, scratch, threads)
+        workers = min(threads, len(items))
+        return _each_threaded(_Queue(items, workers, split), fn, scratch, workers, _pool(threads - 1))
     finally:
         _THREADED.release()
 
@@ -230,7 +233,7 @@ class _Queue:
         for group, item in items:
             self.queues.setdefault(group, deque()).append(item)
         self.free = deque(self.queues)  # unclaimed groups
-        self.owned: dict[int, list[int]] = {}  # worker → its groups
+        self.owned: dict[int, deque[int]] = {}  # worker → its groups that still have items
         self.left, self.threads, self.split = len(items), threads, split
         self.lock = threading.Lock()
 
@@ -252,12 +255,14 @@ class _Queue:
             return item, own
 
     def _pick(self, worker: int) -> tuple[int, Any, bool] | None:
-        for group in self.owned.get(worker, []):
-            if self.queues[group]:
-                return group, self.queues[group].popleft(), True
+        mine = self.owned.setdefault(worker, deque())
+        while mine and not self.queues[mine[0]]:
+            mine.popleft()  # done (if a helper's split refills it later, that piece is taken as help)
+        if mine:
+            return mine[0], self.queues[mine[0]].popleft(), True
         if self.free:
             group = self.free.popleft()
-            self.owned.setdefault(worker, []).append(group)
+            mine.append(group)
             return group, self.queues[group].popleft(), True
         left = [g for g, q in self.queues.items() if q]
         if not left:
@@ -267,7 +272,7 @@ class _Queue:
 
 
 def _each_threaded(
-    queue: _Queue, fn: Callable[[Any, T, bool], None], scratch: Callable[[], T], threads: int
+    queue: _Queue, fn: Callable[[Any, T, bool], None], scratch: Callable[[], T], workers: int, pool: ThreadPoolExecutor
 ) -> list[T]:
     before = torch.get_num_threads()
 
@@ -280,9 +285,9 @@ def _each_threaded(
             return st
 
     torch.set_num_threads(1)
-    _quiet_openmp()
     try:
-        helpers = [_pool(threads - 1).submit(work, w) for w in range(1, threads)]
+        _quiet_openmp()
+        helpers = [pool.submit(work, w) for w in range(1, workers)]
         mine = work(0)  # the calling thread is one of the workers
         return [mine] + [f.result() for f in helpers]
     finally:
@@ -302,17 +307,27 @@ def _quiet_openmp() -> None:
 
 @functools.cache
 def _omp_pause() -> Callable[[int], int] | None:
-    """``omp_pause_resource_all`` of the OpenMP runtime loaded in this process, or None."""
+    """``omp_pause_resource_all`` of the OpenMP runtime torch loaded (libgomp, libiomp5 or libomp,
+    from the process's memory map; one in torch's own folder first), or None."""
     try:
-        with open("/proc/self/maps") as maps:  # the runtime torch loaded: libgomp, libiomp5 or libomp
-            paths = {line.split()[-1] for line in maps if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", line)}
-        for path in sorted(paths):
-            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-            if fn is not None:
-                fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-                return fn  # type: ignore[no-any-return]
+        with open("/proc/self/maps", "rb") as maps:
+            paths = set()
+            for line in maps:
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                path = fields[5].strip().decode(errors="surrogateescape") if len(fields) == 6 else ""
+                if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", path) and not path.endswith("(deleted)"):
+                    paths.add(path)
     except OSError:
-        pass
+        return None
+    here = os.path.dirname(torch.__file__)
+    for path in sorted(paths, key=lambda p: (not p.startswith(here), p)):
+        try:
+            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        except OSError:
+            continue
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            return fn  # type: ignore[no-any-return]
     return None
 
 
@@ -377,6 +392,18 @@ def _all_kept(
     return ok
 
 
+def _edges_safe(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, acc: torch.dtype) -> bool:
+    """Whether every score ``q·k·scale·log2 e (+ bias)`` is finite or −inf, so that adding a −inf
+    edge tile never meets +inf or NaN: q and k finite with |q|·|k|·D·scale far below the
+    accumulator's largest float, and no +inf or NaN in the bias. One read-back per call."""
+    stats = [*torch.aminmax(q), *torch.aminmax(k)] + ([bias.max()] if bias is not None and bias.numel() else [])
+    v = torch.stack([x.to(torch.float64) for x in stats]).tolist()  # a NaN in q or k: both NaN
+    if not all(math.isfinite(x) for x in v[:4]) or not (len(v) == 4 or v[4] < math.inf):  # NaN: not <
+        return False
+    bound = max(-v[0], v[1]) * max(-v[2], v[3]) * q.shape[-1] * abs(scale) * LOG2E
+    return bound < torch.finfo(acc).max / 16
+
+
 def _five(t: Tensor, G: int) -> Tensor:
     """A block (nb|1, nh·G|1, r|1, c|1) → (nb|1, nh|1, G|1, r|1, c|1), to broadcast against a
     score block viewed per (batch, kv head, group member); a 2-D (r, c) block broadcasts as is."""
@@ -417,6 +444,10 @@ class _Problem:
         self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
         self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
+        # Causal / window enter the score matmul as an additive −inf tile (``edge``) only where no
+        # score can be +inf or NaN: −inf + (+inf or NaN) is NaN, and the reference blocks such a
+        # pair like any other. Otherwise they are masked after the scores.
+        self.use_edges = (causal or window is not None) and _edges_safe(q, k, bias, scale, self.acc)
 
     def threads(self, mutex: bool) -> int:
         """Worker threads for the tasks: 1 on other devices or when blocks add into shared memory
@@ -449,8 +480,10 @@ class _Problem:
 
     def arena(self) -> _Arena:
         """A worker's scratch memory (see ``_Arena``). On CPU it is the calling thread's own and
-        is kept between calls (a few MB per thread: a fresh one would fault its pages in again,
-        ~0.3 ms a call); elsewhere a new one (the device's caching allocator reuses memory)."""
+        is kept between calls: a fresh one would fault its pages in again (~0.5 ms a call). It
+        holds about three score blocks and a few row blocks of the largest problem the thread has
+        run (~10–40 MB in float32); elsewhere a new one (the device's caching allocator reuses
+        memory)."""
         if self.q.device.type != "cpu":
             return _Arena(self.acc, self.q.device)
         arenas: dict[torch.dtype, _Arena] = _SCRATCH.__dict__.setdefault("arenas", {})
@@ -470,8 +503,8 @@ class _Problem:
 
     @staticmethod
     def split(task: tuple[int, tuple[int, int]]) -> tuple[Any, Any] | None:
-        """A task's rows in two halves (multiples of 32 rows), or None when it has under 256 (a
-        smaller piece would cost more in per-task work than it saves at the end)."""
+        """A task's rows in two halves (the first a multiple of 32 rows), or None when it has under
+        256 (a smaller piece would cost more in per-task work than it saves at the end)."""
         ci, (r0, r1) = task
         if r1 - r0 < 256:
             return None
@@ -532,7 +565,7 @@ class _Problem:
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
-        edge = self.edge(rows, cols, transposed)  # (G·r, c) or (c, G·r), 0 / −inf
+        edge = self.edge(rows, cols, transposed) if self.use_edges else None  # (G·r, c) or (c, G·r)
         if transposed:
             s_t = ar.get(name, N, nc, GR)  # (N, c, G·r)
             # shiftᵀ (N, 1, G·r) and the edge (c, G·r) broadcast down the columns / over N
@@ -552,11 +585,14 @@ class _Problem:
                 torch.baddbmm(edge, qa, kb.transpose(1, 2), out=s)
             else:
                 torch.bmm(qa, kb.transpose(1, 2), out=s)
-        if self.bias is not None or self.mask is not None:
+        # causal / window still to mask here: when they could not enter as an edge tile
+        late = not self.use_edges and not _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window)
+        if self.bias is not None or self.mask is not None or late:
             s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
             if self.bias is not None:
                 s5.add_(_five(c.heads(block_of(self.bias, rows, cols)), self.G), alpha=LOG2E)
-            keep = keep_block(self.mask, False, None, self.Lq, self.Lk, rows, cols, s.device)
+            win = self.window if late else None
+            keep = keep_block(self.mask, self.causal and late, win, self.Lq, self.Lk, rows, cols, s.device)
             if keep is not None:
                 s5.masked_fill_(_five(c.heads(keep), self.G).logical_not(), NEG_INF)
         return s.transpose(1, 2) if transposed else s
