@@ -392,13 +392,12 @@ def _all_kept(
     return ok
 
 
-def _edges_safe(q: Tensor, k: Tensor, bias: Tensor | None, scale: float, acc: torch.dtype) -> bool:
-    """Whether every score ``q·k·scale·log2 e (+ bias)`` is finite or −inf, so that adding a −inf
-    edge tile never meets +inf or NaN: q and k finite with |q|·|k|·D·scale far below the
-    accumulator's largest float, and no +inf or NaN in the bias. One read-back per call."""
-    stats = [*torch.aminmax(q), *torch.aminmax(k)] + ([bias.max()] if bias is not None and bias.numel() else [])
-    v = torch.stack([x.to(torch.float64) for x in stats]).tolist()  # a NaN in q or k: both NaN
-    if not all(math.isfinite(x) for x in v[:4]) or not (len(v) == 4 or v[4] < math.inf):  # NaN: not <
+def _edges_safe(q: Tensor, k: Tensor, scale: float, acc: torch.dtype) -> bool:
+    """Whether every score ``q·k·scale·log2 e`` is finite, so that adding a −inf edge tile never
+    meets +inf or NaN: q and k finite with |q|·|k|·D·scale far below the accumulator's largest
+    float. One read-back per call (q and k are O(L), the scores O(L²))."""
+    v = torch.stack([x.to(torch.float64) for x in (*torch.aminmax(q), *torch.aminmax(k))]).tolist()
+    if not all(math.isfinite(x) for x in v):  # a NaN anywhere in q or k makes its min and max NaN
         return False
     bound = max(-v[0], v[1]) * max(-v[2], v[3]) * q.shape[-1] * abs(scale) * LOG2E
     return bound < torch.finfo(acc).max / 16
@@ -446,8 +445,9 @@ class _Problem:
         self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
         # Causal / window enter the score matmul as an additive −inf tile (``edge``) only where no
         # score can be +inf or NaN: −inf + (+inf or NaN) is NaN, and the reference blocks such a
-        # pair like any other. Otherwise they are masked after the scores.
-        self.use_edges = (causal or window is not None) and _edges_safe(q, k, bias, scale, self.acc)
+        # pair like any other. Otherwise, and with a bias (checking a dense one would cost a pass
+        # over all its L² entries), they are masked after the scores.
+        self.use_edges = (causal or window is not None) and bias is None and _edges_safe(q, k, scale, self.acc)
 
     def threads(self, mutex: bool) -> int:
         """Worker threads for the tasks: 1 on other devices or when blocks add into shared memory
