@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from . import dropout
-from .masks import Mask, block_of, keep_block, window_keep
+from .masks import Mask, block_of, keep_block
 from .reference import accum_dtype
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
@@ -166,9 +166,7 @@ class _Arena:
 
     def get(self, name: str, *shape: int) -> Tensor:
         """A tensor of ``shape`` (contents undefined) in the buffer ``name``."""
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         buf = self.bufs.get(name)
         if buf is None or buf.numel() < n:
             # a normal tensor even under inference_mode: a kept buffer made there could not be
@@ -513,11 +511,8 @@ class _Problem:
 
     def scaled_q(self, c: _Chunk, rows: tuple[int, int], ar: _Arena) -> Tensor:
         """``q · scale · log2 e`` for the block's rows, (N, G·r, D), accumulator dtype."""
-        x = c.rows(self.q, rows)  # (N, G·r, D)
-        qs = ar.get("q", *x.shape)
-        if x.dtype == self.acc:
-            return torch.mul(x, self.scale2, out=qs)
-        return qs.copy_(x).mul_(self.scale2)  # convert first: the product is taken in float32
+        x = _in(ar, "q", c.rows(self.q, rows), self.acc)  # converted first: the product is in float32
+        return torch.mul(x, self.scale2, out=ar.get("q", *x.shape))  # (N, G·r, D)
 
     def edge(self, rows: tuple[int, int], cols: tuple[int, int], transposed: bool) -> Tensor | None:
         """Causal / window of one block as an additive 0 / −inf tile, (G·r, c) (transposed: (c, G·r)),
@@ -532,13 +527,9 @@ class _Problem:
         key = (r, nc, delta, transposed)
         tile = self._edges.get(key)
         if tile is None:
-            dev = self.q.device
-            # key position − query position of every pair: (r, c)
-            ahead = torch.arange(nc, device=dev) - torch.arange(r, device=dev).view(-1, 1) + delta
-            keep = window_keep(torch.zeros((), dtype=torch.long, device=dev), ahead, self.window or (None, None))
-            if self.causal:
-                keep = keep & (ahead <= 0)
-            tile = torch.zeros((r, nc), dtype=self.acc, device=dev).masked_fill_(~keep, NEG_INF)
+            keep = keep_block(None, self.causal, self.window, self.Lq, self.Lk, rows, cols, self.q.device)
+            assert keep is not None  # not all kept
+            tile = torch.zeros((r, nc), dtype=self.acc, device=self.q.device).masked_fill_(~keep, NEG_INF)
             tile = tile.repeat(self.G, 1)  # (G·r, c): one copy per query head of the group
             tile = tile.t().contiguous() if transposed else tile  # (c, G·r)
             if len(self._edges) < 16:  # a handful of offsets recur; hold at most 16 tiles
