@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
 import torch
+from conftest import absent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -439,3 +441,76 @@ def test_property_block_equals_slice(
     c1 = data.draw(st.integers(c0 + 1, Lk))
     want = full[:, :, r0:r1, c0:c1]
     assert torch.equal(m.block((r0, r1), (c0, c1)).expand(want.shape), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks broadcast like tensors, and a predicate's non-zero means "may attend" whatever its dtype.
+
+BACKENDS = ["reference", "flash", "triton"]
+
+
+def _run(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        absent("backend='triton' needs `pip install triton`")
+    out = az.attention(q, k, v, mask=mask, backend=backend)  # type: ignore[arg-type]
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masks_of_batch_one_and_batch_b_combine(backend: str) -> None:
+    """padding of batch 1 and document ids of batch 2: the combination has batch 2, and each part
+    is read at its own batch (index 0 where it has batch 1) — in to_tensor, in print, in attention."""
+    ids = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]])
+    m = az.masks.and_(az.masks.padding([5], kv_len=6), az.masks.document(ids))
+    assert m.shape == (2, 1, 6, 6)
+    same_doc = ids[:, :, None] == ids[:, None, :]  # (2, 6, 6)
+    want = (same_doc & (torch.arange(6) < 5)).unsqueeze(1)  # (2, 1, 6, 6)
+    assert torch.equal(m.to_tensor(), want)
+    assert "[b=1, h=0]" in str(m)
+    q, k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    got = _run(backend, q.float(), k.float(), v.float(), m)
+    ref = az.attention(q, k, v, mask=want, backend="reference")
+    assert isinstance(ref, torch.Tensor)
+    assert (got.double() - ref).abs().max().item() < 1e-5
+    or_ = az.masks.or_(az.masks.causal(6), az.masks.document(ids))  # batch 1 with batch 2, the other way
+    assert torch.equal(or_.to_tensor(), torch.tril(torch.ones(6, 6, dtype=torch.bool)) | same_doc.unsqueeze(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.float32])
+def test_a_predicate_returning_numbers_keeps_the_non_zero_pairs(backend: str, dtype: torch.dtype) -> None:
+    """A custom az.Mask whose predicate returns integers (or floats): non-zero = may attend, on every
+    backend and in to_tensor / print / ~mask — never a crash, never bytes of an int read as bools."""
+    m = Mask(lambda b, h, q, kv: ((kv <= q) * 3 + (kv == q + 1) * 256).to(dtype), (1, 1, 9, 9), "numbers")
+    keep = (torch.arange(9)[None, :] <= torch.arange(9)[:, None] + 1).view(1, 1, 9, 9)  # j <= i + 1
+    if dtype == torch.uint8:  # 256 wraps to 0 in uint8: only j <= i is non-zero
+        keep = torch.tril(torch.ones(9, 9, dtype=torch.bool)).view(1, 1, 9, 9)
+    assert torch.equal(m.to_tensor(), keep)
+    assert torch.equal((~m).to_tensor(), ~keep)
+    assert str(m).count("■") == int(keep.sum())
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    got = _run(backend, q.float(), k.float(), v.float(), m)
+    ref = az.attention(q, k, v, mask=keep, backend="reference")
+    assert isinstance(ref, torch.Tensor)
+    assert (got.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: az.masks.window(4, 4, 2**63),
+        lambda: az.masks.window(4, 4, 0, 2**64),
+        lambda: az.masks.causal(2**63),
+        lambda: az.masks.causal(4, 2**63),
+        lambda: az.masks.padding([2**63]),
+        lambda: az.masks.padding([1], kv_len=2**70),
+        lambda: az.masks.document([0, 2**63]),
+        lambda: az.masks.document([0, 1], [-(2**64), 0]),
+        lambda: az.masks.alibi(2**63, 4),
+    ],
+)
+def test_integers_too_large_are_refused_by_name(build: object) -> None:
+    """An integer argument at or past 2**63 gives a ValueError naming it, not an OverflowError."""
+    with pytest.raises(ValueError, match=r"^(left|right|q_len|kv_len|lengths|ids|kv_ids|num_heads): expected"):
+        build()  # type: ignore[operator]

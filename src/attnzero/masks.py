@@ -77,7 +77,16 @@ class Mask:
         h = torch.arange(H, device=device).view(1, H, 1, 1)
         q_idx = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)  # (1, 1, r, 1)
         kv_idx = torch.arange(c0, c1, device=device).view(1, 1, 1, -1)  # (1, 1, 1, c)
-        return self.keep(b, h, q_idx, kv_idx)
+        return self(b, h, q_idx, kv_idx)
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """The predicate at these indices (which broadcast against each other), as bool: whatever
+        ``keep`` returns, non-zero = may attend. A dim of size 1 in ``self.shape`` broadcasts: it is
+        read at index 0, whatever index is asked for (so masks of batch 1 and batch B combine)."""
+        idx = [i if n > 1 else torch.zeros_like(i) for i, n in zip((b, h, q_idx, kv_idx), self.shape)]
+        out = self.keep(idx[0], idx[1], idx[2], idx[3])
+        out = out if isinstance(out, Tensor) else torch.as_tensor(out, device=kv_idx.device)
+        return out if out.dtype == torch.bool else out != 0
 
     def to_tensor(self, device: torch.device | str | None = None) -> Tensor:
         """The dense bool keep-mask, shape exactly ``self.shape``."""
@@ -90,8 +99,7 @@ class Mask:
         return or_(self, other)
 
     def __invert__(self) -> Mask:
-        keep = self.keep
-        return Mask(lambda b, h, q, kv: ~keep(b, h, q, kv), self.shape, f"not {self.name}")
+        return Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, f"not {self.name}")
 
     def __repr__(self) -> str:
         return f"Mask({self.name}, shape={self.shape})"
@@ -100,10 +108,31 @@ class Mask:
         return to_string(self)
 
 
+# Lengths, windows and ids stay below this: index arithmetic on them (q + Lk - Lq, p - left) must
+# not overflow torch's int64.
+MAX_INT = 2**62
+
+
 def _check_len(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if value > MAX_INT:
+        raise ValueError(f"{name}: expected at most 2**62, got {value}")
     return value
+
+
+def _ints(name: str, values: Tensor | Sequence[int], expected: str) -> Tensor:
+    """``values`` as an integer tensor with entries within ±2**62, or a ValueError naming ``name``
+    and what was ``expected``."""
+    try:
+        t = torch.as_tensor(values)
+    except (OverflowError, RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"{name}: expected {expected} within ±2**62, got {values!r}") from e
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name}: expected {expected}, got {tuple(t.shape)} {t.dtype}")
+    if t.numel() and bool((t.abs() > MAX_INT).any()):
+        raise ValueError(f"{name}: expected {expected} within ±2**62, got {t.tolist()}")
+    return t
 
 
 def causal(
@@ -140,6 +169,8 @@ def window(q_len: int, kv_len: int | None = None, left: int | None = None, right
     for name, side in (("left", left), ("right", right)):
         if side is not None and (isinstance(side, bool) or not isinstance(side, int) or side < 0):
             raise ValueError(f"{name}: expected None or an int >= 0, got {side!r}")
+        if side is not None and side > MAX_INT:
+            raise ValueError(f"{name}: expected at most 2**62 (None = unbounded), got {side}")
     offset = Lk - Lq
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -162,8 +193,8 @@ def window_keep(pos: Tensor, kv: Tensor, win: tuple[int | None, int | None]) -> 
 def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
     """Key padding from the true lengths of each sequence: key ``j`` of batch ``b`` is kept iff
     ``j < lengths[b]``. Shape (B, 1, 1, kv_len), kv_len defaulting to ``max(lengths)``."""
-    lens = torch.as_tensor(lengths)
-    if lens.ndim != 1 or lens.dtype.is_floating_point or lens.dtype == torch.bool:
+    lens = _ints("lengths", lengths, "a 1-D sequence of ints")
+    if lens.ndim != 1:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got {tuple(lens.shape)} {lens.dtype}")
     if len(lens) == 0 or bool((lens < 0).any()):
         raise ValueError(f"lengths: expected non-negative lengths for at least one sequence, got {lens.tolist()}")
@@ -190,10 +221,10 @@ def document(ids: Tensor | Sequence[int], kv_ids: Tensor | Sequence[int] | None 
         · · ■ ■ ■
         · · ■ ■ ■
     """
-    q_ids = torch.as_tensor(ids)
-    k_ids = q_ids if kv_ids is None else torch.as_tensor(kv_ids)
+    q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids")
+    k_ids = q_ids if kv_ids is None else _ints("kv_ids", kv_ids, "(L,) or (B, L) integer ids")
     for name, t in (("ids", q_ids), ("kv_ids", k_ids)):
-        if t.ndim not in (1, 2) or t.dtype.is_floating_point or t.numel() == 0:
+        if t.ndim not in (1, 2) or t.numel() == 0:
             raise ValueError(f"{name}: expected (L,) or (B, L) integer ids, got {tuple(t.shape)} {t.dtype}")
     q2, k2 = q_ids.reshape(-1, q_ids.shape[-1]), k_ids.reshape(-1, k_ids.shape[-1])  # (B, L)
     if q2.shape[0] != k2.shape[0] and 1 not in (q2.shape[0], k2.shape[0]):
@@ -241,9 +272,9 @@ def _combine(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tens
         raise ValueError(f"{word}_: mask shapes {shapes} do not broadcast together") from e
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        out = ms[0].keep(b, h, q, kv)
+        out = ms[0](b, h, q, kv)  # each mask reads its own broadcast dims at index 0
         for m in ms[1:]:
-            out = op(out, m.keep(b, h, q, kv))
+            out = op(out, m(b, h, q, kv))
         return out
 
     return Mask(keep, tuple(shape), f" {word} ".join(m.name for m in ms))
