@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -219,21 +221,22 @@ def test_fully_blocked_rows_give_zero_and_zero_gradients() -> None:
     assert_close(lse, want_lse, name="lse")
 
 
-def test_scores_growing_far_past_the_first_block_rebase_the_max() -> None:
+def test_scores_growing_far_past_the_first_block_take_the_online_softmax() -> None:
     """Scores far too large for exp2 without a max (a later key block ~200× the first) send the
-    rows to the online softmax, whose lazy max must move at the jump; the result stays exact (no
-    overflow, no lost mass)."""
+    rows from the unshifted variant to the online softmax, whose max moves at the jump; the
+    result stays exact (no overflow, no lost mass) — and the online softmax alone gives the same."""
     q, k, v = qkv(1, 1, 1, 8, 64, 4)
     q = q.abs()
     k = k.abs()
     k[..., 32:, :] *= 200.0  # scores of the second half are ~200× larger
-    flash.COUNTS["rebase"] = flash.COUNTS["shift"] = 0
-    with flash.block_sizes(rows=8, cols=16):
-        out, lse = flash.forward(q, k, v, bias=None, **options(scale=1.0))
-    assert flash.COUNTS["rebase"] == 1 and flash.COUNTS["shift"] >= 1
     want, want_lse = reference.attention(q, k, v, scale=1.0)
-    assert_close(out, want, name="out")
-    assert_close(lse, want_lse, name="lse")
+    for unshifted in (True, False):
+        flash.COUNTS["fallback"] = 0
+        with flash.block_sizes(rows=8, cols=16, unshifted=unshifted):
+            out, lse = flash.forward(q, k, v, bias=None, **options(scale=1.0))
+        assert flash.COUNTS["fallback"] == int(unshifted)
+        assert_close(out, want, name="out")
+        assert_close(lse, want_lse, name="lse")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -318,13 +321,15 @@ def test_queue_owners_help_and_split_cover_every_row_once() -> None:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_worker_threads_that_help_and_split_give_exact_gradients(causal: bool) -> None:
     """Three worker threads, chunks of one head, 256-row tasks: threads own chunks, help with
-    others' (private dK/dV, added at the end) and split the last tasks; float64 stays exact."""
+    others' (private dK/dV, added at the end) and split the last tasks; float64 stays exact. The
+    schedule is forced (the fixed plan of deterministic mode), so help and split happen on every
+    run, whatever the timing of the threads."""
     q, k, v = qkv(2, 4, 2, 1300, 650, 16)
     dout = torch.randn(2, 4, 1300, 16, dtype=F64)
     want_out, want_lse, want = ref_grads(q, k, v, dout, causal=causal, scale=0.3)
     for key in ("split", "help"):
         flash.COUNTS[key] = 0
-    with flash.block_sizes(rows=256, cols=96, kv=1, threads=3):
+    with flash.block_sizes(rows=256, cols=96, kv=1, threads=3), deterministic():
         out, lse = flash.forward(q, k, v, bias=None, **options(causal=causal))
         grads = flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=causal))
     assert_close(out, want_out, name="out")
@@ -332,6 +337,46 @@ def test_worker_threads_that_help_and_split_give_exact_gradients(causal: bool) -
     for name, got, exp in zip(("dq", "dk", "dv"), grads[:3], want[:3]):
         assert_close(got, exp, name=name)
     assert flash.COUNTS["split"] > 0 and flash.COUNTS["help"] > 0, dict(flash.COUNTS)
+
+
+@contextmanager
+def deterministic() -> Iterator[None]:
+    """torch.use_deterministic_algorithms(True) for the duration."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_the_deterministic_plan_hands_out_every_row_once_the_same_way_each_time() -> None:
+    """The fixed schedule of deterministic mode: every row of every task exactly once, owners and
+    helpers as the queue decides, and the same plan on every call."""
+    tasks = [(ci, (ci, (i0, i0 + 256))) for ci in range(3) for i0 in range(0, 1024, 256)]
+    plans = [flash._Queue(tasks, threads=2, split=flash._Problem.split).plan() for _ in range(2)]
+    assert plans[0] == plans[1]
+    got = [(w, item, own) for w, plan in enumerate(plans[0]) for item, own in plan]
+    assert {w for w, _, _ in got} == {0, 1}
+    assert any(not own for _, _, own in got), "no worker helped"
+    for ci in range(3):
+        covered = sorted(i for _, (c, (r0, r1)), _ in got if c == ci for i in range(r0, r1))
+        assert covered == list(range(1024)), f"chunk {ci}: rows not covered exactly once"
+
+
+def test_backward_is_bitwise_reproducible_under_use_deterministic_algorithms() -> None:
+    """GQA + causal with worker threads that own, help and split: under the flag, dq / dk / dv are
+    the same bits on every run (without it, which thread adds which rows depends on timing)."""
+    q, k, v = (t.float() for t in qkv(1, 8, 2, 700, 700, 16))
+    dout = torch.randn(1, 8, 700, 16)
+    runs = []
+    with flash.block_sizes(rows=64, kv=1, threads=2), deterministic():
+        for _ in range(3):
+            out, lse = flash.forward(q, k, v, bias=None, **options(causal=True))
+            runs.append(flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=True))[:3])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
 
 
 def test_openmp_threads_are_let_go_and_torch_still_runs_in_parallel() -> None:
@@ -403,3 +448,106 @@ def test_one_thread_pool_per_requested_thread_count() -> None:
             q, k, v = qkv(1, 1, 1, L, L, 8)
             flash.forward(q, k, v, bias=None, **options())
     assert set(flash._POOL) - before <= {3}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores of any size: what the unshifted variant cannot do exactly goes to the online softmax, and
+# the online softmax is exact for any finite scores (issue 11: NaN when every score a row saw in its
+# first key block was below float32 exp's underflow).
+
+
+def _check_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None, **kw: Any) -> None:
+    """flash in float32, with and without the unshifted variant, against the float64 reference by
+    the tolerance rule (2× the float32 reference's error, plus two float32 roundings)."""
+    f = [t.float() for t in (q, k, v)]
+    b = None if bias is None else bias.float()
+    want, want_lse = reference.attention(q, k, v, bias=bias, **options(**kw))
+    ref32, ref32_lse = reference.attention(*f, bias=b, **options(**kw))
+    for unshifted in (True, False):
+        with flash.block_sizes(rows=16, cols=16, unshifted=unshifted):
+            out, lse = flash.forward(*f, bias=b, **options(**kw))
+        for name, got, ref, exp in (("out", out, ref32, want), ("lse", lse, ref32_lse, want_lse)):
+            assert not torch.isnan(got).any(), f"{name}: NaN (unshifted={unshifted})"
+            fin = torch.isfinite(exp)
+            assert torch.equal(torch.isfinite(got), fin), name
+            err = (got.double() - exp)[fin].abs().max().item()
+            ref_err = (ref.double() - exp)[fin].abs().max().item()
+            scale_ = max(1.0, exp[fin].abs().max().item())
+            assert err <= 2 * ref_err + 4 * torch.finfo(torch.float32).eps * scale_, (name, unshifted, err, ref_err)
+
+
+@pytest.mark.parametrize("bias", [-100.0, -1e4, -3e38])
+def test_scores_below_exp_underflow_give_the_reference(bias: float) -> None:
+    """Every score far below −88 (float32 exp underflows): the softmax is still well defined."""
+    q, k, v = qkv(1, 2, 1, 40, 50, 16)
+    _check_f32(q, k, v, torch.tensor(bias, dtype=F64).view(1, 1, 1, 1))
+    _check_f32(q, k, v, torch.tensor(bias, dtype=F64).view(1, 1, 1, 1), causal=True)
+
+
+def test_one_row_scaled_far_under_alibi_at_long_range() -> None:
+    """ALiBi at long range with one query row scaled ×20: that row's first key block lies far below
+    the rest (issue 11 saw NaN rows here)."""
+    q, k, v = qkv(1, 4, 4, 300, 300, 16)
+    q[:, :, 200] *= 20.0
+    q[:, :, 10] *= -20.0
+    _check_f32(q, k, v, az.masks.alibi(4, 300).double(), causal=True, scale=0.25)
+
+
+@pytest.mark.parametrize("factor", [1e30, 1e-30, 1e-40], ids=["v*1e30", "v*1e-30", "v*1e-40"])
+def test_values_far_from_one_give_the_reference(factor: float) -> None:
+    q, k, v = qkv(2, 2, 1, 33, 70, 8)
+    _check_f32(q, k, v * factor, causal=True)
+    _check_f32(q * 4, k, v * factor)
+
+
+def test_scores_far_above_and_rows_with_no_key_yet() -> None:
+    """Huge positive scores (exp2 would overflow without a max), with rows whose first blocks are
+    fully blocked by a mask and rows blocked entirely."""
+    q, k, v = qkv(1, 1, 1, 40, 64, 8)
+    keep = torch.ones(1, 1, 40, 64, dtype=torch.bool)
+    keep[..., :20, :32] = False  # the first 20 rows see nothing in the first key blocks
+    keep[..., 5, :] = False  # row 5 sees nothing at all
+    _check_f32(q * 30, k * 30, v, mask=keep)
+
+
+def test_inference_mode_with_worker_threads() -> None:
+    """Serving code runs under torch.inference_mode: the worker threads run under it too (it is
+    thread-local), and the result is the same as without it — through flash, auto and the module."""
+    q, k, v = (t.float() for t in qkv(1, 8, 8, 300, 300, 16))
+    want = flash.forward(q, k, v, bias=None, **options(causal=True))[0]
+    with flash.block_sizes(threads=2, rows=64), torch.inference_mode():
+        out, _ = flash.attention(q, k, v, causal=True, scale=0.3)
+        auto = az.attention(q, k, v, causal=True, scale=0.3, backend="auto")
+        mha = az.MultiHeadAttention(32, 4, dropout=0.0)
+        y = mha(torch.randn(2, 300, 32), causal=True)
+    assert torch.equal(out, want) and torch.equal(auto, want)
+    assert y.shape == (2, 300, 32) and torch.isfinite(y).all()
+    # and a training step on the same threads afterwards
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with flash.block_sizes(threads=2, rows=64):
+        flash.attention(*leaves, causal=True, scale=0.3)[0].sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_double_backward_gives_a_differentiable_gradient(bias: bool) -> None:
+    """create_graph=True (a gradient penalty): the gradient has a graph, and its own gradient is the
+    reference's; gradgradcheck agrees with finite differences."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 1, 7, 9, 4))
+    b = torch.randn(1, 2, 7, 9, dtype=F64, requires_grad=True) if bias else None
+    inputs = (q, k, v) + ((b,) if b is not None else ())
+
+    def penalty(backend: str) -> list[torch.Tensor]:
+        out = az.attention(q, k, v, bias=b, causal=True, backend=backend)  # type: ignore[arg-type]
+        assert isinstance(out, torch.Tensor)
+        gq, gk = torch.autograd.grad(out.square().sum(), (q, k), create_graph=True)
+        assert gq.requires_grad and gk.requires_grad
+        return list(torch.autograd.grad(gq.square().sum() + gk.sum(), inputs))
+
+    for got, want in zip(penalty("flash"), penalty("reference")):
+        assert_close(got, want, name="second-order gradient")
+
+    def fn(*xs: torch.Tensor) -> torch.Tensor:
+        return flash.attention(xs[0], xs[1], xs[2], bias=xs[3] if bias else None, causal=True, scale=0.4)[0]
+
+    assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True)

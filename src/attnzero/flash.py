@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from . import dropout
+from . import dropout, reference
 from .masks import Mask, block_of, keep_block
 from .reference import accum_dtype
 
@@ -58,23 +58,22 @@ NEG_INF = float("-inf")
 # per head in a block; ``cols``: key columns (0 = as many as make a score block of about ``elems``
 # floats); ``kv``: floats of the per-chunk copy of K and V (bounds the extra memory).
 # ``threads``: worker threads on CPU (0 = torch.get_num_threads(), or 1 below ``_THREADED_MIN``).
-_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0}
+# ``unshifted``: 1 = try the forward's no-max variant first, 0 = the online softmax only.
+_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0, "unshifted": 1}
 
 # Below this many scores (B·Hq·Lq·Lk; 8 heads at L ≈ 1450) one thread of ours runs the tasks with
 # torch's intra-op threads inside each op: measured on 2 cores, that is as fast or faster there.
 _THREADED_MIN = 1 << 24
 
-# Counters read by tests: blocks visited by the forward and the backward, row blocks the forward
-# computed again by the online softmax ("rebase"), blocks where that moved the max ("shift"), and
-# of the worker threads' tasks, those split in two near the end ("split") and those a thread took
-# from a chunk another one owns ("help"; see ``_Queue``).
-COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "rebase": 0, "shift": 0, "split": 0, "help": 0}
+# Counters read by tests: blocks visited by the forward and the backward, row blocks whose unshifted
+# forward was not exact and went to the online softmax ("fallback"), and of the worker
+# threads' tasks, those split in two near the end ("split") and those a thread took from a chunk
+# another one owns ("help"; see ``_Queue``).
+COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "fallback": 0, "split": 0, "help": 0}
 
-# The forward accepts exp2 of unshifted scores when every row's sum lies between _TINY and _LIMIT
-# (far from underflow and overflow); its safe path accepts a block, without moving the reference
-# max, under the same bounds.
-_LIMIT = 2.0**64
-_TINY = 2.0**-64
+# The forward's unshifted variant is exact when every row sum lies below this and above a floor
+# (see ``_forward_rows_unshifted``).
+_UNSHIFTED_MAX = 2.0**64
 
 
 @contextmanager
@@ -84,10 +83,13 @@ def block_sizes(
     elems: int | None = None,
     kv: int | None = None,
     threads: int | None = None,
+    unshifted: bool | None = None,
 ) -> Iterator[None]:
-    """Temporarily force the block sizes (tests use tiny blocks to hit every boundary)."""
+    """Temporarily force the block sizes, the worker threads, and whether the forward tries its
+    unshifted variant (tests use tiny blocks to hit every boundary)."""
     old = dict(_SIZES)
-    for key, value in (("rows", rows), ("cols", cols), ("elems", elems), ("kv", kv), ("threads", threads)):
+    given = {"rows": rows, "cols": cols, "elems": elems, "kv": kv, "threads": threads, "unshifted": unshifted}
+    for key, value in given.items():
         if value is not None:
             _SIZES[key] = int(value)
     try:
@@ -197,16 +199,36 @@ def _each(
     run, torch is set to 1 intra-op thread (a process-wide setting, restored afterwards); so only
     one call at a time takes this path, and a call made meanwhile from another thread runs its
     items in order on its own thread."""
-    if threads <= 1 or len(items) <= 1 or not _THREADED.acquire(blocking=False):
+    if threads <= 1 or len(items) <= 1:
         st = scratch()
         for _, item in items:
             fn(item, st, True)
         return [st]
+    workers = min(threads, len(items))
+    queue = _Queue(items, workers, split)
+    take: Callable[[int], tuple[Any, bool] | None] = queue.take
+    if torch.are_deterministic_algorithms_enabled():
+        # A fixed schedule (who computes what, who owns what), the same on every run: the sums
+        # into dK / dV then happen in the same order, whatever the timing of the threads.
+        plans = [iter(plan) for plan in queue.plan()]
+        take = lambda worker: next(plans[worker], None)  # noqa: E731
+    if not _THREADED.acquire(blocking=False):
+        # another call is on the worker threads: run the workers' shares one after the other here
+        # (a deterministic plan gives the same sums as on threads)
+        return [_work(w, take, fn, scratch) for w in range(workers)]
     try:
-        workers = min(threads, len(items))
-        return _each_threaded(_Queue(items, workers, split), fn, scratch, workers, _pool(threads - 1))
+        return _each_threaded(take, fn, scratch, workers, _pool(threads - 1))
     finally:
         _THREADED.release()
+
+
+def _work(worker: int, take: Callable[[int], tuple[Any, bool] | None], fn: Callable[[Any, T, bool], None],
+          scratch: Callable[[], T]) -> T:
+    """One worker's share: ``fn`` on each item that ``take(worker)`` hands out, with one scratch."""
+    st = scratch()
+    while (got := take(worker)) is not None:
+        fn(got[0], st, got[1])
+    return st
 
 
 _THREADED = threading.Lock()  # held while a call runs on worker threads
@@ -252,6 +274,16 @@ class _Queue:
                 _count("help")
             return item, own
 
+    def plan(self) -> list[list[tuple[Any, bool]]]:
+        """Every worker's ``(item, own)`` list, handed out as if the workers took one item each in
+        turn: a schedule that does not depend on timing (for ``torch.use_deterministic_algorithms``)."""
+        plans: list[list[tuple[Any, bool]]] = [[] for _ in range(self.threads)]
+        turn = 0
+        while (got := self.take(turn % self.threads)) is not None:
+            plans[turn % self.threads].append(got)
+            turn += 1
+        return plans
+
     def _pick(self, worker: int) -> tuple[int, Any, bool] | None:
         mine = self.owned.setdefault(worker, deque())
         while mine and not self.queues[mine[0]]:
@@ -270,17 +302,19 @@ class _Queue:
 
 
 def _each_threaded(
-    queue: _Queue, fn: Callable[[Any, T, bool], None], scratch: Callable[[], T], workers: int, pool: ThreadPoolExecutor
+    take: Callable[[int], tuple[Any, bool] | None],
+    fn: Callable[[Any, T, bool], None],
+    scratch: Callable[[], T],
+    workers: int,
+    pool: ThreadPoolExecutor,
 ) -> list[T]:
     before = torch.get_num_threads()
+    inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: the caller's holds
 
     def work(worker: int) -> T:
         torch.set_num_threads(1)  # this worker's ops run on its own core
-        with torch.no_grad():  # grad mode is per thread
-            st = scratch()
-            while (got := queue.take(worker)) is not None:
-                fn(got[0], st, got[1])
-            return st
+        with torch.inference_mode(inference), torch.no_grad():  # (inference_mode(False) turns grad on)
+            return _work(worker, take, fn, scratch)
 
     torch.set_num_threads(1)
     try:
@@ -401,6 +435,23 @@ def _edges_safe(q: Tensor, k: Tensor, scale: float, acc: torch.dtype) -> bool:
     return bound < torch.finfo(acc).max / 16
 
 
+def _huge_bias(bias: Tensor | None, acc: torch.dtype) -> Tensor | None:
+    """None, or — when some finite entry of the bias is so large that ``· log2 e`` would overflow
+    (a float mask of ``finfo.min``, say) — a per-row constant ``c`` (the bias's finite row max,
+    (B|1, H|1, Lq|1)) for ``_Problem.scores`` to take out before converting to base 2. The scores
+    are then the reference's, ``scale·q·k + bias`` rounded in natural units, shifted per row: the
+    softmax does not change, each row's largest entry is near 0, and the lse is ``c`` larger. One
+    read-back per call with a bias."""
+    if bias is None:
+        return None
+    limit = torch.finfo(acc).max / LOG2E / 2
+    lo, hi = (float(x) for x in torch.aminmax(bias))
+    if -limit <= lo and hi <= limit:  # (False for NaN too: harmless, the row is NaN either way)
+        return None
+    c = bias.to(acc).amax(dim=-1)  # (B|1, H|1, Lq|1)
+    return torch.where(torch.isfinite(c), c, 0.0)
+
+
 def _five(t: Tensor, G: int) -> Tensor:
     """A block (nb|1, nh·G|1, r|1, c|1) → (nb|1, nh|1, G|1, r|1, c|1), to broadcast against a
     score block viewed per (batch, kv head, group member); a 2-D (r, c) block broadcasts as is."""
@@ -437,15 +488,31 @@ class _Problem:
         self.Hkv, self.Lk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
         self.G = self.Hq // self.Hkv
         self.acc = accum_dtype(q.dtype)
-        self.mask, self.bias, self.causal, self.window = mask, bias, causal, window
+        self.mask, self.causal, self.window = mask, causal, window
+        self.bias = bias
+        # a bias too large for base 2: scores in natural units first, less this per-row constant
+        # (given back in the lse; see _huge_bias and scores)
+        self.row_shift = _huge_bias(bias, self.acc)
+        self.natural = self.row_shift is not None
+        self.q_factor = scale if self.natural else scale * LOG2E  # what scaled_q multiplies q by
         self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
         self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
+        self.unshifted = _SIZES["unshifted"] != 0  # try the forward's no-max variant first
+        self._v_tiny: bool | None = None  # see ``v_tiny``
         # Causal / window enter the score matmul as an additive −inf tile (``edge``) only where no
         # score can be +inf or NaN: −inf + (+inf or NaN) is NaN, and the reference blocks such a
         # pair like any other. Otherwise, and with a bias (checking a dense one would cost a pass
         # over all its L² entries), they are masked after the scores.
         self.use_edges = (causal or window is not None) and bias is None and _edges_safe(q, k, scale, self.acc)
+
+    def v_tiny(self) -> bool:
+        """Whether some column of v (one (batch, head, d)) is nonzero but has no entry of size
+        2^-60 or more (one read-back, on first use)."""
+        if self._v_tiny is None:
+            top = torch.maximum(self.v.amax(dim=2), -self.v.amin(dim=2))  # max_j |v_jd|: (B, Hkv, Dv)
+            self._v_tiny = bool(((top < 2.0**-60) & (top != 0)).any())
+        return self._v_tiny
 
     def threads(self, mutex: bool) -> int:
         """Worker threads for the tasks: 1 on other devices or when blocks add into shared memory
@@ -510,9 +577,10 @@ class _Problem:
         return (ci, (r0, mid)), (ci, (mid, r1))
 
     def scaled_q(self, c: _Chunk, rows: tuple[int, int], ar: _Arena) -> Tensor:
-        """``q · scale · log2 e`` for the block's rows, (N, G·r, D), accumulator dtype."""
+        """``q · scale · log2 e`` (``q · scale`` in natural mode) for the block's rows, (N, G·r, D),
+        accumulator dtype."""
         x = _in(ar, "q", c.rows(self.q, rows), self.acc)  # converted first: the product is in float32
-        return torch.mul(x, self.scale2, out=ar.get("q", *x.shape))  # (N, G·r, D)
+        return torch.mul(x, self.q_factor, out=ar.get("q", *x.shape))  # (N, G·r, D)
 
     def edge(self, rows: tuple[int, int], cols: tuple[int, int], transposed: bool) -> Tensor | None:
         """Causal / window of one block as an additive 0 / −inf tile, (G·r, c) (transposed: (c, G·r)),
@@ -550,42 +618,42 @@ class _Problem:
     ) -> Tensor:
         """``s₂ = (scale · q kᵀ + bias) · log2 e`` for one block, blocked pairs −inf: (N, G·r, c),
         from the scaled queries ``qa`` (N, G·r, D) and the chunk's keys ``ka`` (N, Lk, D), written
-        into the arena's buffer ``name``. ``transposed``: return sᵀ (N, c, G·r), computed as K Qᵀ;
-        then ``shift`` (N, G·r, 1), if given, is added to every score of its row (see the class
-        docstring)."""
+        into the arena's buffer ``name``. ``shift`` (N, G·r, 1), if given, is added to every score of
+        its row (see the class docstring). ``transposed``: return sᵀ (N, c, G·r), computed as K Qᵀ."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
         edge = self.edge(rows, cols, transposed) if self.use_edges else None  # (G·r, c) or (c, G·r)
-        if transposed:
-            s_t = ar.get(name, N, nc, GR)  # (N, c, G·r)
-            # shiftᵀ (N, 1, G·r) and the edge (c, G·r) broadcast down the columns / over N
-            add = shift.transpose(1, 2) if shift is not None else None
-            if add is not None and edge is not None:
-                torch.add(add, edge, out=s_t).baddbmm_(kb, qa.transpose(1, 2))
-            elif add is not None:
-                torch.baddbmm(add, kb, qa.transpose(1, 2), out=s_t)
-            elif edge is not None:
-                torch.baddbmm(edge, kb, qa.transpose(1, 2), out=s_t)
-            else:
-                torch.bmm(kb, qa.transpose(1, 2), out=s_t)
-            s = s_t.transpose(1, 2)  # (N, G·r, c), a view
+        # shift (N, G·r, 1), or shiftᵀ (N, 1, G·r): broadcast along each row (down each column);
+        # in natural mode it is added once the scores are in base 2, at the end
+        add = None if shift is None or self.natural else shift.transpose(1, 2) if transposed else shift
+        buf = ar.get(name, N, nc, GR) if transposed else ar.get(name, N, GR, nc)  # (N, c, G·r) or (N, G·r, c)
+        x, y = (kb, qa.transpose(1, 2)) if transposed else (qa, kb.transpose(1, 2))
+        if add is not None and edge is not None:
+            torch.add(add, edge, out=buf).baddbmm_(x, y)
+        elif (extra := add if add is not None else edge) is not None:
+            torch.baddbmm(extra, x, y, out=buf)
         else:
-            s = ar.get(name, N, GR, nc)  # (N, G·r, c)
-            if edge is not None:
-                torch.baddbmm(edge, qa, kb.transpose(1, 2), out=s)
-            else:
-                torch.bmm(qa, kb.transpose(1, 2), out=s)
+            torch.bmm(x, y, out=buf)
+        s = buf.transpose(1, 2) if transposed else buf  # (N, G·r, c)
         # causal / window still to mask here: when they could not enter as an edge tile
         late = not self.use_edges and not _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window)
         if self.bias is not None or self.mask is not None or late:
             s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
             if self.bias is not None:
-                s5.add_(_five(c.heads(block_of(self.bias, rows, cols)), self.G), alpha=LOG2E)
+                b5 = _five(c.heads(block_of(self.bias, rows, cols)), self.G)
+                if self.natural:  # s = scale·q·k + bias as the reference rounds it, then to base 2
+                    assert self.row_shift is not None
+                    shift5 = _five(c.heads(block_of(self.row_shift.unsqueeze(-1), rows, (0, 1))), self.G)
+                    s5.add_(b5).sub_(shift5).mul_(LOG2E)  # (s − c) · log2 e
+                else:
+                    s5.add_(b5, alpha=LOG2E)
             win = self.window if late else None
             keep = keep_block(self.mask, self.causal and late, win, self.Lq, self.Lk, rows, cols, s.device)
             if keep is not None:
                 s5.masked_fill_(_five(c.heads(keep), self.G).logical_not(), NEG_INF)
+        if self.natural and shift is not None:
+            s.add_(shift)
         return s.transpose(1, 2) if transposed else s
 
     def dropout_scale(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
@@ -635,43 +703,51 @@ def forward(
 
     # every task is a group of its own: the workers take them in order, costliest first
     _each(list(enumerate(pb.tasks(chunks))), rows_of, pb.arena, pb.threads(mutex=False), pb.split)
+    if pb.row_shift is not None:
+        lse.add_(pb.row_shift)  # the constant taken out of the bias (see _huge_bias)
     return out, lse
 
 
 def _forward_rows(
     pb: _Problem, c: _Chunk, rows: tuple[int, int], kc: Tensor, vc: Tensor, ar: _Arena, out: Tensor, lse: Tensor
 ) -> None:
-    """One block of query rows against every key block it can see; writes its rows of out and lse.
+    """One block of query rows against every key block it can see, by MATH.md's online softmax;
+    writes its rows of out and lse. Base 2 throughout (``s₂ = s · log2 e``, see ``_Problem``).
 
-    First without any max at all: for scores of ordinary size (|s| well below 100 in base 2),
-    ``p = exp2(s)`` neither overflows nor underflows, and ``acc / l`` is the same whatever common
-    factor p carries. So each block is just a matmul, one exp2 in place, a row sum and a matmul
-    — the fewest passes over the block. Whether that held is checked once, at the end (every row
-    sum in (_TINY, _LIMIT), acc finite); if not, the rows are computed again by the online softmax
-    of ``_forward_rows_safe``, which also serves rows that see no key."""
+    Per row: the running max ``m`` (−inf until the row meets a kept key), the running sum
+    ``l = Σ_j exp2(s_ij − m)`` and the unnormalised output ``acc = Σ_j exp2(s_ij − m) v_j``.
+    Every ``p`` is at most 1 and every rescale ``alpha = exp2(m − m_new)`` at most 1, so nothing
+    overflows, and the largest term of a row is exactly 1, so nothing that matters underflows,
+    whatever the size of the scores.
+
+    The unshifted variant is tried first (``_forward_rows_unshifted``: no max at all, exact when
+    its check passes, which it does for scores of ordinary size); this is the path otherwise."""
     qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e: (N, G·r, D)
-    l = ar.get("l", c.n, qs.shape[1], 1).zero_()  # Σ_j exp2(s_ij): (N, G·r, 1)
-    acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # Σ_j exp2(s_ij) v_j: (N, G·r, Dv)
+    if pb.unshifted and _forward_rows_unshifted(pb, c, rows, qs, kc, vc, ar, out, lse):
+        return
+    shape = (c.n, qs.shape[1], 1)
+    m = torch.full(shape, NEG_INF, dtype=pb.acc, device=qs.device)  # running max (base 2): (N, G·r, 1)
+    l = torch.zeros(shape, dtype=pb.acc, device=qs.device)  # running sum: (N, G·r, 1)
+    acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # unnormalised output: (N, G·r, Dv)
     for cols in pb.col_blocks(c, rows):
         _count("forward")
-        p = pb.scores(c, qs, kc, rows, cols, ar).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
-        l.add_(p.sum(dim=-1, keepdim=True))
+        s = pb.scores(c, qs, kc, rows, cols, ar)  # s₂, blocked pairs −inf: (N, G·r, c)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # m_new = max(m, max_j s_ij)
+        # A row that has met no kept key yet keeps m = −inf; inside exp2 it is 0 instead, so that
+        # exp2(−inf − (−inf)) is never evaluated (its p and alpha are then exp2(−inf) = 0).
+        m_use = torch.where(m_new == NEG_INF, 0.0, m_new)
+        p = s.sub_(m_use).exp2_()  # p_ij = exp2(s_ij − m_new), in place
+        alpha = torch.exp2(m - m_use)  # alpha = exp2(m − m_new): rescales what was accumulated
+        l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l = alpha·l + Σ_j p_ij
         if pb.dropout_p > 0.0:
-            p = p * pb.dropout_scale(c, rows, cols)  # the normaliser l keeps every entry
-        acc.baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc += p · v
-    # One small read-back: the smallest and largest row sum (NaN if any is) and the sum of acc
-    # (not finite if any entry is; an overflow of the sum alone just takes the safe path).
-    lo, hi, total = torch.stack((*torch.aminmax(l), acc.sum())).tolist()
-    if not (_TINY < lo and hi < _LIMIT and math.isfinite(total)):  # False for NaN too
-        _count("rebase")
-        _forward_rows_safe(pb, c, rows, qs, kc, vc, ar, out, lse)
-        return
-    o = c.block(out, rows)  # (nb, nh·G, r, Dv), a view
-    torch.div(acc.view(o.shape), l.view(*o.shape[:-1], 1), out=o)  # O = acc / l
-    c.put(lse, rows, (torch.log2(l) * LN2).squeeze(-1))  # natural log: (N, G·r)
+            p = p * pb.dropout_scale(c, rows, cols)  # dropped entries leave acc, not the normaliser l
+        acc.mul_(alpha).baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc = alpha·acc + Σ_j p_ij v_j
+        m = m_new
+    # O = acc / l and lse = (m + log2 l) · ln 2; a row with l = 0 saw no kept key: O = 0, lse = −inf.
+    _finish_rows(c, rows, acc, l, m, out, lse)
 
 
-def _forward_rows_safe(
+def _forward_rows_unshifted(
     pb: _Problem,
     c: _Chunk,
     rows: tuple[int, int],
@@ -681,54 +757,45 @@ def _forward_rows_safe(
     ar: _Arena,
     out: Tensor,
     lse: Tensor,
-) -> None:
-    """The rows of ``_forward_rows`` by the online softmax, for scores of any size.
+) -> bool:
+    """The rows of ``_forward_rows`` with no running max: ``p = exp2(s₂)`` as it is. Returns False,
+    having written nothing, when that was not exact; then the online softmax runs.
 
-    The running max of MATH.md is kept lazily, as a reference ``m`` per row (base 2) that starts
-    at 0 and moves only when it must: a block whose ``p = exp2(s - m)`` stays moderate (row sums
-    below ``_LIMIT``, and above ``_TINY`` for rows that have no mass yet) is accumulated as it is —
-    p may exceed 1 there, which changes nothing in ``acc / l``. For scores of ordinary size that is
-    every block, with no max pass and no subtraction (``m`` stays 0). Otherwise the block is computed
-    again and the rows that need it are rebased as in the textbook online softmax:
-    ``shift = max_j (s_ij - m_i)``, ``p = exp2(s - m - shift)``, ``alpha = exp2(-shift)``,
-    ``l = alpha·l + Σ p``, ``acc = alpha·acc + p·v``, ``m += shift``."""
-    n_rows = qs.shape[1]
-    m = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qs.device)  # reference max (base 2)
-    l = torch.zeros((c.n, n_rows, 1), dtype=pb.acc, device=qs.device)  # running sum
-    acc = torch.zeros((c.n, n_rows, pb.Dv), dtype=pb.acc, device=qs.device)  # unnormalised output
-    shifted = False  # some row has m != 0
+    ``acc / l`` is the same whatever common factor the terms of a row carry, so the max matters
+    only for range: without it each block is a matmul, one exp2 in place, a row sum and a matmul
+    (no max pass, no subtraction; measured in docs/benchmarks.md). It is exact when, for every row,
+    ``1 <= l < 2^64`` and ``acc`` is finite: nothing overflowed, and each term ``p_ij`` is ``l``
+    times the probability the reference multiplies ``v_j`` by, so no product in ``acc``
+    underflows where the reference's does not. ``l`` down to 2^-64 is as good when no column of v
+    is tiny (``_Problem.v_tiny``): a product then shrinks by at most 2^64 and stays far above the
+    smallest normal float. A row that sees no key (``l = 0``) fails the check too."""
+    l = ar.get("l", c.n, qs.shape[1], 1).zero_()  # Σ_j exp2(s_ij): (N, G·r, 1)
+    acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # Σ_j exp2(s_ij) v_j: (N, G·r, Dv)
     for cols in pb.col_blocks(c, rows):
-        s = pb.scores(c, qs, kc, rows, cols, ar)  # s₂: (N, G·r, c), base 2
-        if shifted:
-            s.sub_(m)
-        p = s.exp2_()  # p_ij = exp2(s_ij - m_i), in place
-        l_blk = p.sum(dim=-1, keepdim=True)  # (N, G·r, 1)
-        if bool(((l_blk < _LIMIT) & (l + l_blk > _TINY)).all()):  # False for NaN too
-            l.add_(l_blk)
-        else:
-            _count("shift")
-            s = pb.scores(c, qs, kc, rows, cols, ar)  # compute the block again
-            if shifted:
-                s.sub_(m)
-            # A row moves its reference when the block's max grew far past it, or when it has no
-            # mass yet and the block's max lies far below it (p would underflow); never for a
-            # row whose block is fully blocked (max −inf: no exp2(−inf − (−inf))).
-            rel = s.amax(dim=-1, keepdim=True)  # max_j (s_ij - m_i): (N, G·r, 1)
-            need = (rel > 16.0) | ((l == 0) & (rel < -16.0) & (rel > NEG_INF))
-            shift = torch.where(need, rel, 0.0)
-            p = s.sub_(shift).exp2_()  # p_ij = exp2(s_ij - m_i - shift_i)
-            alpha = torch.exp2(-shift)  # rescales what was accumulated so far
-            l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-            acc.mul_(alpha)
-            m.add_(shift)
-            shifted = shifted or bool(need.any())
+        _count("forward")
+        p = pb.scores(c, qs, kc, rows, cols, ar).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
+        l.add_(p.sum(dim=-1, keepdim=True))
         if pb.dropout_p > 0.0:
-            p = p * pb.dropout_scale(c, rows, cols)  # the normaliser l keeps every entry
+            p = p * pb.dropout_scale(c, rows, cols)  # dropped entries leave acc, not the normaliser l
         acc.baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc += p · v
-    # O = acc / l and lse = (m + log2 l) · ln 2; rows with l = 0 saw no key: 0 and −inf.
+    # One small read-back: the smallest and largest row sum (NaN if any is) and the sum of acc
+    # (not finite if any entry is; an overflow of the sum alone just takes the online softmax).
+    lo, hi, total = torch.stack((*torch.aminmax(l), acc.sum())).tolist()
+    ok = hi < _UNSHIFTED_MAX and math.isfinite(total) and (lo >= 1.0 or (lo >= 2.0**-64 and not pb.v_tiny()))
+    if not ok:  # (False for NaN too)
+        _count("fallback")
+        return False
+    _finish_rows(c, rows, acc, l, torch.zeros((), dtype=l.dtype, device=l.device), out, lse)
+    return True
+
+
+def _finish_rows(c: _Chunk, rows: tuple[int, int], acc: Tensor, l: Tensor, m: Tensor, out: Tensor, lse: Tensor) -> None:
+    """``O = acc / l`` and ``lse = (m + log2 l) · ln 2`` into the chunk's rows of out and lse; a row
+    with ``l = 0`` saw no kept key: ``O = 0``, ``lse = −inf``."""
+    seen = l > 0
     o = c.block(out, rows)  # (nb, nh·G, r, Dv), a view
-    torch.div(acc.view(o.shape), torch.where(l > 0, l, 1.0).view(*o.shape[:-1], 1), out=o)
-    c.put(lse, rows, torch.where(l > 0, (m + torch.log2(l)) * LN2, NEG_INF).squeeze(-1))  # (N, G·r)
+    torch.div(acc.view(o.shape), torch.where(seen, l, 1.0).view(*o.shape[:-1], 1), out=o)
+    c.put(lse, rows, torch.where(seen, (m + torch.log2(l)) * LN2, NEG_INF).squeeze(-1))  # (N, G·r)
 
 
 @torch.no_grad()
@@ -753,6 +820,8 @@ def backward(
     dk / dv are summed over each GQA group; dbias has bias's (broadcast) shape, None without bias
     (or when ``bias_grad`` is False)."""
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    if pb.row_shift is not None:
+        lse = lse - pb.row_shift  # the lse of the scores with the bias as _huge_bias shifted it
     dq = torch.empty_like(q)
     # dK / dV, zeroed chunk by chunk by the worker that owns the chunk, on its first task there
     # (so both threads zero, and touch fresh pages, in parallel)
@@ -790,7 +859,7 @@ def backward(
         for ci, (dk_h, dv_h) in helped.items():
             chunks[ci].kv(dk).add_(dk_h)
             chunks[ci].kv(dv).add_(dv_h)
-    dk.mul_(LN2)  # dk was accumulated against q · scale · log2 e
+    dk.mul_(1.0 if pb.natural else LN2)  # dk was accumulated against q · scale · log2 e (natural: q · scale)
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
 
@@ -891,6 +960,9 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+            needs = tuple(ctx.needs_input_grad[:4])
+            return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)
         dq, dk, dv, dbias = backward(
             dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3], **ctx.options
         )

@@ -16,6 +16,8 @@ D head dim of q and k, Dv head dim of v. Inputs are trusted: ``functional.py`` v
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -97,3 +99,29 @@ def attention(
     p_grouped = p.to(v.dtype).reshape(B, Hkv, (Hq // Hkv) * Lq, Lk)  # (B, Hkv, G·Lq, Lk)
     out = (p_grouped @ v).view(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
     return out, lse
+
+
+def backward_with_graph(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    needs: tuple[bool, bool, bool, bool],
+    **options: Any,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` as differentiable functions of the inputs and ``dout``: autograd
+    through the formula above. What the other backends' backward returns when autograd asks for a
+    graph of the gradients (``create_graph=True``: a gradient penalty, double backward) — their own
+    backward computes numbers only. ``needs`` says which of (q, k, v, bias) want a gradient;
+    ``options`` are :func:`attention`'s (the same dropout seed drops the same entries)."""
+    with torch.enable_grad():
+        out, _ = attention(q, k, v, bias=bias, **options)
+    inputs = (q, k, v, bias)
+    wrt = [t for t, n in zip(inputs, needs) if n and t is not None and t.requires_grad]
+    got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True) if wrt else ())
+    grads: list[Tensor | None] = []
+    for t, n in zip(inputs, needs):
+        g = next(got) if n and t is not None and t.requires_grad else None
+        grads.append(torch.zeros_like(t) if g is None and n and t is not None else g)
+    return grads[0], grads[1], grads[2], grads[3]

@@ -53,6 +53,7 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
         "(on a CUDA machine it comes with torch; for CPU tests install it and set TRITON_INTERPRET=1)"
     ) from e
 
+from .. import reference
 from ..masks import Mask
 from . import backward as bwd_k
 from . import decode as dec_k
@@ -359,6 +360,15 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 def _backward_rule(ctx: Any, dout: Tensor, dlse: Tensor, dout32: Tensor) -> tuple[Tensor | None, ...]:
     del dlse, dout32  # by-products; their gradients are not propagated
     q, k, v, out, lse, mask, bias = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+        causal, left, right, scale, dropout_p, seed = ctx.args
+        window = None if left < 0 and right < 0 else (None if left < 0 else left, None if right < 0 else right)
+        needs = (*ctx.needs_input_grad[:3], ctx.bias_grad)
+        dq, dk, dv, dbias = reference.backward_with_graph(
+            dout, q, k, v, bias, needs, mask=mask, causal=causal, window=window, scale=scale,
+            dropout_p=dropout_p, dropout_seed=seed,
+        )
+        return dq, dk, dv, None, dbias, None, None, None, None, None, None, None
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv, dbias = triton_bwd(
         dout, q, k, v, out, lse, mask, bias, *ctx.args, ctx.bias_grad, deterministic
