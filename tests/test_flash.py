@@ -17,7 +17,7 @@ import torch
 from conftest import absent, qkv
 
 import attnzero as az
-from attnzero import flash, functional, reference
+from attnzero import flash, functional, parallel, reference
 
 F64 = torch.float64
 
@@ -300,7 +300,7 @@ def test_queue_owners_help_and_split_cover_every_row_once() -> None:
     claimed (taking their last item, not owned), and splits the last items in halves — and the
     pieces handed out cover every row of every task exactly once."""
     tasks = [(ci, (i0, i0 + 256)) for ci in range(2) for i0 in range(0, 1024, 256)]
-    queue = flash._Queue([(ci, t) for ci, t in ((t[0], t) for t in tasks)], threads=2, split=flash._Problem.split)
+    queue = parallel.Queue([(ci, t) for ci, t in ((t[0], t) for t in tasks)], threads=2, split=flash._Problem.split)
     first = queue.take(0)
     assert first == ((0, (0, 256)), True)  # worker 0 claims chunk 0
     assert queue.take(1) == ((1, (0, 256)), True)  # worker 1 claims the next free chunk
@@ -328,7 +328,7 @@ def test_worker_threads_that_help_and_split_give_exact_gradients(causal: bool) -
     dout = torch.randn(2, 4, 1300, 16, dtype=F64)
     want_out, want_lse, want = ref_grads(q, k, v, dout, causal=causal, scale=0.3)
     for key in ("split", "help"):
-        flash.COUNTS[key] = 0
+        parallel.COUNTS[key] = 0
     with flash.block_sizes(rows=256, cols=96, kv=1, threads=3), deterministic():
         out, lse = flash.forward(q, k, v, bias=None, **options(causal=causal))
         grads = flash.backward(dout, q, k, v, out, lse, bias=None, **options(causal=causal))
@@ -336,7 +336,7 @@ def test_worker_threads_that_help_and_split_give_exact_gradients(causal: bool) -
     assert_close(lse, want_lse, name="lse")
     for name, got, exp in zip(("dq", "dk", "dv"), grads[:3], want[:3]):
         assert_close(got, exp, name=name)
-    assert flash.COUNTS["split"] > 0 and flash.COUNTS["help"] > 0, dict(flash.COUNTS)
+    assert parallel.COUNTS["split"] > 0 and parallel.COUNTS["help"] > 0, dict(parallel.COUNTS)
 
 
 @contextmanager
@@ -354,7 +354,7 @@ def test_the_deterministic_plan_hands_out_every_row_once_the_same_way_each_time(
     """The fixed schedule of deterministic mode: every row of every task exactly once, owners and
     helpers as the queue decides, and the same plan on every call."""
     tasks = [(ci, (ci, (i0, i0 + 256))) for ci in range(3) for i0 in range(0, 1024, 256)]
-    plans = [flash._Queue(tasks, threads=2, split=flash._Problem.split).plan() for _ in range(2)]
+    plans = [parallel.Queue(tasks, threads=2, split=flash._Problem.split).plan() for _ in range(2)]
     assert plans[0] == plans[1]
     got = [(w, item, own) for w, plan in enumerate(plans[0]) for item, own in plan]
     assert {w for w, _, _ in got} == {0, 1}
@@ -384,7 +384,7 @@ def test_openmp_threads_are_let_go_and_torch_still_runs_in_parallel() -> None:
     torch's next parallel op starts them again and computes the same."""
     if not sys.platform.startswith("linux"):
         pytest.skip("the OpenMP runtime is looked up through /proc/self/maps (Linux)")
-    if flash._omp_pause() is None:
+    if parallel._omp_pause() is None:
         absent("no omp_pause_resource_all in the OpenMP runtime torch loaded")
     a, b = torch.randn(512, 256), torch.randn(256, 384)
     before = torch.get_num_threads()
@@ -393,7 +393,7 @@ def test_openmp_threads_are_let_go_and_torch_still_runs_in_parallel() -> None:
         want = (a.double() @ b.double()).float()
         for _ in range(3):
             torch.mm(a, b)  # leaves OpenMP threads spinning
-            flash._quiet_openmp()
+            parallel._quiet_openmp()
             assert torch.allclose(torch.mm(a, b), want, atol=1e-4)
     finally:
         torch.set_num_threads(before)
@@ -428,7 +428,7 @@ def test_blocked_pairs_stay_blocked_whatever_their_score(case: str) -> None:
 def test_scratch_kept_from_inference_mode_serves_training_later() -> None:
     """The per-thread scratch kept between calls is an ordinary tensor even when first made under
     torch.inference_mode: a training step afterwards on the same thread still works."""
-    flash._SCRATCH.__dict__.pop("arenas", None)  # start this thread with nothing kept
+    parallel._SCRATCH.__dict__.pop("arenas", None)  # start this thread with nothing kept
     q, k, v = qkv(1, 2, 2, 300, 300, 8)
     with torch.inference_mode():
         out_inf, _ = flash.attention(q, k, v, causal=True, scale=0.3)
@@ -442,12 +442,12 @@ def test_scratch_kept_from_inference_mode_serves_training_later() -> None:
 def test_one_thread_pool_per_requested_thread_count() -> None:
     """Calls with fewer tasks than threads use fewer workers from the same pool, not a new pool
     (and new threads that live on) per task count."""
-    before = set(flash._POOL)
+    before = set(parallel._POOL)
     with flash.block_sizes(rows=16, threads=4):
         for L in (20, 40, 70):  # 2, 3 and 5 row blocks
             q, k, v = qkv(1, 1, 1, L, L, 8)
             flash.forward(q, k, v, bias=None, **options())
-    assert set(flash._POOL) - before <= {3}
+    assert set(parallel._POOL) - before <= {3}
 
 
 # ---------------------------------------------------------------------------------------------

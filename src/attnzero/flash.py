@@ -24,30 +24,25 @@ blocked, and the causal / window edge enters the score matmul as an additive 0 /
 pass of its own). ``COUNTS`` counts the blocks visited (for tests and curious readers).
 
 Cores: on CPU, large problems run on Python worker threads, one per core, each taking whole
-(chunk, row block) tasks with single-threaded ops (see ``_each`` and ``_Queue``); small ones run
+(chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``); small ones run
 on one thread with torch's intra-op threads inside each op.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-import os
-import re
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import dropout, reference
 from .masks import Mask, block_of, keep_block
+from .parallel import Arena, arena, run_tasks
 from .reference import accum_dtype
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
@@ -65,15 +60,22 @@ _SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 2
 # torch's intra-op threads inside each op: measured on 2 cores, that is as fast or faster there.
 _THREADED_MIN = 1 << 24
 
-# Counters read by tests: blocks visited by the forward and the backward, row blocks whose unshifted
-# forward was not exact and went to the online softmax ("fallback"), and of the worker
-# threads' tasks, those split in two near the end ("split") and those a thread took from a chunk
-# another one owns ("help"; see ``_Queue``).
-COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "fallback": 0, "split": 0, "help": 0}
+# Counters read by tests: blocks visited by the forward and the backward, and row blocks whose
+# unshifted forward was not exact and went to the online softmax ("fallback"). The worker threads
+# count theirs in ``parallel.COUNTS``.
+COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "fallback": 0}
 
 # The forward's unshifted variant is exact when every row sum lies below this and above a floor
 # (see ``_forward_rows_unshifted``).
 _UNSHIFTED_MAX = 2.0**64
+
+
+_LOCK = threading.Lock()
+
+
+def _count(key: str) -> None:
+    with _LOCK:  # worker threads count too
+        COUNTS[key] += 1
 
 
 @contextmanager
@@ -143,238 +145,6 @@ class _Chunk:
         """Write (N, G·r, ...) back into rows ``rows`` of dst (B, Hq, Lq, ...)."""
         view = self.block(dst, rows)  # (nb, nh·G, r, ...)
         view.copy_(src.reshape(view.shape))
-
-
-def _count(key: str) -> None:
-    with _LOCK:
-        COUNTS[key] += 1
-
-
-_LOCK = threading.Lock()
-T = TypeVar("T")
-
-
-_SCRATCH = threading.local()  # each thread's kept arenas, by dtype (see _Problem.arena)
-
-
-class _Arena:
-    """One worker's scratch memory: named buffers reused by every block it computes, so that no
-    block allocates its large tensors or touches fresh pages (a fresh large allocation costs page
-    faults, about as much as a pass over it)."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        self.bufs: dict[str, Tensor] = {}
-
-    def get(self, name: str, *shape: int) -> Tensor:
-        """A tensor of ``shape`` (contents undefined) in the buffer ``name``."""
-        n = math.prod(shape)
-        buf = self.bufs.get(name)
-        if buf is None or buf.numel() < n:
-            # a normal tensor even under inference_mode: a kept buffer made there could not be
-            # written in place by a later call outside it
-            with torch.inference_mode(False):
-                buf = self.bufs[name] = torch.empty(n, dtype=self.dtype, device=self.device)
-        return buf[:n].view(shape)
-
-
-def _each(
-    items: list[tuple[int, Any]],
-    fn: Callable[[Any, T, bool], None],
-    scratch: Callable[[], T],
-    threads: int,
-    split: Callable[[Any], tuple[Any, Any] | None],
-) -> list[T]:
-    """``fn(item, scratch, own)`` for every ``(group, item)`` of ``items`` (costliest first), on
-    ``threads`` Python threads that each take the next item when done with one (so a busy core
-    slows only its own share) and own one ``scratch()``; returns the scratches. Items of one group
-    may add into the same memory: ``own`` tells whether this worker owns the item's group and may
-    add there directly, or must add into memory of its own (see ``_Queue``), which also says how
-    ``split`` halves the last items. On one thread every item is owned and none is split.
-
-    Why threads: the other way to use several cores, torch's intra-op threads, splits every single
-    op — a dozen per block — and waits for all threads at the end of each; when another process
-    holds a core, each of those waits can cost a scheduler time slice. Here each worker runs its
-    blocks with single-threaded ops, and the threads meet only once per chunk. While the workers
-    run, torch is set to 1 intra-op thread (a process-wide setting, restored afterwards); so only
-    one call at a time takes this path, and a call made meanwhile from another thread runs its
-    items in order on its own thread."""
-    if threads <= 1 or len(items) <= 1:
-        st = scratch()
-        for _, item in items:
-            fn(item, st, True)
-        return [st]
-    workers = min(threads, len(items))
-    queue = _Queue(items, workers, split)
-    take: Callable[[int], tuple[Any, bool] | None] = queue.take
-    if torch.are_deterministic_algorithms_enabled():
-        # A fixed schedule (who computes what, who owns what), the same on every run: the sums
-        # into dK / dV then happen in the same order, whatever the timing of the threads.
-        plans = [iter(plan) for plan in queue.plan()]
-        take = lambda worker: next(plans[worker], None)  # noqa: E731
-    if not _THREADED.acquire(blocking=False):
-        # another call is on the worker threads: run the workers' shares one after the other here
-        # (a deterministic plan gives the same sums as on threads)
-        return [_work(w, take, fn, scratch) for w in range(workers)]
-    try:
-        return _each_threaded(take, fn, scratch, workers, _pool(threads - 1))
-    finally:
-        _THREADED.release()
-
-
-def _work(worker: int, take: Callable[[int], tuple[Any, bool] | None], fn: Callable[[Any, T, bool], None],
-          scratch: Callable[[], T]) -> T:
-    """One worker's share: ``fn`` on each item that ``take(worker)`` hands out, with one scratch."""
-    st = scratch()
-    while (got := take(worker)) is not None:
-        fn(got[0], st, got[1])
-    return st
-
-
-_THREADED = threading.Lock()  # held while a call runs on worker threads
-
-
-class _Queue:
-    """The items of one call, handed to the worker threads one at a time.
-
-    A worker takes the next item of a group it owns; when those are done it claims the next group
-    nobody owns (groups in the order of their first item); when every group is claimed it helps
-    the group with the most items left, taking its last (cheapest) item, without owning it. So in
-    the backward, where a group is a chunk whose dK/dV its items add into, two threads on two
-    chunks each add into their own chunk with no private copy, and a thread that runs dry still
-    helps with what is left.
-
-    Near the end (fewer items left than threads) a taken item is split in two by ``split`` when it
-    can be, and the second half is put back: the last pieces get smaller, so the threads finish
-    closer together (an idle thread at the end costs up to a whole item: ~10 ms at L = 2048)."""
-
-    def __init__(self, items: list[tuple[int, Any]], threads: int, split: Callable[[Any], tuple[Any, Any] | None]):
-        self.queues: dict[int, deque[Any]] = {}
-        for group, item in items:
-            self.queues.setdefault(group, deque()).append(item)
-        self.free = deque(self.queues)  # unclaimed groups
-        self.owned: dict[int, deque[int]] = {}  # worker → its groups that still have items
-        self.left, self.threads, self.split = len(items), threads, split
-        self.lock = threading.Lock()
-
-    def take(self, worker: int) -> tuple[Any, bool] | None:
-        """The next ``(item, own)`` for ``worker``; None when nothing is left."""
-        with self.lock:
-            got = self._pick(worker)
-            if got is None:
-                return None
-            group, item, own = got
-            self.left -= 1
-            if self.left < self.threads and (halves := self.split(item)) is not None:
-                _count("split")
-                item = halves[0]
-                self.queues[group].append(halves[1])
-                self.left += 1
-            if not own:
-                _count("help")
-            return item, own
-
-    def plan(self) -> list[list[tuple[Any, bool]]]:
-        """Every worker's ``(item, own)`` list, handed out as if the workers took one item each in
-        turn: a schedule that does not depend on timing (for ``torch.use_deterministic_algorithms``)."""
-        plans: list[list[tuple[Any, bool]]] = [[] for _ in range(self.threads)]
-        turn = 0
-        while (got := self.take(turn % self.threads)) is not None:
-            plans[turn % self.threads].append(got)
-            turn += 1
-        return plans
-
-    def _pick(self, worker: int) -> tuple[int, Any, bool] | None:
-        mine = self.owned.setdefault(worker, deque())
-        while mine and not self.queues[mine[0]]:
-            mine.popleft()  # done (if a helper's split refills it later, that piece is taken as help)
-        if mine:
-            return mine[0], self.queues[mine[0]].popleft(), True
-        if self.free:
-            group = self.free.popleft()
-            mine.append(group)
-            return group, self.queues[group].popleft(), True
-        left = [g for g, q in self.queues.items() if q]
-        if not left:
-            return None
-        group = max(left, key=lambda g: len(self.queues[g]))
-        return group, self.queues[group].pop(), False
-
-
-def _each_threaded(
-    take: Callable[[int], tuple[Any, bool] | None],
-    fn: Callable[[Any, T, bool], None],
-    scratch: Callable[[], T],
-    workers: int,
-    pool: ThreadPoolExecutor,
-) -> list[T]:
-    before = torch.get_num_threads()
-    inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: the caller's holds
-
-    def work(worker: int) -> T:
-        torch.set_num_threads(1)  # this worker's ops run on its own core
-        with torch.inference_mode(inference), torch.no_grad():  # (inference_mode(False) turns grad on)
-            return _work(worker, take, fn, scratch)
-
-    torch.set_num_threads(1)
-    try:
-        _quiet_openmp()
-        helpers = [pool.submit(work, w) for w in range(1, workers)]
-        mine = work(0)  # the calling thread is one of the workers
-        return [mine] + [f.result() for f in helpers]
-    finally:
-        torch.set_num_threads(before)
-
-
-def _quiet_openmp() -> None:
-    """Let torch's OpenMP threads go before our workers start (OpenMP 5.0's
-    ``omp_pause_resource_all``). After each parallel torch op they spin for a few milliseconds,
-    waiting for the next one, on a core one of our workers needs: measured here, the helper's
-    first block started up to 5 ms late (2-5% of a call at L = 2048). torch's next parallel op
-    starts them again (~0.1 ms). Linux only; nothing happens where the runtime is not found."""
-    pause = _omp_pause()
-    if pause is not None:
-        pause(1)  # omp_pause_soft
-
-
-@functools.cache
-def _omp_pause() -> Callable[[int], int] | None:
-    """``omp_pause_resource_all`` of the OpenMP runtime torch loaded (libgomp, libiomp5 or libomp,
-    from the process's memory map; one in torch's own folder first), or None."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            paths = set()
-            for line in maps:
-                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-                path = fields[5].strip().decode(errors="surrogateescape") if len(fields) == 6 else ""
-                if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", path) and not path.endswith("(deleted)"):
-                    paths.add(path)
-    except OSError:
-        return None
-    here = os.path.dirname(torch.__file__)
-    for path in sorted(paths, key=lambda p: (not p.startswith(here), p)):
-        try:
-            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-        except OSError:
-            continue
-        if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            return fn  # type: ignore[no-any-return]
-    return None
-
-
-_POOL: dict[int, ThreadPoolExecutor] = {}
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """The helper threads, started once and kept (a new process after fork starts its own)."""
-    if workers not in _POOL:
-        _POOL[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnzero-flash")
-    return _POOL[workers]
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_POOL.clear)  # the parent's threads do not exist in a child
 
 
 def _chunks(B: int, Hkv: int, G: int, per_pair: int) -> list[_Chunk]:
@@ -543,18 +313,9 @@ class _Problem:
         for j0 in range(lo, hi, step):
             yield j0, min(hi, j0 + step)
 
-    def arena(self) -> _Arena:
-        """A worker's scratch memory (see ``_Arena``). On CPU it is the calling thread's own and
-        is kept between calls: a fresh one would fault its pages in again (~0.5 ms a call). It
-        holds about three score blocks and a few row blocks of the largest problem the thread has
-        run (~10–40 MB in float32); elsewhere a new one (the device's caching allocator reuses
-        memory)."""
-        if self.q.device.type != "cpu":
-            return _Arena(self.acc, self.q.device)
-        arenas: dict[torch.dtype, _Arena] = _SCRATCH.__dict__.setdefault("arenas", {})
-        if self.acc not in arenas:
-            arenas[self.acc] = _Arena(self.acc, self.q.device)
-        return arenas[self.acc]
+    def arena(self) -> Arena:
+        """A worker's scratch memory (see ``parallel.arena``)."""
+        return arena(self.acc, self.q.device)
 
     def tasks(self, chunks: list[_Chunk]) -> list[tuple[int, tuple[int, int]]]:
         """Every (chunk, block of query rows), the costliest first (under causal the last rows see
@@ -576,7 +337,7 @@ class _Problem:
         mid = r0 + (r1 - r0) // 64 * 32
         return (ci, (r0, mid)), (ci, (mid, r1))
 
-    def scaled_q(self, c: _Chunk, rows: tuple[int, int], ar: _Arena) -> Tensor:
+    def scaled_q(self, c: _Chunk, rows: tuple[int, int], ar: Arena) -> Tensor:
         """``q · scale · log2 e`` (``q · scale`` in natural mode) for the block's rows, (N, G·r, D),
         accumulator dtype."""
         x = _in(ar, "q", c.rows(self.q, rows), self.acc)  # converted first: the product is in float32
@@ -611,7 +372,7 @@ class _Problem:
         ka: Tensor,
         rows: tuple[int, int],
         cols: tuple[int, int],
-        ar: _Arena,
+        ar: Arena,
         name: str = "s",
         transposed: bool = False,
         shift: Tensor | None = None,
@@ -696,20 +457,20 @@ def forward(
     # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
     kv = [(c.kv(k).to(pb.acc), c.kv(v).to(pb.acc)) for c in chunks]
 
-    def rows_of(task: tuple[int, tuple[int, int]], ar: _Arena, own: bool) -> None:
+    def rows_of(task: tuple[int, tuple[int, int]], ar: Arena, own: bool) -> None:
         ci, rows = task
         c, (kc, vc) = chunks[ci], kv[ci]
         _forward_rows(pb, c, rows, kc, vc, ar, out, lse)  # each task writes only its own rows
 
     # every task is a group of its own: the workers take them in order, costliest first
-    _each(list(enumerate(pb.tasks(chunks))), rows_of, pb.arena, pb.threads(mutex=False), pb.split)
+    run_tasks(list(enumerate(pb.tasks(chunks))), rows_of, pb.arena, pb.threads(mutex=False), pb.split)
     if pb.row_shift is not None:
         lse.add_(pb.row_shift)  # the constant taken out of the bias (see _huge_bias)
     return out, lse
 
 
 def _forward_rows(
-    pb: _Problem, c: _Chunk, rows: tuple[int, int], kc: Tensor, vc: Tensor, ar: _Arena, out: Tensor, lse: Tensor
+    pb: _Problem, c: _Chunk, rows: tuple[int, int], kc: Tensor, vc: Tensor, ar: Arena, out: Tensor, lse: Tensor
 ) -> None:
     """One block of query rows against every key block it can see, by MATH.md's online softmax;
     writes its rows of out and lse. Base 2 throughout (``s₂ = s · log2 e``, see ``_Problem``).
@@ -754,7 +515,7 @@ def _forward_rows_unshifted(
     qs: Tensor,
     kc: Tensor,
     vc: Tensor,
-    ar: _Arena,
+    ar: Arena,
     out: Tensor,
     lse: Tensor,
 ) -> bool:
@@ -833,11 +594,11 @@ def backward(
     # K and V of each chunk: views unless they need converting or were not contiguous, (N, Lk, D|Dv)
     kv = [(c.kv(k).to(pb.acc), c.kv(v).to(pb.acc)) for c in chunks]
 
-    def scratch() -> tuple[_Arena, dict[int, tuple[Tensor, Tensor]]]:
-        return pb.arena(), {}  # and the worker's own dK / dV of chunks it helps with (see _Queue)
+    def scratch() -> tuple[Arena, dict[int, tuple[Tensor, Tensor]]]:
+        return pb.arena(), {}  # and the worker's own dK / dV of chunks it helps with (see parallel.Queue)
 
     def rows_of(
-        task: tuple[int, tuple[int, int]], st: tuple[_Arena, dict[int, tuple[Tensor, Tensor]]], own: bool
+        task: tuple[int, tuple[int, int]], st: tuple[Arena, dict[int, tuple[Tensor, Tensor]]], own: bool
     ) -> None:
         ci, rows = task
         c, (kc, vc), (ar, helped) = chunks[ci], kv[ci], st
@@ -855,7 +616,7 @@ def backward(
 
     # a group per chunk: the tasks of one chunk add into the same rows of dk / dv
     tasks = [(ci, (ci, rows)) for ci, rows in pb.tasks(chunks)]
-    for _, helped in _each(tasks, rows_of, scratch, pb.threads(mutex=dbias is not None), pb.split):
+    for _, helped in run_tasks(tasks, rows_of, scratch, pb.threads(mutex=dbias is not None), pb.split):
         for ci, (dk_h, dv_h) in helped.items():
             chunks[ci].kv(dk).add_(dk_h)
             chunks[ci].kv(dv).add_(dv_h)
@@ -870,7 +631,7 @@ def _backward_rows(
     rows: tuple[int, int],
     kc: Tensor,
     vc: Tensor,
-    ar: _Arena,
+    ar: Arena,
     dk: Tensor,
     dv: Tensor,
     dout: Tensor,
@@ -916,12 +677,12 @@ def _backward_rows(
     torch.mul(dq_acc.view(g.shape), pb.scale2 * LN2, out=g)  # scale2 · ln 2 = scale
 
 
-def _in(ar: _Arena, name: str, x: Tensor, dtype: torch.dtype) -> Tensor:
+def _in(ar: Arena, name: str, x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x`` in ``dtype``: itself, or converted into the arena's buffer ``name``."""
     return x if x.dtype == dtype else ar.get(name, *x.shape).copy_(x)
 
 
-def _add_bmm(dst: Tensor, a: Tensor, b: Tensor, ar: _Arena) -> None:
+def _add_bmm(dst: Tensor, a: Tensor, b: Tensor, ar: Arena) -> None:
     """``dst += a @ b`` (batched). ``dst`` is a block of rows of a longer (N, Lk, E) buffer, not
     contiguous when N > 1, where ``baddbmm_`` would fall back to one matmul per batch entry: one
     batched matmul into the arena and one add are faster."""
