@@ -7,7 +7,7 @@ our backends (``flash``, ``reference``), torch's fused ``scaled_dot_product_atte
 * Time: every implementation of one case runs in the same loop, interleaved (ours, torch, ours,
   torch, …), so that load from elsewhere on the machine hits all of them alike; the median of the
   repeats is reported, and the ratio to torch is taken from those medians.
-* FLOPs (MATH.md): forward ``4·B·H·Lq·Lk·D`` (Dv = D), ×0.5 when causal, ×3.5 forward+backward.
+* FLOPs (docs/MATH.md): forward ``4·B·H·Lq·Lk·D`` (Dv = D), ×0.5 when causal, ×3.5 forward+backward.
 * Memory: the extra peak resident memory of one call beyond its inputs, measured in a fresh
   subprocess (``VmHWM`` of ``/proc/self/status``, reset through ``/proc/self/clear_refs`` after a
   warm-up), so nothing else in the process can hide or add to it. Linux only; None elsewhere.
@@ -59,7 +59,7 @@ def call(impl: str, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
 
 
 def flops(B: int, H: int, L: int, D: int, causal: bool, backward: bool) -> float:
-    """4·B·H·L·L·D, ×0.5 causal, ×3.5 forward+backward (MATH.md)."""
+    """4·B·H·L·L·D, ×0.5 causal, ×3.5 forward+backward (docs/MATH.md)."""
     f = 4.0 * B * H * L * L * D
     return f * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
 

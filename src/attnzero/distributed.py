@@ -9,7 +9,7 @@ after W steps every rank has seen every block, and no rank ever holds more than 
     step 2:  rank 0 holds K/V 1   rank 1 holds K/V 2   rank 2 holds K/V 0
 
 At each step a rank attends its queries to the block it holds with the flash backend, which returns
-the block's output and log-sum-exp; the partial results merge by log-sum-exp (MATH.md, "Merging
+the block's output and log-sum-exp; the partial results merge by log-sum-exp (docs/MATH.md, "Merging
 partial results"), in float32 (float64 for float64 inputs). The send/receive of the next block is
 posted before the current block is computed, so communication overlaps computation.
 
@@ -216,7 +216,7 @@ def _part(t: Tensor, sl: slice) -> Tensor:
 
 
 def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """In place: (out, lse) ← merge of (out, lse) and a block's (out_b, lse_b), MATH.md's rule.
+    """In place: (out, lse) ← merge of (out, lse) and a block's (out_b, lse_b), the rule of docs/MATH.md.
     out (B, Hq, l, Dv) and lse (B, Hq, l) in the accumulator dtype."""
     new = torch.logaddexp(lse, lse_b)  # (B, Hq, l); -inf only when both parts are -inf
     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # never exp(-inf - (-inf))

@@ -1,7 +1,7 @@
 """The same function as ``reference.py``, tiled: an online softmax over key/value blocks
 (FlashAttention-2), in plain PyTorch, with its own backward. Extra memory is O(L), not O(L²).
 
-Read ``MATH.md`` next to this file. In one sentence: walk the keys in blocks, keep for every query
+Read ``docs/MATH.md`` next to this file. In one sentence: walk the keys in blocks, keep for every query
 row a running max ``m``, a running sum ``l`` and an unnormalised output ``acc``, rescale what was
 accumulated whenever the max grows, and divide by ``l`` at the end. The backward never stores P: it
 recomputes each block of it from the saved output and log-sum-exp.
@@ -472,7 +472,7 @@ def forward(
 def _forward_rows(
     pb: _Problem, c: _Chunk, rows: tuple[int, int], kc: Tensor, vc: Tensor, ar: Arena, out: Tensor, lse: Tensor
 ) -> None:
-    """One block of query rows against every key block it can see, by MATH.md's online softmax;
+    """One block of query rows against every key block it can see, by the online softmax of docs/MATH.md;
     writes its rows of out and lse. Base 2 throughout (``s₂ = s · log2 e``, see ``_Problem``).
 
     Per row: the running max ``m`` (−inf until the row meets a kept key), the running sum

@@ -4,7 +4,7 @@ With Lq ≤ 16 the forward grid has too few programs to fill a GPU, and each que
 key/value head again. Here one program takes *all* query rows of a key/value head's GQA group —
 rows ``r = g·Lq + i`` (query head ``hk·G + g``, query ``i``) — and one split of the keys, so K/V
 are read once per group; the splits run in parallel and write partial results ``(O_s, lse_s)``,
-each normalised over its own keys. ``merge_kernel`` then combines them by log-sum-exp (MATH.md):
+each normalised over its own keys. ``merge_kernel`` then combines them by log-sum-exp (docs/MATH.md):
 ``lse = log Σ_s exp(lse_s)``, ``O = Σ_s exp(lse_s - lse)·O_s``; splits that saw no key have
 lse_s = -inf and contribute nothing.
 """

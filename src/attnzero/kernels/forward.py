@@ -1,7 +1,7 @@
 """Triton forward kernel (FlashAttention-2): one program per (query block, batch·query head).
 
 The program keeps its block of Q in registers and streams the key/value blocks that its queries can
-see, with the online softmax of MATH.md in base 2 (``qk_scale = scale · log2 e``; a bias is
+see, with the online softmax of docs/MATH.md in base 2 (``qk_scale = scale · log2 e``; a bias is
 multiplied by ``log2 e`` too; the stored lse is converted back to natural log).
 
 Which key blocks are visited, for query rows ``[m0, m0 + BLOCK_M)`` at positions ``p = i + Lk - Lq``
