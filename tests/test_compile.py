@@ -120,11 +120,12 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(backend: str, dropo
         assert not torch.equal(_step(compiled, idx, targets, seed=1)[0], _step(compiled, idx, targets, seed=2)[0])
 
 
-def test_inductor_compiled_model_with_dropout_matches_eager() -> None:
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_inductor_compiled_model_with_dropout_matches_eager(backend: str) -> None:
     import torch._inductor.config as inductor_config
 
     torch.manual_seed(0)
-    model = TinyGPT("flash", dropout=0.2).train()
+    model = TinyGPT(backend, dropout=0.2).train()
     idx, targets = torch.randint(0, VOCAB, (3, BLOCK)), torch.randint(0, VOCAB, (3, BLOCK))
     with inductor_config.patch(fallback_random=True):  # inductor's randint = eager's (see the docstring)
         compiled = torch.compile(model, fullgraph=True)

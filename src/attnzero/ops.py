@@ -72,23 +72,47 @@ def window_of(left: int, right: int) -> Window:
 
 
 # ---------------------------------------------------------------------------------------------
-# Each backend as a forward and a backward function of trusted, non-empty inputs
+# Each backend as a forward and a backward function of trusted, non-empty inputs. A forward
+# returns ``(out, lse, kept)``: ``kept`` is what its backward needs besides the output and the lse —
+# for the reference, P (B, Hq, Lq, Lk) and the dropout keep-mask Z, which its eager backward
+# (autograd) keeps too; for the others, nothing (empty tensors).
+
+Kept = tuple[Tensor, Tensor]
 
 
-def _reference_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
-    return reference.attention(q, k, v, **kw)
+def _nothing(q: Tensor) -> Kept:
+    return q.new_empty(0), q.new_empty(0, dtype=torch.bool)
 
 
-def _flash_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+def _reference_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: Window, scale: float, dropout_p: float, dropout_seed: int,
+) -> tuple[Tensor, Tensor, Kept]:
+    """``reference.attention``'s steps, keeping P and Z: P and the lse by ``reference.probabilities``,
+    then dropout and P·V as ``reference.attention`` computes them (the same numbers)."""
+    p, lse = reference.probabilities(q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale)
+    B, Hq, Lq, Lk = p.shape
+    Hkv, Dv = v.shape[1], v.shape[3]
+    z = _nothing(q)[1]
+    p_kept = p
+    if dropout_p > 0.0:
+        z = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device)  # (B, Hq, Lq, Lk)
+        p_kept = p * z / (1.0 - dropout_p)
+    p_grouped = p_kept.to(v.dtype).reshape(B, Hkv, (Hq // Hkv) * Lq, Lk)  # (B, Hkv, G·Lq, Lk)
+    out = (p_grouped @ v).view(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
+    return out, lse, (p, z)
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
     from . import flash
 
-    return flash.forward(q, k, v, **kw)
+    return (*flash.forward(q, k, v, **kw), _nothing(q))
 
 
-def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
     from .kernels import triton_backend
 
-    return triton_backend.attention(q, k, v, **kw)
+    return (*triton_backend.attention(q, k, v, **kw), _nothing(q))
 
 
 def reference_backward(
@@ -99,31 +123,29 @@ def reference_backward(
     out: Tensor,
     lse: Tensor,
     *,
-    mask: Tensor | Mask | None,
+    kept: Kept,
     bias: Tensor | None,
-    causal: bool,
-    window: Window,
     scale: float,
     dropout_p: float,
-    dropout_seed: int,
     bias_grad: bool = True,
+    **unused: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` of ``reference.attention``: MATH.md's backward with every matrix
-    materialised, in the accumulator dtype. P is computed again as the forward computed it."""
-    del out, lse  # P comes again from the scores; rowsum(P ∘ dP) stands for rowsum(dO ∘ O)
-    B, Hq, Lq, _ = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    materialised, in the accumulator dtype, from the forward's P and Z (``kept``)."""
+    del out, lse, unused  # rowsum(P ∘ dP) below is rowsum(dO ∘ O); mask & co. are in P already
+    p, z = kept  # (B, Hq, Lq, Lk) each
+    B, Hq, _, Lk = p.shape
+    Hkv = k.shape[1]
     G = Hq // Hkv
-    acc = accum_dtype(q.dtype)
-    p, _ = reference.probabilities(q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale)
+    acc = p.dtype
     k_h = k.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): the key/value head of each query head
     v_h = v.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
     do = dout.to(acc)  # (B, Hq, Lq, Dv)
     dp = do @ v_h.transpose(-2, -1)  # dP = dO Vᵀ: (B, Hq, Lq, Lk)
     p_kept = p
     if dropout_p > 0.0:  # O = (P ∘ Z / (1 - p)) V: the same Z on both sides
-        z = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device).to(acc) / (1.0 - dropout_p)
-        p_kept, dp = p * z, dp * z
+        z_scaled = z.to(acc) / (1.0 - dropout_p)
+        p_kept, dp = p * z_scaled, dp * z_scaled
     dv_h = p_kept.transpose(-2, -1) @ do  # dV = P̃ᵀ dO: (B, Hq, Lk, Dv)
     ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))  # dS = P ∘ (dP − rowsum(P ∘ dP)): (B, Hq, Lq, Lk)
     dq = (ds @ k_h) * scale  # (B, Hq, Lq, D)
@@ -135,15 +157,18 @@ def reference_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
-def _flash_backward(*args: Any, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def _flash_backward(*args: Any, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     from . import flash
 
     return flash.backward(*args, **kw)
 
 
 def _triton_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, **kw: Any
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, kept: Kept, **kw: Any
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The triton backend's backward kernels from (out, lse). Δ = rowsum(dO·O) comes from the output
+    in its own dtype, as in the flash backend (the eager triton path keeps a float32 copy of a 16-bit
+    output for it)."""
     from . import flash
     from .kernels import triton_backend
 
@@ -158,13 +183,24 @@ def _triton_backward(
     return dq, dk, dv, (dbias if kw["bias_grad"] else None)
 
 
-Forward = Callable[..., tuple[Tensor, Tensor]]
+Forward = Callable[..., tuple[Tensor, Tensor, Kept]]
 Backward = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]]
 _FUNCTIONS: dict[str, tuple[Forward, Backward]] = {
     "reference": (_reference_forward, reference_backward),
     "flash": (_flash_forward, _flash_backward),
     "triton": (_triton_forward, _triton_backward),
 }
+
+
+def _kept_shapes(name: str, q: Tensor, Lk: Any, dropout_p: float) -> Kept:
+    """Empty tensors of the shapes and dtypes of backend ``name``'s ``kept`` (for the fakes, and
+    for the zero-size answers)."""
+    B, Hq, Lq, _ = q.shape
+    if name != "reference":
+        return _nothing(q)
+    p = q.new_zeros(B, Hq, Lq, Lk, dtype=accum_dtype(q.dtype))
+    z = q.new_zeros((B, Hq, Lq, Lk) if dropout_p > 0.0 else (0,), dtype=torch.bool)
+    return p, z
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,27 +212,26 @@ def _zero_column(x: Tensor) -> Tensor:
     return x.new_zeros(*x.shape[:-1], 1)
 
 
-def forward(
-    name: str, q: Tensor, k: Tensor, v: Tensor, **kw: Any
-) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of backend ``name``, zero sizes answered here."""
+def forward(name: str, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq), kept)`` of backend ``name``, zero sizes answered
+    here."""
     B, Hq, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     if B * Hq * Lq == 0 or Lk == 0:  # nothing to compute, or no key to attend to: 0 and −inf
         out = q.new_zeros(B, Hq, Lq, Dv)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
-        return out, lse
+        return out, lse, _kept_shapes(name, q, Lk, kw["dropout_p"])
     if D == 0:  # every score is 0 (+ bias)
         q, k = _zero_column(q), _zero_column(k)
-    out, lse = _FUNCTIONS[name][0](q, k, v if Dv else _zero_column(v), **kw)
-    return (out if Dv else q.new_zeros(B, Hq, Lq, 0)), lse
+    out, lse, kept = _FUNCTIONS[name][0](q, k, v if Dv else _zero_column(v), **kw)
+    return (out if Dv else q.new_zeros(B, Hq, Lq, 0)), lse, kept
 
 
 def backward(
     name: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, **kw: Any
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` of backend ``name`` (dbias None unless ``bias_grad``), zero sizes
-    answered here."""
+    answered here. ``kw`` holds the forward's arguments and its ``kept``."""
     B, Hq, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     bias = kw["bias"]
@@ -213,7 +248,7 @@ def backward(
 # torch.library registration
 
 
-def _register(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
+def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
     """``attnzero::{name}_attention`` and ``attnzero::{name}_attention_backward``, with fakes and
     the autograd rule; returns the forward op."""
 
@@ -221,53 +256,56 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     def fwd(
         q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int,
         right: int, scale: float, dropout_p: float, seed: Tensor,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(out, lse, *kept): kept for the backward op, empty unless the backend keeps something."""
         with torch.no_grad(), without_autocast(q.device):
-            out, lse = forward(
+            out, lse, kept = forward(
                 name, q, k, v, mask=mask, bias=bias, causal=causal, window=window_of(left, right), scale=scale,
                 dropout_p=dropout_p, dropout_seed=int(seed.item()),
             )  # fmt: skip
-        return out.contiguous(), lse.contiguous()  # the fakes' layout
+        return out.contiguous(), lse.contiguous(), kept[0].contiguous(), kept[1].contiguous()  # the fakes' layout
 
     @fwd.register_fake
     def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type: ignore[no-untyped-def]
         B, Hq, Lq, _ = q.shape
-        return q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=accum_dtype(q.dtype))
+        out, lse = q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=accum_dtype(q.dtype))
+        return out, lse, *_kept_shapes(name, q, k.shape[2], dropout_p)
 
     @torch.library.custom_op(f"attnzero::{name}_attention_backward", mutates_args=())
     def bwd(
-        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
-        bias: Tensor | None, causal: bool, left: int, right: int, scale: float, dropout_p: float, seed: Tensor,
-        bias_grad: bool,
+        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, p: Tensor, z: Tensor,
+        mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int, scale: float,
+        dropout_p: float, seed: Tensor, bias_grad: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(dq, dk, dv, dbias); dbias is empty when not asked for."""
         with torch.no_grad(), without_autocast(q.device):
             dq, dk, dv, dbias = backward(
-                name, dout, q, k, v, out, lse, mask=mask, bias=bias, causal=causal, window=window_of(left, right),
-                scale=scale, dropout_p=dropout_p, dropout_seed=int(seed.item()), bias_grad=bias_grad,
+                name, dout, q, k, v, out, lse, kept=(p, z), mask=mask, bias=bias, causal=causal,
+                window=window_of(left, right), scale=scale, dropout_p=dropout_p, dropout_seed=int(seed.item()),
+                bias_grad=bias_grad,
             )  # fmt: skip
         db = dbias.contiguous() if dbias is not None else q.new_empty(0)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), db
 
     @bwd.register_fake
-    def _(dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad):  # type: ignore[no-untyped-def]
+    def _(dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad):  # type: ignore[no-untyped-def]
         dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
         q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, mask, bias, seed)
+        out, lse, p, z = output
+        ctx.save_for_backward(q, k, v, out, lse, p, z, mask, bias, seed)
         ctx.args = (causal, left, right, scale, dropout_p)
         ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
-        ctx.mark_non_differentiable(lse)  # as every backend's: the lse is a by-product
+        ctx.mark_non_differentiable(lse, p, z)  # by-products, as in every backend
 
-    def grad(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-        del dlse
-        q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
+    def grad(ctx: Any, dout: Tensor, *unused: Tensor | None) -> tuple[Tensor | None, ...]:
+        del unused  # the gradients of lse, p, z: not differentiable
+        q, k, v, out, lse, p, z, mask, bias, seed = ctx.saved_tensors
         causal, left, right, scale, dropout_p = ctx.args
         dq, dk, dv, dbias = bwd(
-            dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p, seed, ctx.bias_grad
+            dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, dropout_p, seed, ctx.bias_grad
         )
         return dq, dk, dv, None, (dbias if ctx.bias_grad else None), None, None, None, None, None, None
 
@@ -275,7 +313,7 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     return fwd
 
 
-_OPS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {name: _register(name) for name in NAMES}
+_OPS: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]] = {name: _register(name) for name in NAMES}
 
 
 def attention(
@@ -296,4 +334,5 @@ def attention(
     in q, k, v and bias. ``mask`` a bool tensor broadcastable to (B, Hq, Lq, Lk), ``dropout_seed`` a
     0-d int64 tensor."""
     left, right = sides(window)
-    return _OPS[name](q, k, v, mask, bias, causal, left, right, scale, dropout_p, dropout_seed)
+    out, lse, _, _ = _OPS[name](q, k, v, mask, bias, causal, left, right, scale, dropout_p, dropout_seed)
+    return out, lse
