@@ -94,12 +94,12 @@ def same_kind(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
         raise ArgumentError(f"{name}: device {x.device} does not match {ref_name}'s {ref.device}")
 
 
-def qkv(q: Any, k: Any, v: Any | None) -> tuple[int, int, int, int, int]:
-    """q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); any size may be 0 (DESIGN.md:
-    zero-size inputs are valid). Returns (B, Hq, Hkv, Lq, Lk)."""
+def qkv(q: Any, k: Any, v: Any | None, empty_ok: bool = False) -> tuple[int, int, int, int, int]:
+    """q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); with ``empty_ok`` any size may be 0
+    (DESIGN.md: the functional API takes zero-size inputs). Returns (B, Hq, Hkv, Lq, Lk)."""
     layout = "(B, H, L, D)"
-    q = tensor("q", q, 4, layout, empty_ok=True)
-    k = tensor("k", k, 4, layout, empty_ok=True)
+    q = tensor("q", q, 4, layout, empty_ok)
+    k = tensor("k", k, 4, layout, empty_ok)
     same_kind("k", k, "q", q)
     B, Hq, Lq, D = q.shape
     if not holds(k.shape[0] == B):
@@ -109,7 +109,7 @@ def qkv(q: Any, k: Any, v: Any | None) -> tuple[int, int, int, int, int]:
     Hkv, Lk = k.shape[1], k.shape[2]
     groups(Hq, Hkv, "k: expected a number of key/value heads that divides q's {Hq} heads, got {Hkv}")
     if v is not None:
-        v = tensor("v", v, 4, layout, empty_ok=True)
+        v = tensor("v", v, 4, layout, empty_ok)
         same_kind("v", v, "q", q)
         if not holds(v.shape[0] == B):
             raise ArgumentError(f"v: batch {v.shape[0]} does not match q's {B}")

@@ -187,7 +187,7 @@ def _attention(
     through its custom ops (``ops.py``) when compiling or for zero sizes."""
     if v is None:  # checks.qkv treats v=None as "no values" (attention_weights)
         raise ArgumentTypeError("v: expected a torch.Tensor, got NoneType")
-    B, Hq, _, Lq, Lk = checks.qkv(q, k, v)
+    B, Hq, _, Lq, Lk = checks.qkv(q, k, v, empty_ok=True)
     full = (B, Hq, Lq, Lk)
     keep = checks.mask(mask, full, q.device)
     add = checks.bias(bias, full, q.device)
@@ -233,7 +233,7 @@ def attention_weights(
     Same arguments as :func:`attention`; fully blocked rows are 0. Materialises Lq × Lk."""
     q, k, bias = _autocast(q, k, bias)
     with _as_given(q):
-        B, Hq, _, Lq, Lk = checks.qkv(q, k, None)
+        B, Hq, _, Lq, Lk = checks.qkv(q, k, None, empty_ok=True)
         full = (B, Hq, Lq, Lk)
         keep = checks.mask(mask, full, q.device)
         add = checks.bias(bias, full, q.device)
