@@ -5,14 +5,17 @@ same results to float32 rounding, except that a row with every key blocked gives
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnzero as az
+from attnzero import functional
 
 B, H, D, DV = 2, 6, 16, 12
 
@@ -200,3 +203,118 @@ def test_property_matches_torch(
     ours = az.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
     theirs = F.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn.attention.bias.CausalBias: the causal pattern it names, never a float bias
+
+
+@pytest.mark.parametrize(("Lq", "Lk"), [(6, 6), (3, 8), (8, 3)])
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_causal_bias_is_honoured(Lq: int, Lk: int, variant: str) -> None:
+    make = causal_upper_left if variant == "upper_left" else causal_lower_right
+    q = torch.randn(2, 3, Lq, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, Lk, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, Lk, 5, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that its lower_right gives NaN rows for Lq > Lk
+        bias = make(Lq, Lk)
+    ours = az.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert type(ours) is torch.Tensor  # not a CausalBias carried along by __torch_function__
+    assert str(ours)
+    offset = Lk - Lq if variant == "lower_right" else 0
+    keep = torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=offset)  # what the variant draws
+    expected = az.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+    rows = keep.any(dim=-1)  # torch gives NaN on rows with no key (lower_right, Lq > Lk); we give 0
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(ours[:, :, rows], theirs[:, :, rows], rtol=1e-12, atol=1e-12)
+    assert not ours[:, :, ~rows].any()
+    dout = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), dout), torch.autograd.grad(expected, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _spy_backend(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """Record the keyword arguments every backend call receives."""
+    calls: list[dict[str, object]] = []
+    real = functional._backend
+
+    def spy(name: str):  # type: ignore[no-untyped-def]
+        fn = real(name)
+
+        def recorded(q, k, v, **kw):  # type: ignore[no-untyped-def]
+            calls.append(kw)
+            return fn(q, k, v, **kw)
+
+        return recorded
+
+    monkeypatch.setattr(functional, "_backend", spy)
+    return calls
+
+
+@pytest.mark.parametrize("how", ["is_causal", "upper_left", "lower_right"])
+def test_square_causal_reaches_the_backend_as_causal(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Lq == Lk: both alignments are the lower triangle, passed as causal=True (backends skip the
+    blocked blocks), not as a mask."""
+    calls = _spy_backend(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    if how == "is_causal":
+        az.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        bias = (causal_upper_left if how == "upper_left" else causal_lower_right)(9, 9)
+        az.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert len(calls) == 1 and calls[0]["causal"] is True and calls[0]["mask"] is None and calls[0]["bias"] is None
+
+
+def test_attn_mask_with_is_causal_is_refused() -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="is_causal: expected False when attn_mask is given"):
+        az.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(RuntimeError, match="is_causal: expected False with a CausalBias"):
+        az.scaled_dot_product_attention(q, q, q, attn_mask=causal_lower_right(4, 4), is_causal=True)
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):  # torch: ValueError
+        F.scaled_dot_product_attention(q, q, q, attn_mask=causal_lower_right(4, 4), is_causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero sizes: torch's results, forward and backward
+
+ZERO_CASES = {
+    "B=0": ((0, 3, 4, 8), (0, 3, 5, 8), (0, 3, 5, 6)),
+    "H=0": ((2, 0, 4, 8), (2, 0, 5, 8), (2, 0, 5, 6)),
+    "Lq=0": ((2, 3, 0, 8), (2, 3, 5, 8), (2, 3, 5, 6)),
+    "Lk=0": ((2, 3, 4, 8), (2, 3, 0, 8), (2, 3, 0, 6)),
+    "D=0": ((2, 3, 4, 0), (2, 3, 5, 0), (2, 3, 5, 6)),
+    "Dv=0": ((2, 3, 4, 8), (2, 3, 5, 8), (2, 3, 5, 0)),
+    "D=Lk=0": ((2, 3, 4, 0), (2, 3, 0, 0), (2, 3, 0, 0)),
+    "gqa_Hq=0": ((2, 0, 4, 8), (2, 3, 5, 8), (2, 3, 5, 6)),
+    "2d_Lq=0": ((0, 8), (5, 8), (5, 6)),
+    "2d_D=0": ((4, 0), (5, 0), (5, 6)),
+    "5d_lead=0": ((2, 0, 3, 4, 8), (2, 0, 3, 5, 8), (2, 0, 3, 5, 6)),
+}
+
+
+@pytest.mark.parametrize("case", list(ZERO_CASES))
+@pytest.mark.parametrize("extra", ["plain", "is_causal", "bool_mask", "float_mask", "scale"])
+def test_zero_sizes_match_torch(case: str, extra: str) -> None:
+    qs, ks, vs = ZERO_CASES[case]
+    q, k, v = (torch.randn(s, dtype=torch.float64, requires_grad=True) for s in (qs, ks, vs))
+    Lq, Lk = qs[-2], ks[-2]
+    kw: dict[str, object] = {"enable_gqa": case.startswith("gqa")}
+    if extra == "is_causal":
+        kw["is_causal"] = True
+    elif extra == "bool_mask":
+        kw["attn_mask"] = torch.rand(Lq, Lk) < 0.7
+    elif extra == "float_mask":
+        kw["attn_mask"] = torch.randn(Lq, Lk, dtype=torch.float64)
+    elif extra == "scale":
+        kw["scale"] = 0.3
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    ours = az.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12, equal_nan=True)
+    dout = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), dout), torch.autograd.grad(theirs, (q, k, v), dout)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnzero as az
 
@@ -84,12 +86,6 @@ QK_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         r"k: expected a number of key/value heads that divides q's 4 heads, got 3",
     ),
     (
-        "empty_q",
-        {"q": torch.randn(B, HQ, 0, D)},
-        ValueError,
-        r"q: expected a non-empty tensor, got shape \(2, 4, 0, 16\)",
-    ),
-    (
         "mask_not_broadcastable",
         {"mask": torch.ones(3, LK, dtype=torch.bool)},
         ValueError,
@@ -146,6 +142,18 @@ QK_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("scale_nan", {"scale": float("nan")}, ValueError, r"scale: expected a finite number, got nan"),
     ("scale_not_number", {"scale": "0.1"}, TypeError, r"scale: expected None or a real number, got '0\.1'"),
     ("scale_tensor", {"scale": torch.tensor(0.1)}, TypeError, r"scale: expected None or a real number, got tensor"),
+    (
+        "scale_huge_int",
+        {"scale": 10**400},
+        ValueError,
+        r"scale: expected a finite float, got an integer of 1329 bits",
+    ),
+    (
+        "no_kv_heads",
+        {"k": torch.randn(B, 0, LK, D)},
+        ValueError,
+        r"k: expected a number of key/value heads that divides q's 4 heads, got 0",
+    ),
     ("causal_not_bool", {"causal": "yes"}, TypeError, r"causal: expected a bool, got 'yes'"),
 ]
 
@@ -319,6 +327,36 @@ SDPA_CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r"attn_mask: expected a bool or floating tensor, got torch\.int64",
     ),
     (
+        "mask_dtype",
+        lambda: az.scaled_dot_product_attention(
+            t(2, 5, 8), t(2, 7, 8), t(2, 7, 8), attn_mask=torch.zeros(5, 7, dtype=torch.float64)
+        ),
+        TypeError,
+        r"attn_mask: expected dtype bool, float32 or query's torch\.float32, got torch\.float64",
+    ),
+    (
+        "mask_with_is_causal",
+        lambda: az.scaled_dot_product_attention(
+            t(2, 5, 8), t(2, 7, 8), t(2, 7, 8), attn_mask=torch.ones(5, 7, dtype=torch.bool), is_causal=True
+        ),
+        ValueError,
+        r"is_causal: expected False when attn_mask is given \(as torch\), got True",
+    ),
+    (
+        "causal_bias_with_is_causal",
+        lambda: az.scaled_dot_product_attention(
+            t(2, 5, 8), t(2, 7, 8), t(2, 7, 8), attn_mask=causal_upper_left(5, 7), is_causal=True
+        ),
+        ValueError,
+        r"is_causal: expected False with a CausalBias attn_mask \(it is the causal pattern already\), got True",
+    ),
+    (
+        "causal_bias_lengths",
+        lambda: az.scaled_dot_product_attention(t(2, 5, 8), t(2, 7, 8), t(2, 7, 8), attn_mask=causal_lower_right(5, 6)),
+        ValueError,
+        r"attn_mask: a CausalBias of \(L, S\) = \(5, 6\) does not match query's and key's lengths \(5, 7\)",
+    ),
+    (
         "mask_not_tensor",
         lambda: az.scaled_dot_product_attention(t(2, 5, 8), t(2, 7, 8), t(2, 7, 8), attn_mask=[[True]]),
         TypeError,
@@ -355,6 +393,97 @@ SDPA_CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
 def test_sdpa_bad_input(case: str, call: Callable[[], Any], exc: type[Exception], msg: str) -> None:
     with pytest.raises(exc, match=msg):
         call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Error classes: torch raises RuntimeError for a mismatch of shapes, dtypes or devices; attnzero's
+# errors are ValueError / TypeError and RuntimeError too, so code written for either catches them.
+
+
+def test_error_classes() -> None:
+    assert issubclass(az.ArgumentError, ValueError) and issubclass(az.ArgumentError, RuntimeError)
+    assert issubclass(az.ArgumentTypeError, TypeError) and issubclass(az.ArgumentTypeError, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    ("case", "over", "exc", "msg"), QK_CASES + ATTN_ONLY_CASES, ids=_ids(QK_CASES + ATTN_ONLY_CASES)
+)
+def test_attention_bad_input_is_a_runtime_error(
+    case: str, over: dict[str, Any], exc: type[Exception], msg: str
+) -> None:
+    with pytest.raises(RuntimeError, match=msg) as info:
+        call_attention(**over)
+    assert isinstance(info.value, exc)
+
+
+@pytest.mark.parametrize(("case", "call", "exc", "msg"), SDPA_CASES, ids=_ids(SDPA_CASES))
+def test_sdpa_bad_input_is_a_runtime_error(case: str, call: Callable[[], Any], exc: type[Exception], msg: str) -> None:
+    with pytest.raises(RuntimeError, match=msg) as info:
+        call()
+    assert isinstance(info.value, exc)
+
+
+# Misuse that torch's own function answers with a RuntimeError: ``except RuntimeError`` catches
+# attnzero's drop-in the same way.
+TORCH_MISUSE: dict[str, Callable[[], tuple[tuple[torch.Tensor, ...], dict[str, Any]]]] = {
+    "head_dim": lambda: ((t(2, 4, 5, 8), t(2, 4, 7, 6), t(2, 4, 7, 8)), {}),
+    "heads": lambda: ((t(2, 4, 5, 8), t(2, 2, 7, 8), t(2, 2, 7, 8)), {}),
+    "batch": lambda: ((t(2, 4, 5, 8), t(3, 4, 7, 8), t(3, 4, 7, 8)), {}),
+    "gqa_not_dividing": lambda: ((t(2, 4, 5, 8), t(2, 3, 7, 8), t(2, 3, 7, 8)), {"enable_gqa": True}),
+    "dtype": lambda: ((t(2, 5, 8), t(2, 7, 8, dtype=torch.float64), t(2, 7, 8)), {}),
+    "integer_value": lambda: ((t(2, 5, 8), t(2, 7, 8), torch.ones(2, 7, 8, dtype=torch.long)), {}),
+    "device": lambda: ((t(2, 5, 8), t(2, 7, 8), torch.empty(2, 7, 8, device="meta")), {}),
+    "mask_shape": lambda: ((t(2, 4, 5, 8), t(2, 4, 7, 8), t(2, 4, 7, 8)), {"attn_mask": torch.ones(3, 7) > 0}),
+    "mask_dtype": lambda: ((t(2, 5, 8), t(2, 7, 8), t(2, 7, 8)), {"attn_mask": torch.zeros(5, 7).half()}),
+    "mask_integer": lambda: ((t(2, 5, 8), t(2, 7, 8), t(2, 7, 8)), {"attn_mask": torch.ones(5, 7).long()}),
+    "mask_device": lambda: ((t(2, 5, 8), t(2, 7, 8), t(2, 7, 8)), {"attn_mask": torch.ones(5, 7, device="meta")}),
+    "causal_bias_lengths": lambda: ((t(2, 5, 8), t(2, 7, 8), t(2, 7, 8)), {"attn_mask": causal_lower_right(5, 6)}),
+}
+
+
+@pytest.mark.parametrize("fn", [F.scaled_dot_product_attention, az.scaled_dot_product_attention], ids=["torch", "az"])
+@pytest.mark.parametrize("case", list(TORCH_MISUSE))
+def test_misuse_is_a_runtime_error_as_in_torch(fn: Callable[..., torch.Tensor], case: str) -> None:
+    args, kw = TORCH_MISUSE[case]()
+    with pytest.raises(RuntimeError):
+        fn(*args, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Integers beyond int64 (window sides, scale): a clear error or their meaning, never OverflowError
+
+
+@pytest.mark.parametrize(
+    ("window", "same_as"),
+    [
+        (2**63, (None, 0)),
+        ((2**63, 0), (None, 0)),
+        ((1, 2**64), (1, None)),
+        ((10**30, 10**30), None),
+        ((None, 2**70), None),
+        ((LQ + LK, LQ + LK), None),  # reaching past every key already
+        ((LK - 2, 1), (LK - 2, 1)),  # and a window that blocks something stays as it is
+    ],
+)
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_huge_window_sides_are_unbounded(
+    window: Any, same_as: tuple[int | None, int | None] | None, backend: str
+) -> None:
+    q, k, v = q_(), k_(), v_()
+    out = az.attention(q, k, v, window=window, backend=backend)
+    torch.testing.assert_close(out, az.attention(q, k, v, window=same_as, backend=backend))
+    torch.testing.assert_close(az.attention_weights(q, k, window=window), az.attention_weights(q, k, window=same_as))
+
+
+def test_window_check_normalises_sides_that_reach_every_key() -> None:
+    from attnzero import checks
+
+    assert checks.window(2**63) == (None, 0)
+    assert checks.window((2**62, 2**100)) == (None, None)
+    assert checks.window((12, 3), 5, 7) == (None, 3)  # left >= Lq + Lk: every key
+    assert checks.window((11, 12), 5, 7) == (11, None)
+    assert checks.window([2, 1], 5, 7) == (2, 1)
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ go (True / non-zero = attend); a query row with nothing to attend to gives 0, ne
 
 from . import distributed, masks
 from .cache import KVCache
+from .checks import ArgumentError, ArgumentTypeError
 from .functional import attention, attention_weights, scaled_dot_product_attention
 from .masks import Mask
 from .modules import MultiHeadAttention, ScaledDotProductAttention
@@ -15,6 +16,8 @@ from .rotary import RotaryEmbedding
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "KVCache",
     "Mask",
     "MultiHeadAttention",

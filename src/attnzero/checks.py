@@ -1,8 +1,14 @@
 """Argument checks for the public entry points.
 
-Each check raises ``TypeError`` (wrong kind of thing, wrong dtype) or ``ValueError`` (wrong shape or
-value) with a message that names the argument, what was expected and what was given. Checks never
+Each check raises ``ArgumentTypeError`` (wrong kind of thing, wrong dtype) or ``ArgumentError``
+(wrong shape or value) with a message that names the argument, what was expected and what was
+given. They are ``TypeError`` / ``ValueError`` and also ``RuntimeError``, the class torch raises
+for the same misuse (``except RuntimeError`` catches them, as it catches torch's). Checks never
 modify anything, so a failed call leaves every tensor, module and cache as it was.
+
+Sizes may be symbolic (``torch.compile`` with dynamic shapes, ``torch.export`` of a batch whose size
+depends on the data): a size condition is then decided where the sizes allow it, and otherwise
+assumed and left to a runtime assert of the compiled program (see ``holds``), never guessed.
 """
 
 from __future__ import annotations
@@ -18,63 +24,129 @@ from .masks import Mask
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def tensor(name: str, x: Any, ndim: int | None = None, layout: str = "") -> Tensor:
-    """``x`` is a non-empty floating-point tensor (with ``ndim`` dims when given)."""
+class ArgumentError(ValueError, RuntimeError):
+    """A bad value or shape: a ``ValueError``, and a ``RuntimeError`` like torch's own errors."""
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """A bad kind of argument or dtype: a ``TypeError``, and a ``RuntimeError`` like torch's."""
+
+
+def _guard_or(cond: Any, fallback: bool) -> bool:
+    """A symbolic condition decided (and guarded on) where its sizes allow, else ``fallback``. Only
+    symbolic sizes come here, and they come with torch.fx's symbolic_shapes already loaded (it is
+    not imported with attnzero: it takes a third of a second)."""
+    from torch.fx.experimental import symbolic_shapes
+
+    name = "guard_or_true" if fallback else "guard_or_false"
+    decide = getattr(symbolic_shapes, name, bool)  # torch < 2.7: no sizes that depend on data; bool() guards
+    return bool(decide(cond))
+
+
+def holds(cond: Any) -> bool:
+    """A shape condition, as a bool. Plain bools are what they are. A symbolic one is decided when
+    the sizes allow it (guarding on sizes that have a value hint); one that depends on data (a
+    batch of ``x[keep]`` under ``torch.export``) is taken to hold, and ``torch._check`` makes the
+    compiled program assert it when it runs."""
+    if isinstance(cond, bool):
+        return cond
+    if not _guard_or(cond, True):
+        return False
+    torch._check(cond)
+    return True
+
+
+def known(cond: Any) -> bool:
+    """Whether a shape condition is known to hold: plain bools as they are; a symbolic one is
+    decided where the sizes allow it, and counts as False where it depends on data (a choice made
+    on it must then be right either way)."""
+    return cond if isinstance(cond, bool) else _guard_or(cond, False)
+
+
+def is_zero(n: Any) -> bool:
+    """Whether a size is known to be 0 (see ``known``: a compiled program whose size depends on
+    data learns it when it runs, inside the op; see ``ops.py``)."""
+    return known(n == 0)
+
+
+def tensor(name: str, x: Any, ndim: int | None = None, layout: str = "", empty_ok: bool = False) -> Tensor:
+    """``x`` is a floating-point tensor (with ``ndim`` dims when given), non-empty unless ``empty_ok``."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if ndim is not None and x.ndim != ndim:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: expected {ndim} dims {layout}, got {x.ndim} dims of shape {tuple(x.shape)}".replace("  ", " ")
         )
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
-    if x.numel() == 0:
-        raise ValueError(f"{name}: expected a non-empty tensor, got shape {tuple(x.shape)}")
+        raise ArgumentTypeError(
+            f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}"
+        )
+    if not empty_ok and is_zero(x.numel()):
+        raise ArgumentError(f"{name}: expected a non-empty tensor, got shape {tuple(x.shape)}")
     return x
 
 
 def same_kind(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
     """``x`` has ``ref``'s dtype and device."""
     if x.dtype != ref.dtype:
-        raise TypeError(f"{name}: dtype {x.dtype} does not match {ref_name}'s {ref.dtype}")
+        raise ArgumentTypeError(f"{name}: dtype {x.dtype} does not match {ref_name}'s {ref.dtype}")
     if x.device != ref.device:
-        raise ValueError(f"{name}: device {x.device} does not match {ref_name}'s {ref.device}")
+        raise ArgumentError(f"{name}: device {x.device} does not match {ref_name}'s {ref.device}")
 
 
-def qkv(q: Any, k: Any, v: Any | None) -> tuple[int, int, int, int, int]:
-    """q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv). Returns (B, Hq, Hkv, Lq, Lk)."""
+def qkv(q: Any, k: Any, v: Any | None, empty_ok: bool = False) -> tuple[int, int, int, int, int]:
+    """q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); with ``empty_ok`` any size may be 0
+    (DESIGN.md: the functional API takes zero-size inputs). Returns (B, Hq, Hkv, Lq, Lk)."""
     layout = "(B, H, L, D)"
-    q = tensor("q", q, 4, layout)
-    k = tensor("k", k, 4, layout)
+    q = tensor("q", q, 4, layout, empty_ok)
+    k = tensor("k", k, 4, layout, empty_ok)
     same_kind("k", k, "q", q)
     B, Hq, Lq, D = q.shape
-    if k.shape[0] != B:
-        raise ValueError(f"k: batch {k.shape[0]} does not match q's {B}")
-    if k.shape[3] != D:
-        raise ValueError(f"k: head dim {k.shape[3]} does not match q's {D}")
+    if not holds(k.shape[0] == B):
+        raise ArgumentError(f"k: batch {k.shape[0]} does not match q's {B}")
+    if not holds(k.shape[3] == D):
+        raise ArgumentError(f"k: head dim {k.shape[3]} does not match q's {D}")
     Hkv, Lk = k.shape[1], k.shape[2]
-    if Hq % Hkv != 0:
-        raise ValueError(
-            f"k: expected a number of key/value heads that divides q's {Hq} heads, got {Hkv}"
-        )
+    groups(Hq, Hkv, "k: expected a number of key/value heads that divides q's {Hq} heads, got {Hkv}")
     if v is not None:
-        v = tensor("v", v, 4, layout)
+        v = tensor("v", v, 4, layout, empty_ok)
         same_kind("v", v, "q", q)
-        if v.shape[0] != B:
-            raise ValueError(f"v: batch {v.shape[0]} does not match q's {B}")
-        if v.shape[1] != Hkv:
-            raise ValueError(f"v: {v.shape[1]} heads do not match k's {Hkv}")
-        if v.shape[2] != Lk:
-            raise ValueError(f"v: length {v.shape[2]} does not match k's {Lk}")
+        if not holds(v.shape[0] == B):
+            raise ArgumentError(f"v: batch {v.shape[0]} does not match q's {B}")
+        if not holds(v.shape[1] == Hkv):
+            raise ArgumentError(f"v: {v.shape[1]} heads do not match k's {Hkv}")
+        if not holds(v.shape[2] == Lk):
+            raise ArgumentError(f"v: length {v.shape[2]} does not match k's {Lk}")
     return B, Hq, Hkv, Lq, Lk
 
 
-def _broadcastable(name: str, shape: tuple[int, ...], full: tuple[int, int, int, int]) -> None:
-    ok = len(shape) <= 4 and all(s in (1, f) for s, f in zip(reversed(shape), reversed(full)))
+def groups(Hq: int, Hkv: int, message: str) -> None:
+    """``Hkv`` key/value heads serve ``Hq`` query heads in equal groups: ``Hq % Hkv == 0``. No
+    key/value heads serve only no query heads (``Hq = Hkv = 0``). ``message`` is formatted with
+    Hq and Hkv."""
+    ok = holds(Hq == 0) if is_zero(Hkv) else holds(Hq % Hkv == 0)
     if not ok:
-        raise ValueError(
-            f"{name}: shape {tuple(shape)} is not broadcastable to (B, Hq, Lq, Lk) = {full}"
-        )
+        raise ArgumentError(message.format(Hq=Hq, Hkv=Hkv))
+
+
+def broadcastable(shape: tuple[Any, ...], full: tuple[Any, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``full`` (each of its dims, aligned from the right, is 1 or
+    the full size, and it has no more dims)."""
+    if len(shape) > len(full):
+        return False
+    return all(holds(_either(s == f, s == 1)) for s, f in zip(reversed(shape), reversed(full)))
+
+
+def _either(a: Any, b: Any) -> Any:
+    """``a or b`` for conditions that may be symbolic, without deciding either first."""
+    if isinstance(a, bool) and isinstance(b, bool):
+        return a or b
+    return b | a if isinstance(a, bool) else a | b
+
+
+def _broadcastable(name: str, shape: tuple[Any, ...], full: tuple[Any, Any, Any, Any]) -> None:
+    if not broadcastable(shape, full):
+        raise ArgumentError(f"{name}: shape {tuple(shape)} is not broadcastable to (B, Hq, Lq, Lk) = {full}")
 
 
 def mask(x: Any, full: tuple[int, int, int, int], device: torch.device) -> Tensor | Mask | None:
@@ -86,10 +158,10 @@ def mask(x: Any, full: tuple[int, int, int, int], device: torch.device) -> Tenso
         _broadcastable("mask", x.shape, full)
         return x
     if not isinstance(x, Tensor):
-        raise TypeError(f"mask: expected a torch.Tensor or an attnzero Mask, got {type(x).__name__}")
+        raise ArgumentTypeError(f"mask: expected a torch.Tensor or an attnzero Mask, got {type(x).__name__}")
     _broadcastable("mask", tuple(x.shape), full)
     if x.device != device:
-        raise ValueError(f"mask: device {x.device} does not match q's {device}")
+        raise ArgumentError(f"mask: device {x.device} does not match q's {device}")
     keep = x if x.dtype == torch.bool else x != 0
     return keep.reshape((1,) * (4 - x.ndim) + tuple(x.shape))  # (B|1, H|1, Lq|1, Lk|1)
 
@@ -99,58 +171,76 @@ def bias(x: Any, full: tuple[int, int, int, int], device: torch.device) -> Tenso
     if x is None:
         return None
     if not isinstance(x, Tensor):
-        raise TypeError(f"bias: expected a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"bias: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"bias: expected a floating dtype (a keep-mask goes to mask=), got {x.dtype}"
-        )
+        raise ArgumentTypeError(f"bias: expected a floating dtype (a keep-mask goes to mask=), got {x.dtype}")
     _broadcastable("bias", tuple(x.shape), full)
     if x.device != device:
-        raise ValueError(f"bias: device {x.device} does not match q's {device}")
+        raise ArgumentError(f"bias: device {x.device} does not match q's {device}")
     return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))  # (B|1, H|1, Lq|1, Lk|1)
 
 
 def flag(name: str, x: Any) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"{name}: expected a bool, got {x!r}")
+        raise ArgumentTypeError(f"{name}: expected a bool, got {x!r}")
     return x
 
 
-def window(x: Any) -> tuple[int | None, int | None] | None:
-    """None, an int ``w`` (= (w, 0)), or (left, right) with each None or an int >= 0."""
+# Window sides at or above this are unbounded whatever the lengths: no tensor has 2⁶² positions,
+# and every side then fits the int64 arithmetic of the backends.
+_HUGE = 2**62
+
+
+def window(x: Any, q_len: int | None = None, kv_len: int | None = None) -> tuple[int | None, int | None] | None:
+    """None, an int ``w`` (= (w, 0)), or (left, right) with each None or an int >= 0.
+
+    A side that reaches past every key is unbounded, and comes back as None: with the lengths
+    given, a side >= ``q_len + kv_len`` (query ``i`` sits at ``p = i + Lk - Lq`` in ``[Lk - Lq,
+    Lk - 1]``, so ``left >= Lk - 1`` and ``right >= Lq - 1`` already keep every key); any side >= 2⁶²
+    in any case. The result is the same, and no backend meets an integer too large for int64."""
     if x is None:
         return None
     pair = (x, 0) if isinstance(x, int) and not isinstance(x, bool) else x
     if not isinstance(pair, tuple | list) or len(pair) != 2:
-        raise TypeError(f"window: expected None, an int or a (left, right) pair, got {x!r}")
+        raise ArgumentTypeError(f"window: expected None, an int or a (left, right) pair, got {x!r}")
+    sides: list[int | None] = []
     for side, w in zip(("left", "right"), pair):
         if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
-            raise TypeError(f"window: expected {side} to be None or an int, got {w!r}")
+            raise ArgumentTypeError(f"window: expected {side} to be None or an int, got {w!r}")
         if w is not None and w < 0:
-            raise ValueError(f"window: expected {side} >= 0 (or None), got {w}")
-    return (pair[0], pair[1])
+            raise ArgumentError(f"window: expected {side} >= 0 (or None), got {w}")
+        reaches_all = w is not None and (
+            w >= _HUGE or (q_len is not None and kv_len is not None and known(w >= q_len + kv_len))
+        )
+        sides.append(None if reaches_all else w)
+    return (sides[0], sides[1])
 
 
 def scale(x: Any, head_dim: int) -> float:
-    """``None`` → 1/sqrt(D); otherwise a finite real number."""
+    """``None`` → 1/sqrt(D) (1 for D = 0, where every score is 0 whatever the scale); otherwise a
+    finite real number."""
     if x is None:
-        return 1.0 / math.sqrt(head_dim)
+        return 1.0 if is_zero(head_dim) else 1.0 / math.sqrt(head_dim)
     if isinstance(x, bool) or not isinstance(x, int | float):
-        raise TypeError(f"scale: expected None or a real number, got {x!r}")
-    if not math.isfinite(x):
-        raise ValueError(f"scale: expected a finite number, got {x}")
-    return float(x)
+        raise ArgumentTypeError(f"scale: expected None or a real number, got {x!r}")
+    try:
+        value = float(x)
+    except OverflowError:  # an int beyond float's range
+        raise ArgumentError(f"scale: expected a finite float, got an integer of {int(x).bit_length()} bits") from None
+    if not math.isfinite(value):
+        raise ArgumentError(f"scale: expected a finite number, got {x}")
+    return value
 
 
 def dropout_p(x: Any, name: str = "dropout_p") -> float:
     if isinstance(x, bool) or not isinstance(x, int | float):
-        raise TypeError(f"{name}: expected a float in [0, 1), got {x!r}")
+        raise ArgumentTypeError(f"{name}: expected a float in [0, 1), got {x!r}")
     if not 0.0 <= x < 1.0:
-        raise ValueError(f"{name}: expected a float in [0, 1), got {x}")
+        raise ArgumentError(f"{name}: expected a float in [0, 1), got {x}")
     return float(x)
 
 
 def choice(name: str, x: Any, options: tuple[str, ...]) -> str:
-    if x not in options:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, options))}, got {x!r}")
-    return str(x)
+    if not isinstance(x, str) or x not in options:
+        raise ArgumentError(f"{name}: expected one of {', '.join(map(repr, options))}, got {x!r}")
+    return x

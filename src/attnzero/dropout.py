@@ -4,7 +4,9 @@ Every backend must drop exactly the same entries in its forward and its backward
 backend must be able to regenerate the entries of any block without storing an L×L mask. So the
 keep/drop decision of entry (b, h, i, j) is a counter-based hash: ``hash(seed, counter)`` with
 ``counter = ((b·H + h)·Lq + i)·Lk + j``. The seed itself is drawn from torch's RNG once per call,
-so ``torch.manual_seed`` makes dropout reproducible, and all backends drop the same entries.
+so ``torch.manual_seed`` makes dropout reproducible, and all backends drop the same entries. These
+are not the entries torch's own scaled_dot_product_attention would drop (it has a random stream of
+its own); the keep rate and the expected output are the same.
 
 The hash is Chris Wellons' "lowbias32" integer mixer applied twice (low then high 32 bits of the
 counter); it is written with 32-bit wrap-around so that a GPU kernel can compute the same bits.
@@ -18,9 +20,15 @@ from torch import Tensor
 _M32 = 0xFFFFFFFF
 
 
+def seed_tensor(device: torch.device) -> Tensor:
+    """A seed from torch's RNG for ``device`` (so torch.manual_seed governs dropout), as a 0-d int64
+    tensor: what a compiled graph draws, with no read-back in the traced code (``ops.py`` reads it)."""
+    return torch.randint(0, 2**62, (), device=device)
+
+
 def draw_seed(device: torch.device) -> int:
-    """A 63-bit seed from torch's RNG for ``device`` (so torch.manual_seed governs dropout)."""
-    return int(torch.randint(0, 2**62, (), device=device).item())
+    """The seed of ``seed_tensor`` as an int: the same number from the same RNG state."""
+    return int(seed_tensor(device).item())
 
 
 def _mix32(x: Tensor) -> Tensor:

@@ -11,23 +11,35 @@ A backend is a function with one signature::
 where ``mask`` is a 4-D bool tensor or an ``az.masks.Mask`` (True = may attend), ``bias`` a 4-D
 float tensor (both broadcastable to (B, Hq, Lq, Lk)), ``window`` a ``(left, right)`` pair, ``scale``
 a float and ``dropout_seed`` the seed of ``dropout.keep_mask``.
+
+Three things are settled here, once, so that every backend behaves the same:
+
+* autocast: inside ``torch.autocast`` the inputs are cast as autocast casts those of torch's
+  ``scaled_dot_product_attention``, and the backend then runs with autocast off (``_autocast``);
+* zero sizes, and ``torch.compile`` / ``torch.export``: the call goes through the backend's custom
+  ops (``ops.py``), which answer zero-size problems and keep the backend's Python out of the traced
+  graph; other eager calls go to the backend directly;
+* torch's conventions in the drop-in (``is_causal`` top-left, ``CausalBias``, misuse errors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from . import checks, dropout, reference
+from . import checks, dropout, ops, reference
+from .checks import ArgumentError, ArgumentTypeError
 from .masks import Mask
 from .masks import causal as causal_mask
 
 log = logging.getLogger("attnzero")
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 Backend = Callable[..., tuple[Tensor, Tensor]]
 BackendName = Literal["auto", "reference", "flash", "triton"]
@@ -54,7 +66,7 @@ def _check_triton(device: torch.device) -> None:
 
     reason = triton_backend.unsupported_device_reason(device)
     if reason is not None:
-        raise ValueError(f"backend: {reason}")
+        raise ArgumentError(f"backend: {reason}")
 
 
 def _auto(q: Tensor, k: Tensor) -> str:
@@ -64,10 +76,50 @@ def _auto(q: Tensor, k: Tensor) -> str:
     # Tiny problems: the materialised reference has the fewest ops (the flash loop's per-block
     # overhead dominates below ~128 × 128 scores per head). Otherwise flash, on any device.
     name = "flash" if q.shape[2] * k.shape[2] > 128 * 128 else "reference"
-    if q.is_cuda and q.dtype != torch.float64 and importlib.util.find_spec("triton") is not None:
+    if q.is_cuda and q.dtype != torch.float64 and _TRITON_INSTALLED:
         name = "triton"  # the Triton kernels (kernels/), for every size on CUDA
-    log.debug("backend='auto' chose %r for q %s, k %s on %s", name, tuple(q.shape), tuple(k.shape), q.device)
+    if not torch.compiler.is_compiling():  # a compiled graph has no logger calls
+        log.debug("backend='auto' chose %r for q %s, k %s on %s", name, tuple(q.shape), tuple(k.shape), q.device)
     return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Autocast: what torch does to scaled_dot_product_attention's arguments, done once at the entry
+
+
+def _causal_bias(x: Any) -> bool:
+    """Whether ``x`` is torch's ``CausalBias`` (``torch.nn.attention.bias``, which exists once a
+    ``CausalBias`` was made: importing it here would load torch._dynamo with attnzero)."""
+    kind = type(x)
+    return kind.__name__ == "CausalBias" and kind.__module__ == "torch.nn.attention.bias"
+
+
+def _autocast(*xs: Any) -> list[Any]:
+    """The arguments as autocast hands them to torch's ``scaled_dot_product_attention``, which
+    ATen's autocast lists (``autocast_mode.cpp``) as ``lower_precision_fp`` on CPU and on CUDA:
+    inside ``torch.autocast(device_type, dtype)``, every floating tensor on that device type
+    except float64 is cast to ``dtype``; float64, bool masks and other devices' tensors stay as
+    they are. Anything else (None, a wrong argument for the checks to name) passes through."""
+    out = []
+    for x in xs:
+        castable = isinstance(x, Tensor) and not _causal_bias(x) and x.is_floating_point()
+        if castable and x.dtype != torch.float64:
+            kind = x.device.type
+            if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+                x = x.to(torch.get_autocast_dtype(kind))
+        out.append(x)
+    return out
+
+
+def _as_given(x: Any) -> contextlib.AbstractContextManager[None]:
+    """Autocast off on ``x``'s device while attnzero computes: after ``_autocast``, every backend
+    runs in the dtypes it was given (its float32 internals for 16-bit inputs are deliberate), so
+    all backends give the same dtype and the same numbers."""
+    return ops.without_autocast(x.device) if isinstance(x, Tensor) else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# The public functions
 
 
 def attention(
@@ -88,7 +140,7 @@ def attention(
 
     Args:
         q: (B, Hq, Lq, D). k: (B, Hkv, Lk, D). v: (B, Hkv, Lk, Dv). Query head ``h`` reads
-            key/value head ``h // (Hq // Hkv)`` (GQA / MQA).
+            key/value head ``h // (Hq // Hkv)`` (GQA / MQA). Any size may be 0.
         mask: keep-mask broadcastable to (B, Hq, Lq, Lk): True / non-zero = may attend. A tensor of
             any dtype, or a builder from ``az.masks``.
         bias: float tensor broadcastable to (B, Hq, Lq, Lk), added to the scaled scores.
@@ -103,16 +155,44 @@ def attention(
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or ``(out, lse)``. A query row with no kept key gives
-        output 0, lse −inf and zero gradients — never NaN.
+        output 0, lse −inf and zero gradients — never NaN. Zero sizes: B, Hq or Lq = 0 give empty
+        results; Lk = 0 makes every row fully blocked; D = 0 makes every score 0 (+ bias).
+
+    Under ``torch.autocast`` the float32 tensors are cast as autocast casts torch's
+    ``scaled_dot_product_attention``'s, and the result has that dtype on every backend.
     """
+    q, k, v, bias = _autocast(q, k, v, bias)
+    with _as_given(q):
+        return _attention(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+            backend=backend, return_lse=return_lse,
+        )  # fmt: skip
+
+
+def _attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    causal: Any = False,
+    window: Any = None,
+    scale: Any = None,
+    dropout_p: Any = 0.0,
+    backend: Any = "auto",
+    return_lse: Any = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``attention`` after autocast: validate, then run one backend — directly in eager mode, or
+    through its custom ops (``ops.py``) when compiling or for zero sizes."""
     if v is None:  # checks.qkv treats v=None as "no values" (attention_weights)
-        raise TypeError("v: expected a torch.Tensor, got NoneType")
-    B, Hq, _, Lq, Lk = checks.qkv(q, k, v)
+        raise ArgumentTypeError("v: expected a torch.Tensor, got NoneType")
+    B, Hq, _, Lq, Lk = checks.qkv(q, k, v, empty_ok=True)
     full = (B, Hq, Lq, Lk)
     keep = checks.mask(mask, full, q.device)
     add = checks.bias(bias, full, q.device)
     is_causal = checks.flag("causal", causal)
-    win = checks.window(window)
+    win = checks.window(window, Lq, Lk)
     sc = checks.scale(scale, q.shape[-1])
     p = checks.dropout_p(dropout_p)
     name = checks.choice("backend", backend, BACKENDS)
@@ -122,10 +202,20 @@ def attention(
         name = _auto(q, k)
     if name == "triton":
         _check_triton(q.device)
-    seed = dropout.draw_seed(q.device) if p > 0.0 else 0
-    out, lse = _backend(name)(
-        q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p, dropout_seed=seed
-    )
+    if torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
+        # One opaque op per call: dynamo never traces a backend's Python, and zero sizes (some only
+        # known when a compiled program runs) are answered there. The seed stays a tensor.
+        dense = keep.to_tensor(q.device) if isinstance(keep, Mask) else keep  # (B|1, Hq|1, Lq|1, Lk|1)
+        seed_t = dropout.seed_tensor(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64)
+        out, lse = ops.attention(
+            name, q, k, v, mask=dense, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p,
+            dropout_seed=seed_t,
+        )  # fmt: skip
+    else:
+        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        out, lse = _backend(name)(
+            q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p, dropout_seed=seed
+        )
     return (out, lse) if want_lse else out
 
 
@@ -141,18 +231,28 @@ def attention_weights(
 ) -> Tensor:
     """The attention probabilities (B, Hq, Lq, Lk) in q's dtype, for inspection and plots.
     Same arguments as :func:`attention`; fully blocked rows are 0. Materialises Lq × Lk."""
-    B, Hq, _, Lq, Lk = checks.qkv(q, k, None)
-    full = (B, Hq, Lq, Lk)
-    p, _ = reference.probabilities(
-        q,
-        k,
-        mask=checks.mask(mask, full, q.device),
-        bias=checks.bias(bias, full, q.device),
-        causal=checks.flag("causal", causal),
-        window=checks.window(window),
-        scale=checks.scale(scale, q.shape[-1]),
-    )
-    return p.to(q.dtype)
+    q, k, bias = _autocast(q, k, bias)
+    with _as_given(q):
+        B, Hq, _, Lq, Lk = checks.qkv(q, k, None, empty_ok=True)
+        full = (B, Hq, Lq, Lk)
+        keep = checks.mask(mask, full, q.device)
+        add = checks.bias(bias, full, q.device)
+        is_causal = checks.flag("causal", causal)
+        win = checks.window(window, Lq, Lk)
+        sc = checks.scale(scale, q.shape[-1])
+        if checks.is_zero(B * Hq * Lq * Lk):  # no weights at all; D = 0 needs nothing special (scores 0)
+            return _empty(full, q, k, add)
+        p, _ = reference.probabilities(q, k, mask=keep, bias=add, causal=is_causal, window=win, scale=sc)
+        return p.to(q.dtype)
+
+
+def _empty(shape: tuple[int, ...], *inputs: Tensor | None) -> Tensor:
+    """An empty result of ``shape`` in the first input's dtype, on the autograd graph of the inputs
+    (their gradients: zeros)."""
+    first = inputs[0]
+    assert first is not None
+    tie = sum((x.sum() for x in inputs if x is not None), torch.zeros((), dtype=first.dtype, device=first.device))
+    return first.new_zeros(shape) + 0.0 * tie  # an empty tensor: the scalar's value never shows
 
 
 def scaled_dot_product_attention(
@@ -168,22 +268,41 @@ def scaled_dot_product_attention(
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``, with torch's semantics:
     inputs (..., L, E) with any leading dims (heads at dim -3), a bool ``attn_mask`` keeps True
     entries, a float ``attn_mask`` is added to the scores, ``is_causal`` is top-left aligned
-    (query i sees keys 0..i), ``enable_gqa`` lets key/value have fewer heads. Unlike torch, a row
-    with every key blocked gives 0 instead of NaN."""
+    (query i sees keys 0..i), ``attn_mask=torch.nn.attention.bias.causal_upper_left(L, S)`` /
+    ``causal_lower_right(L, S)`` is the causal pattern it names, ``enable_gqa`` lets key/value have
+    fewer heads. Misuse raises what torch raises (``except RuntimeError`` catches it): an
+    ``attn_mask`` together with ``is_causal=True``, mismatched shapes, dtypes or devices. Zero
+    sizes and autocast behave as torch's; a row with every key blocked gives 0 (torch's CPU path
+    too), never NaN. Dropout drops other entries than torch's would (its own random stream)."""
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
+    with _as_given(query):
+        return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _same_sizes(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(checks.holds(x == y) for x, y in zip(a, b))
+
+
+def _sdpa(
+    query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any
+) -> Tensor:
+    """The drop-in after autocast: torch's checks and conventions, then ``_attention``."""
     for name, x in (("query", query), ("key", key), ("value", value)):
-        checks.tensor(name, x)
+        checks.tensor(name, x, empty_ok=True)
         if x.ndim < 2:
-            raise ValueError(f"{name}: expected at least 2 dims (..., L, E), got {x.ndim}")
+            raise ArgumentError(f"{name}: expected at least 2 dims (..., L, E), got {x.ndim}")
     if not (query.ndim == key.ndim == value.ndim):
-        raise ValueError(
+        raise ArgumentError(
             f"key, value: expected as many dims as query's {query.ndim}, got {key.ndim} and {value.ndim}"
         )
-    if not checks.flag("enable_gqa", enable_gqa) and query.ndim >= 3 and key.shape[-3] != query.shape[-3]:
-        raise ValueError(
+    gqa = checks.flag("enable_gqa", enable_gqa)
+    wants_causal = checks.flag("is_causal", is_causal)
+    if not gqa and query.ndim >= 3 and not checks.holds(key.shape[-3] == query.shape[-3]):
+        raise ArgumentError(
             f"key: {key.shape[-3]} heads do not match query's {query.shape[-3]} (pass enable_gqa=True for GQA)"
         )
-    if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
-        raise ValueError(
+    if not _same_sizes(query.shape[:-3], key.shape[:-3]) or not _same_sizes(key.shape[:-3], value.shape[:-3]):
+        raise ArgumentError(
             f"key, value: batch dims {tuple(key.shape[:-3])}, {tuple(value.shape[:-3])} do not match "
             f"query's {tuple(query.shape[:-3])}"
         )
@@ -191,50 +310,92 @@ def scaled_dot_product_attention(
     # function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias).
     checks.same_kind("key", key, "query", query)
     checks.same_kind("value", value, "query", query)
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}")
-    if value.shape[-2] != key.shape[-2]:
-        raise ValueError(f"value: length {value.shape[-2]} does not match key's {key.shape[-2]}")
-    if query.ndim >= 3 and value.shape[-3] != key.shape[-3]:
-        raise ValueError(f"value: {value.shape[-3]} heads do not match key's {key.shape[-3]}")
-    if query.ndim >= 3 and query.shape[-3] % key.shape[-3] != 0:
-        raise ValueError(
-            f"key: expected a number of heads that divides query's {query.shape[-3]} (enable_gqa), "
-            f"got {key.shape[-3]}"
-        )
-    if attn_mask is not None:
-        if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-            raise TypeError(f"attn_mask: expected a bool or floating tensor, got {attn_mask.dtype}")
-        full = (*query.shape[:-1], key.shape[-2])  # (..., Hq, Lq, Lk)
-        if attn_mask.ndim > len(full) or any(
-            s not in (1, f) for s, f in zip(reversed(attn_mask.shape), reversed(full))
-        ):
-            raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to {full}")
-        if attn_mask.device != query.device:
-            raise ValueError(f"attn_mask: device {attn_mask.device} does not match query's {query.device}")
-    # Bring everything to (B, H, L, E): add missing dims in front, fold extra batch dims together.
+    if not checks.holds(key.shape[-1] == query.shape[-1]):
+        raise ArgumentError(f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}")
+    if not checks.holds(value.shape[-2] == key.shape[-2]):
+        raise ArgumentError(f"value: length {value.shape[-2]} does not match key's {key.shape[-2]}")
+    if query.ndim >= 3:
+        if not checks.holds(value.shape[-3] == key.shape[-3]):
+            raise ArgumentError(f"value: {value.shape[-3]} heads do not match key's {key.shape[-3]}")
+        checks.groups(
+            query.shape[-3], key.shape[-3],
+            "key: expected a number of heads that divides query's {Hq} (enable_gqa), got {Hkv}",
+        )  # fmt: skip
     lead = query.shape[:-3]
     Lq, Lk = query.shape[-2], key.shape[-2]
+    full = (*query.shape[:-1], Lk)  # (..., Hq, Lq, Lk)
 
-    def to4(x: Tensor) -> Tensor:
-        x = x.reshape((1,) * max(0, 4 - x.ndim) + tuple(x.shape))
-        return x.reshape(-1, *x.shape[-3:])  # (B, H, L, E)
-
-    q4, k4, v4 = to4(query), to4(key), to4(value)
+    # What to attend to, in attnzero's terms: a keep-mask, a bias, or causal (bottom-right).
     mask_arg: Tensor | Mask | None = None
     bias_arg: Tensor | None = None
-    if attn_mask is not None:
-        m = attn_mask.expand(*lead, q4.shape[1], Lq, Lk) if len(lead) > 1 else attn_mask  # checked above
-        m = m.reshape(-1, *m.shape[-3:]) if m.ndim > 4 else m  # (B, H, Lq, Lk)
-        if attn_mask.dtype == torch.bool:
-            mask_arg = m
+    causal_arg = False
+    if _causal_bias(attn_mask):
+        from torch.nn.attention.bias import CausalVariant
+
+        if wants_causal:
+            raise ArgumentError(
+                "is_causal: expected False with a CausalBias attn_mask (it is the causal pattern already), got True"
+            )
+        if not (checks.holds(attn_mask.seq_len_q == Lq) and checks.holds(attn_mask.seq_len_kv == Lk)):
+            raise ArgumentError(
+                f"attn_mask: a CausalBias of (L, S) = ({attn_mask.seq_len_q}, {attn_mask.seq_len_kv}) does not "
+                f"match query's and key's lengths ({Lq}, {Lk})"
+            )
+        if attn_mask.variant == CausalVariant.LOWER_RIGHT:
+            causal_arg = True  # bottom-right: attnzero's own causal
+        elif attn_mask.variant == CausalVariant.UPPER_LEFT:
+            mask_arg, causal_arg = _top_left(Lq, Lk, query.device)
         else:
-            bias_arg = m
-    if checks.flag("is_causal", is_causal):
-        top_left = causal_mask(Lq, Lk, align="top_left")
-        mask_arg = top_left if mask_arg is None else top_left & mask_arg
-    out = attention(q4, k4, v4, mask=mask_arg, bias=bias_arg, scale=scale, dropout_p=dropout_p)
+            raise ArgumentError(f"attn_mask: expected a CausalBias of a known variant, got {attn_mask.variant!r}")
+    elif attn_mask is not None:
+        if wants_causal:
+            raise ArgumentError("is_causal: expected False when attn_mask is given (as torch), got True")
+        if not isinstance(attn_mask, Tensor):
+            raise ArgumentTypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise ArgumentTypeError(f"attn_mask: expected a bool or floating tensor, got {attn_mask.dtype}")
+        if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):  # torch's rule for a float mask
+            raise ArgumentTypeError(
+                f"attn_mask: expected dtype bool, float32 or query's {query.dtype}, got {attn_mask.dtype}"
+            )
+        if not checks.broadcastable(tuple(attn_mask.shape), full):
+            raise ArgumentError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to {full}")
+        if attn_mask.device != query.device:
+            raise ArgumentError(f"attn_mask: device {attn_mask.device} does not match query's {query.device}")
+        m = attn_mask.expand(full) if len(lead) > 1 else attn_mask  # extra batch dims, to fold below
+        if attn_mask.dtype == torch.bool:
+            mask_arg = _to4(m)
+        else:
+            bias_arg = _to4(m)
+    elif wants_causal:
+        mask_arg, causal_arg = _top_left(Lq, Lk, query.device)
+
+    out = _attention(
+        _to4(query), _to4(key), _to4(value), mask=mask_arg, bias=bias_arg, causal=causal_arg, scale=scale,
+        dropout_p=dropout_p,
+    )  # fmt: skip
     assert isinstance(out, Tensor)
     return out.reshape(*query.shape[:-1], value.shape[-1])  # (..., Lq, Ev)
+
+
+def _to4(x: Tensor) -> Tensor:
+    """(..., H, L, E) → (N, H, L, E): missing dims added in front as 1, extra batch dims folded."""
+    if x.ndim <= 4:
+        return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))  # (1.., H, L, E)
+    n = 1
+    for size in x.shape[:-3]:
+        n = n * size
+    return x.reshape(n, *x.shape[-3:])  # (N, H, L, E)
+
+
+def _top_left(Lq: int, Lk: int, device: torch.device) -> tuple[Tensor | Mask | None, bool]:
+    """torch's causal pattern, top-left aligned (query ``i`` sees keys ``0..i``), as a ``(mask,
+    causal)`` pair of attnzero: ``causal=True`` when Lq == Lk (the two alignments agree, and backends
+    skip the blocked blocks; also when a length is 0, where nothing is attended anyway), else the
+    top-left mask — a ``Mask`` in eager mode, its dense (1, 1, Lq, Lk) tensor when compiling."""
+    if checks.is_zero(Lq) or checks.is_zero(Lk) or checks.known(Lq == Lk):
+        return None, True
+    if torch.compiler.is_compiling():
+        keep = torch.arange(Lk, device=device) <= torch.arange(Lq, device=device).unsqueeze(1)  # (Lq, Lk)
+        return keep.view(1, 1, Lq, Lk), False
+    return causal_mask(Lq, Lk, align="top_left"), False

@@ -1,0 +1,338 @@
+"""The backends as torch custom ops: one opaque node per attention call for ``torch.compile`` and
+``torch.export``, and the one place that answers zero-size problems.
+
+Letters: B batch, Hq / Hkv query / key-value heads (G = Hq // Hkv), Lq / Lk query / key length,
+D head dim of q and k, Dv head dim of v.
+
+Why ops. Traced by dynamo, a backend's Python breaks the graph at each host-side decision: the flash
+backend's read-backs, its thread pool and per-block Python loops, the dropout seed's ``.item()``.
+So each backend ``name`` is registered as two ops, ``attnzero::{name}_attention`` and
+``attnzero::{name}_attention_backward`` (``torch.library.custom_op``): a fake implementation gives the output
+shapes, ``register_autograd`` ties the backward op to the forward one, and the compiled program runs
+the backend's own eager code inside each op. An op's arguments are what a schema can hold: the mask
+a bool tensor (``functional.py`` densifies an ``az.masks.Mask``), the window sides ints with -1 for
+unbounded, the dropout seed a 0-d int64 tensor — drawn in the graph from torch's RNG exactly as
+eager calls draw it, and read only here.
+
+The backward ops: ``flash`` has its own (``flash.backward``, from the saved output and lse); the
+reference's is MATH.md's backward with every matrix materialised (``reference_backward`` below; the
+reference's eager backward is autograd through the formula, which cannot run inside an op); the
+triton backend's is its backward kernel op, ``attnzero::triton_bwd`` (float64, which triton
+computes with the flash backend, takes ``flash.backward``).
+
+Zero sizes (DESIGN.md). B, Hq or Lq = 0: empty output. Lk = 0: every row is fully blocked (output
+0, lse −inf). D = 0: every score is 0 (uniform weights over the kept keys, plus any bias).
+Dv = 0: an empty output, and the lse of the scores. No backend sees them: empty problems are
+answered here, and D = 0 / Dv = 0 run with one column of zeros in q and k / in v. Gradients are
+zero where the output does not depend on an input. Eager calls come here only for zero sizes
+(``functional.py`` calls a backend directly otherwise); a compiled program always does, and a size
+that depends on data (``x[keep]`` under ``torch.export``) is only known here, when it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import dropout, reference
+from .masks import Mask
+from .reference import accum_dtype
+
+NAMES = ("reference", "flash", "triton")
+UNBOUNDED = -1  # a window side without a bound, in an op's int arguments
+
+Window = tuple[int | None, int | None] | None
+
+
+def without_autocast(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Autocast off for ``device``'s type while a backend runs: backends choose their dtypes on
+    purpose (float32 scores for 16-bit inputs), and autocast would cast their matmuls again."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def sides(window: Window) -> tuple[int, int]:
+    """``(left, right)`` as op arguments: ints, -1 for an unbounded side."""
+    if window is None:
+        return UNBOUNDED, UNBOUNDED
+    left, right = window
+    return (UNBOUNDED if left is None else left), (UNBOUNDED if right is None else right)
+
+
+def window_of(left: int, right: int) -> Window:
+    """The window of ``sides``' ints back."""
+    if left == UNBOUNDED and right == UNBOUNDED:
+        return None
+    return (None if left == UNBOUNDED else left), (None if right == UNBOUNDED else right)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each backend as a forward and a backward function of trusted, non-empty inputs. A forward
+# returns ``(out, lse, kept)``: ``kept`` is what its backward needs besides the output and the lse —
+# for the reference, P (B, Hq, Lq, Lk) and the dropout keep-mask Z, which its eager backward
+# (autograd) keeps too; for the others, nothing (empty tensors).
+
+Kept = tuple[Tensor, Tensor]
+
+
+def _nothing(q: Tensor) -> Kept:
+    return q.new_empty(0), q.new_empty(0, dtype=torch.bool)
+
+
+def _reference_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: Window, scale: float, dropout_p: float, dropout_seed: int,
+) -> tuple[Tensor, Tensor, Kept]:
+    """``reference.attention``'s steps, keeping P and Z: P and the lse by ``reference.probabilities``,
+    then dropout and P·V as ``reference.attention`` computes them (the same numbers)."""
+    p, lse = reference.probabilities(q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale)
+    B, Hq, Lq, Lk = p.shape
+    Hkv, Dv = v.shape[1], v.shape[3]
+    z = _nothing(q)[1]
+    p_kept = p
+    if dropout_p > 0.0:
+        z = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device)  # (B, Hq, Lq, Lk)
+        p_kept = p * z / (1.0 - dropout_p)
+    p_grouped = p_kept.to(v.dtype).reshape(B, Hkv, (Hq // Hkv) * Lq, Lk)  # (B, Hkv, G·Lq, Lk)
+    out = (p_grouped @ v).view(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
+    return out, lse, (p, z)
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
+    from . import flash
+
+    return (*flash.forward(q, k, v, **kw), _nothing(q))
+
+
+def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
+    from .kernels import triton_backend
+
+    return (*triton_backend.attention(q, k, v, **kw), _nothing(q))
+
+
+def reference_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    kept: Kept,
+    bias: Tensor | None,
+    scale: float,
+    dropout_p: float,
+    bias_grad: bool = True,
+    **unused: Any,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` of ``reference.attention``: MATH.md's backward with every matrix
+    materialised, in the accumulator dtype, from the forward's P and Z (``kept``)."""
+    del out, lse, unused  # rowsum(P ∘ dP) below is rowsum(dO ∘ O); mask & co. are in P already
+    p, z = kept  # (B, Hq, Lq, Lk) each
+    B, Hq, _, Lk = p.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    acc = p.dtype
+    k_h = k.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): the key/value head of each query head
+    v_h = v.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
+    do = dout.to(acc)  # (B, Hq, Lq, Dv)
+    dp = do @ v_h.transpose(-2, -1)  # dP = dO Vᵀ: (B, Hq, Lq, Lk)
+    p_kept = p
+    if dropout_p > 0.0:  # O = (P ∘ Z / (1 - p)) V: the same Z on both sides
+        z_scaled = z.to(acc) / (1.0 - dropout_p)
+        p_kept, dp = p * z_scaled, dp * z_scaled
+    dv_h = p_kept.transpose(-2, -1) @ do  # dV = P̃ᵀ dO: (B, Hq, Lk, Dv)
+    ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))  # dS = P ∘ (dP − rowsum(P ∘ dP)): (B, Hq, Lq, Lk)
+    dq = (ds @ k_h) * scale  # (B, Hq, Lq, D)
+    dk_h = (ds.transpose(-2, -1) @ q.to(acc)) * scale  # (B, Hq, Lk, D)
+    # The G query heads of a group add into their key/value head.
+    dk = dk_h.view(B, Hkv, G, Lk, -1).sum(dim=2)  # (B, Hkv, Lk, D)
+    dv = dv_h.view(B, Hkv, G, Lk, -1).sum(dim=2)  # (B, Hkv, Lk, Dv)
+    dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias is not None and bias_grad else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
+def _flash_backward(*args: Any, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    from . import flash
+
+    return flash.backward(*args, **kw)
+
+
+def _triton_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, kept: Kept, **kw: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The triton backend's backward kernels from (out, lse). Δ = rowsum(dO·O) comes from the output
+    in its own dtype, as in the flash backend (the eager triton path keeps a float32 copy of a 16-bit
+    output for it)."""
+    from . import flash
+    from .kernels import triton_backend
+
+    if q.dtype == torch.float64:  # the triton backend computes float64 with the flash backend
+        return flash.backward(dout, q, k, v, out, lse, **kw)
+    deterministic = triton_backend.DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+    left, right = sides(kw["window"])
+    dq, dk, dv, dbias = torch.ops.attnzero.triton_bwd(
+        dout, q, k, v, out, lse, kw["mask"], kw["bias"], kw["causal"], left, right, kw["scale"],
+        kw["dropout_p"], kw["dropout_seed"], kw["bias_grad"], deterministic,
+    )  # fmt: skip
+    return dq, dk, dv, (dbias if kw["bias_grad"] else None)
+
+
+Forward = Callable[..., tuple[Tensor, Tensor, Kept]]
+Backward = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]]
+_FUNCTIONS: dict[str, tuple[Forward, Backward]] = {
+    "reference": (_reference_forward, reference_backward),
+    "flash": (_flash_forward, _flash_backward),
+    "triton": (_triton_forward, _triton_backward),
+}
+
+
+def _kept_shapes(name: str, q: Tensor, Lk: Any, dropout_p: float) -> Kept:
+    """Empty tensors of the shapes and dtypes of backend ``name``'s ``kept`` (for the fakes, and
+    for the zero-size answers)."""
+    B, Hq, Lq, _ = q.shape
+    if name != "reference":
+        return _nothing(q)
+    p = q.new_zeros(B, Hq, Lq, Lk, dtype=accum_dtype(q.dtype))
+    z = q.new_zeros((B, Hq, Lq, Lk) if dropout_p > 0.0 else (0,), dtype=torch.bool)
+    return p, z
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero sizes answered, then the backend
+
+
+def _zero_column(x: Tensor) -> Tensor:
+    """(..., 0) → (..., 1) of zeros: a head dim of 0 as one that contributes 0 to every product."""
+    return x.new_zeros(*x.shape[:-1], 1)
+
+
+def forward(name: str, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq), kept)`` of backend ``name``, zero sizes answered
+    here."""
+    B, Hq, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    if B * Hq * Lq == 0 or Lk == 0:  # nothing to compute, or no key to attend to: 0 and −inf
+        out = q.new_zeros(B, Hq, Lq, Dv)
+        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
+        return out, lse, _kept_shapes(name, q, Lk, kw["dropout_p"])
+    if D == 0:  # every score is 0 (+ bias)
+        q, k = _zero_column(q), _zero_column(k)
+    out, lse, kept = _FUNCTIONS[name][0](q, k, v if Dv else _zero_column(v), **kw)
+    return (out if Dv else q.new_zeros(B, Hq, Lq, 0)), lse, kept
+
+
+def backward(
+    name: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, **kw: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` of backend ``name`` (dbias None unless ``bias_grad``), zero sizes
+    answered here. ``kw`` holds the forward's arguments and its ``kept``."""
+    B, Hq, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    bias = kw["bias"]
+    if B * Hq * Lq == 0 or Lk == 0 or Dv == 0:  # the output is empty, or does not depend on the inputs
+        dbias = torch.zeros_like(bias) if bias is not None and kw["bias_grad"] else None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
+    if D == 0:  # the scores do not depend on q and k (empty): only v and bias get gradients
+        _, _, dv, dbias = _FUNCTIONS[name][1](dout, _zero_column(q), _zero_column(k), v, out, lse, **kw)
+        return torch.zeros_like(q), torch.zeros_like(k), dv, dbias
+    return _FUNCTIONS[name][1](dout, q, k, v, out, lse, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+
+
+def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """``attnzero::{name}_attention`` and ``attnzero::{name}_attention_backward``, with fakes and
+    the autograd rule; returns the forward op."""
+
+    @torch.library.custom_op(f"attnzero::{name}_attention", mutates_args=())
+    def fwd(
+        q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int,
+        right: int, scale: float, dropout_p: float, seed: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(out, lse, *kept): kept for the backward op, empty unless the backend keeps something."""
+        with torch.no_grad(), without_autocast(q.device):
+            out, lse, kept = forward(
+                name, q, k, v, mask=mask, bias=bias, causal=causal, window=window_of(left, right), scale=scale,
+                dropout_p=dropout_p, dropout_seed=int(seed.item()),
+            )  # fmt: skip
+        return out.contiguous(), lse.contiguous(), kept[0].contiguous(), kept[1].contiguous()  # the fakes' layout
+
+    @fwd.register_fake
+    def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type: ignore[no-untyped-def]
+        B, Hq, Lq, _ = q.shape
+        out, lse = q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=accum_dtype(q.dtype))
+        return out, lse, *_kept_shapes(name, q, k.shape[2], dropout_p)
+
+    @torch.library.custom_op(f"attnzero::{name}_attention_backward", mutates_args=())
+    def bwd(
+        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, p: Tensor, z: Tensor,
+        mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int, scale: float,
+        dropout_p: float, seed: Tensor, bias_grad: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(dq, dk, dv, dbias); dbias is empty when not asked for."""
+        with torch.no_grad(), without_autocast(q.device):
+            dq, dk, dv, dbias = backward(
+                name, dout, q, k, v, out, lse, kept=(p, z), mask=mask, bias=bias, causal=causal,
+                window=window_of(left, right), scale=scale, dropout_p=dropout_p, dropout_seed=int(seed.item()),
+                bias_grad=bias_grad,
+            )  # fmt: skip
+        db = dbias.contiguous() if dbias is not None else q.new_empty(0)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), db
+
+    @bwd.register_fake
+    def _(dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad):  # type: ignore[no-untyped-def]
+        dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed = inputs
+        out, lse, p, z = output
+        ctx.save_for_backward(q, k, v, out, lse, p, z, mask, bias, seed)
+        ctx.args = (causal, left, right, scale, dropout_p)
+        ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
+        ctx.mark_non_differentiable(lse, p, z)  # by-products, as in every backend
+
+    def grad(ctx: Any, dout: Tensor, *unused: Tensor | None) -> tuple[Tensor | None, ...]:
+        del unused  # the gradients of lse, p, z: not differentiable
+        q, k, v, out, lse, p, z, mask, bias, seed = ctx.saved_tensors
+        causal, left, right, scale, dropout_p = ctx.args
+        dq, dk, dv, dbias = bwd(
+            dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, dropout_p, seed, ctx.bias_grad
+        )
+        return dq, dk, dv, None, (dbias if ctx.bias_grad else None), None, None, None, None, None, None
+
+    fwd.register_autograd(grad, setup_context=setup_context)
+    return fwd
+
+
+_OPS: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]] = {name: _register(name) for name in NAMES}
+
+
+def attention(
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: Window,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Backend ``name`` through its ops: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``, differentiable
+    in q, k, v and bias. ``mask`` a bool tensor broadcastable to (B, Hq, Lq, Lk), ``dropout_seed`` a
+    0-d int64 tensor."""
+    left, right = sides(window)
+    out, lse, _, _ = _OPS[name](q, k, v, mask, bias, causal, left, right, scale, dropout_p, dropout_seed)
+    return out, lse

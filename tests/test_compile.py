@@ -1,0 +1,203 @@
+"""torch.compile and torch.export through attnzero: a small nanoGPT-style model compiles with
+``fullgraph=True`` (no graph break caused by attnzero) on every backend and through the drop-in, with
+and without dropout, and gives what it gives eagerly, forward and backward; a module whose batch
+size depends on the data (``x = x[keep]``) exports, and the exported program runs for any batch,
+0 included.
+
+Most cases compile with the ``aot_eager`` backend: it runs dynamo and AOTAutograd — where graph
+breaks, fake tensors and the autograd of the custom ops are decided — without the minute of C++
+compilation inductor needs per graph on a small CPU; one case runs through inductor. Random
+numbers: attnzero draws its dropout seed in the graph with ``torch.randint``, which inductor lowers
+to its own generator unless ``fallback_random`` is set (as for torch's own dropout), so the
+inductor case sets it to compare with eager.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import absent
+from torch import nn
+
+import attnzero as az
+
+VOCAB, BLOCK = 32, 16
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention block, with its attention call made by attnzero."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float, backend: str) -> None:
+        super().__init__()
+        self.n_head, self.dropout, self.backend = n_head, dropout, backend
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        p = self.dropout if self.training else 0.0
+        if self.backend == "sdpa":  # the drop-in
+            y = az.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = az.attention(q, k, v, causal=True, dropout_p=p, backend=self.backend)  # type: ignore[arg-type]
+        assert isinstance(y, torch.Tensor)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, backend: str) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout, backend)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, backend: str, dropout: float = 0.0, d_model: int = 32, n_head: int = 4, n_layer: int = 2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, d_model), nn.Embedding(BLOCK, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, backend) for _ in range(n_layer))
+        self.ln_f, self.lm_head = nn.LayerNorm(d_model), nn.Linear(d_model, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _need(backend: str) -> None:
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        absent("backend='triton' needs `pip install triton`")
+
+
+def _step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    """Loss and the gradients of every parameter, with torch's RNG at ``seed``."""
+    torch.manual_seed(seed)
+    loss = model(idx, targets)
+    return [loss.detach(), *torch.autograd.grad(loss, list(model.parameters()))]
+
+
+def _compare(eager: list[torch.Tensor], compiled: list[torch.Tensor]) -> None:
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("backend", ["reference", "flash", "triton", "auto", "sdpa"])
+def test_compiled_model_has_no_graph_break_and_matches_eager(backend: str, dropout: float) -> None:
+    _need(backend)
+    torch.manual_seed(0)
+    model = TinyGPT(backend, dropout).train()
+    idx, targets = torch.randint(0, VOCAB, (3, BLOCK)), torch.randint(0, VOCAB, (3, BLOCK))
+    explained = torch._dynamo.explain(model)(idx, targets)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _compare(_step(model, idx, targets, seed=1), _step(compiled, idx, targets, seed=1))
+    if dropout:  # and the dropout really is there: another seed, other numbers
+        assert not torch.equal(_step(compiled, idx, targets, seed=1)[0], _step(compiled, idx, targets, seed=2)[0])
+
+
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_inductor_compiled_model_with_dropout_matches_eager(backend: str) -> None:
+    import torch._inductor.config as inductor_config
+
+    torch.manual_seed(0)
+    model = TinyGPT(backend, dropout=0.2).train()
+    idx, targets = torch.randint(0, VOCAB, (3, BLOCK)), torch.randint(0, VOCAB, (3, BLOCK))
+    with inductor_config.patch(fallback_random=True):  # inductor's randint = eager's (see the docstring)
+        compiled = torch.compile(model, fullgraph=True)
+        _compare(_step(model, idx, targets, seed=1), _step(compiled, idx, targets, seed=1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_compile_with_dynamic_sizes_masks_and_zero_batch(backend: str) -> None:
+    """Symbolic sizes in the checks, a Mask argument (densified under compile), a bias, a window,
+    and a zero batch: all trace with fullgraph=True and match eager. (The masks are built outside
+    the compiled function: building them is masks.py's eager code.)"""
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: az.Mask) -> torch.Tensor:
+        bias = torch.linspace(-1.0, 0.0, k.shape[2])
+        out = az.attention(q, k, v, mask=keep, bias=bias, window=(5, None), backend=backend)  # type: ignore[arg-type]
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
+    for B, Lq, Lk in ((2, 5, 9), (3, 7, 12), (0, 4, 6)):
+        q, k, v = torch.randn(B, 4, Lq, 8), torch.randn(B, 2, Lk, 8), torch.randn(B, 2, Lk, 8)
+        keep = az.masks.causal(Lq, Lk)
+        if B:
+            keep = keep & az.masks.padding(torch.randint(1, Lk + 1, (B,)), Lk)
+        torch.testing.assert_close(compiled(q, k, v, keep), fn(q, k, v, keep))
+
+
+def test_compile_under_autocast_matches_eager() -> None:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return az.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager, traced = fn(q, k, v), compiled(q, k, v)
+    assert traced.dtype == eager.dtype == torch.bfloat16
+    torch.testing.assert_close(traced, eager)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.export with a batch size that depends on the data
+
+
+class KeepRows(nn.Module):
+    """Keeps the rows of ``x`` that ``keep`` selects (a data-dependent batch u0), then attends with a
+    (u0, 1, 1, L) key-padding mask."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x, pad = x[keep], pad[keep]  # (u0, L, 16), (u0, L)
+        B, L, _ = x.shape
+        q = self.proj(x).view(B, L, 2, 8).transpose(1, 2)  # (u0, 2, L, 8)
+        mask = pad.view(B, 1, 1, L)  # (u0, 1, 1, L)
+        if self.how == "sdpa":
+            return az.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        out = az.attention(q, q, q, mask=mask, causal=True, backend=self.how)  # type: ignore[arg-type]
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+@pytest.mark.parametrize("how", ["sdpa", "reference", "flash", "auto"])
+def test_export_with_a_data_dependent_batch(how: str, strict: bool) -> None:
+    torch.manual_seed(0)
+    module = KeepRows(how)
+    x, pad = torch.randn(4, 6, 16), torch.rand(4, 6) < 0.8
+    pad[:, 0] = True
+    program = torch.export.export(module, (x, torch.tensor([True, False, True, True]), pad), strict=strict)
+    for keep in ([True, False, True, True], [False, True, False, False], [False] * 4, [True] * 4):
+        k = torch.tensor(keep)
+        torch.testing.assert_close(program.module()(x, k, pad), module(x, k, pad))
