@@ -298,3 +298,251 @@ def test_readme_transformers_example_runs(readme: str, tmp_path) -> None:  # typ
     model = scope["model"]
     assert model.config._attn_implementation == "attnzero-ref"  # type: ignore[attr-defined]
     assert scope["out"].shape[0] == 3  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------ keywords (issue 11, item 16)
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax over kept keys, GQA by repeating heads; (B, Lq, Hq, Dv) as the hook returns it."""
+    rep = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * scale
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+    return (p @ v.repeat_interleave(rep, 1)).transpose(1, 2)
+
+
+def test_indices_keep_only_the_selected_keys() -> None:
+    """DeepSeek-V3.2's top-k selection: each query attends the keys its indexer picked, within the
+    mask; -1 (a short selection's padding) picks nothing. Dropped before, which attended them all."""
+    forward = hf.make_attention_forward("reference")
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    indices = torch.tensor([[[0, 1, 2]] * 5, [[6, 3, -1]] * 5], dtype=torch.int32)  # (B, Lq, topk)
+    selected = torch.zeros(2, 1, 5, 7, dtype=torch.bool)
+    selected[0, :, :, :3] = True
+    selected[1, :, :, [3, 6]] = True
+    padding = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    padding[0, ..., 1] = False
+    out, weights = forward(_Module(), q, k, v, padding, scaling=0.5, indices=indices, output_attentions=True)
+    torch.testing.assert_close(out, _dense(q, k, v, padding & selected, 0.5))
+    assert weights is not None and (weights[~(padding & selected).expand(2, 4, 5, 7)] == 0).all()
+    additive = torch.zeros(2, 1, 5, 7).masked_fill(~padding, torch.finfo(torch.float32).min)  # eager's float mask
+    out, _ = forward(_Module(), q, k, v, additive, scaling=0.5, indices=indices)
+    torch.testing.assert_close(out, _dense(q, k, v, padding & selected, 0.5))
+    with pytest.raises(ValueError, match="indices"):
+        forward(_Module(), q, k, v, None, indices=indices[:, :2])
+    with pytest.raises(TypeError, match="indices"):
+        forward(_Module(), q, k, v, None, indices=indices.float())
+
+
+def _deepseek_v32(topk: int) -> transformers.PreTrainedModel:
+    config = transformers.DeepseekV32Config(
+        vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=1, topk_group=1,
+        num_experts_per_tok=2, max_position_embeddings=64, first_k_dense_replace=1, index_topk=topk,
+        mlp_layer_types=["dense", "sparse"], pad_token_id=0, initializer_range=0.2,
+    )  # fmt: skip
+    return transformers.DeepseekV32ForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def test_deepseek_v32_top_k_attention_equals_eager() -> None:
+    """Each query attends 3 of up to 9 keys: eager and sdpa fold the selection into their mask,
+    other implementations receive it as ``indices``."""
+    torch.manual_seed(6)
+    model = _deepseek_v32(topk=3)
+    ids, keep = _padded("left")
+    model.set_attn_implementation("eager")
+    theirs = model(input_ids=ids, attention_mask=keep).logits
+    model.set_attn_implementation(NAME)
+    ours = model(input_ids=ids, attention_mask=keep).logits
+    real = keep.bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("keyword", ["softcap", "s_aux", "sinks", "block_indices"])
+def test_keywords_attnzero_cannot_compute_yet_are_refused(keyword: str) -> None:
+    forward = hf.make_attention_forward("reference")
+    q = torch.randn(1, 2, 3, 8)
+    out, _ = forward(_Module(), q, q, q, None, **{keyword: None})  # None: the feature is off
+    torch.testing.assert_close(out, _dense(q, q, q, torch.ones(3, 3, dtype=torch.bool), 8**-0.5))
+    with pytest.raises(ValueError, match=rf"^{keyword}: .*not support.*attn_implementation='eager'"):
+        forward(_Module(), q, q, q, None, **{keyword: torch.zeros(2) if keyword != "softcap" else 30.0})
+
+
+def test_unknown_keywords_are_refused_naming_them() -> None:
+    forward = hf.make_attention_forward("reference")
+    q = torch.randn(1, 2, 3, 8)
+    for value in (torch.ones(3), None):
+        with pytest.raises(TypeError, match=r"^attention_temperature: _Module passed a keyword attnzero does not know"):
+            forward(_Module(), q, q, q, None, attention_temperature=value)
+
+
+def test_ignored_keywords_are_written_down_and_change_nothing() -> None:
+    forward = hf.make_attention_forward("reference")
+    q = torch.randn(1, 2, 3, 8)
+    assert {"sliding_window", "position_ids", "max_length_q", "use_cache"} <= set(hf.IGNORED_KEYWORDS)
+    assert all(isinstance(why, str) and len(why) > 20 for why in hf.IGNORED_KEYWORDS.values())
+    plain, _ = forward(_Module(), q, q, q, None)
+    given = {name: torch.arange(3)[None] if name == "position_ids" else 4 for name in hf.IGNORED_KEYWORDS}
+    out, _ = forward(_Module(), q, q, q, None, **given)
+    torch.testing.assert_close(out, plain)
+
+
+# --------------------------------------------------------------------------- packed sequences
+_LENGTHS = (4, 3, 5)
+
+
+def _packed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three sequences back to back in one row (transformers' DataCollatorWithFlattening layout):
+    input_ids (1, 12), position_ids restarting at each sequence, cu_seq_lens (4,)."""
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(3, 101, (1, sum(_LENGTHS)), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in _LENGTHS])[None]
+    cu = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
+    return ids, positions, cu
+
+
+def _separately(model: transformers.PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    return torch.cat([model(input_ids=part).logits for part in ids.split(list(_LENGTHS), dim=1)], dim=1)
+
+
+@torch.no_grad()
+def test_packed_sequences_from_position_ids_equal_eager_and_separate_runs() -> None:
+    """Positions that restart, no cache (a training step): transformers' mask builder makes the
+    document mask, through attnzero's mask function, so no sequence sees another."""
+    torch.manual_seed(9)
+    model = _llama()
+    ids, positions, _ = _packed()
+    model.set_attn_implementation("eager")
+    theirs = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    model.set_attn_implementation(NAME)
+    ours = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours, _separately(model, ids), atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_cu_seq_lens_keep_packed_sequences_apart() -> None:
+    """With a 2-D attention mask transformers does not look for packing in the positions, so the
+    only word of it is FlashAttention's ``cu_seq_lens_q/k``: attnzero honours them (as
+    flash_attention_2 does) instead of letting the sequences see each other."""
+    torch.manual_seed(10)
+    model = _llama()
+    model.set_attn_implementation(NAME)
+    ids, positions, cu = _packed()
+    flash = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 5, "max_length_k": 5}
+    ours = model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids), use_cache=False, **flash)
+    torch.testing.assert_close(ours.logits, _separately(model, ids), atol=1e-5, rtol=1e-4)
+
+
+def test_packed_keywords_are_checked() -> None:
+    forward = hf.make_attention_forward("reference")
+    q, cu = torch.randn(1, 2, 12, 8), torch.tensor([0, 4, 7, 12])
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(_LENGTHS))[None]  # (1, 12) sequence ids
+    keep = (seq[0, :, None] == seq[0, None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    for given in ({"cu_seq_lens_q": cu}, {"cu_seq_lens_k": cu}, {"seq_idx": seq}):
+        out, _ = forward(_Module(), q, q, q, None, is_causal=True, **given)
+        torch.testing.assert_close(out, _dense(q, q, q, keep, 8**-0.5))
+    with pytest.raises(ValueError, match="cu_seq_lens_q: packed sequences are supported as one row"):
+        forward(_Module(), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), None,
+                cu_seq_lens_q=cu)  # fmt: skip
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q: expected cumulative sequence lengths .* ending at 12"):
+        forward(_Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 4, 7, 11]))
+    with pytest.raises(ValueError, match="cu_seq_lens_k: expected the same sequences"):
+        forward(_Module(), q, q, q, None, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 6, 12]))
+    with pytest.raises(TypeError, match="cu_seq_lens_q: expected an integer tensor"):
+        forward(_Module(), q, q, q, None, cu_seq_lens_q=cu.float())
+
+
+# --------------------------------------------------- models that bypass the interface (item 17)
+def _tiny(name: str) -> transformers.PretrainedConfig:
+    """Tiny configs of models whose own code bypasses transformers' AttentionInterface."""
+    small = {"vocab_size": 101, "pad_token_id": 0}
+    configs: dict[str, transformers.PretrainedConfig] = {
+        "bloom": transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **small),
+        "mpt": transformers.MptConfig(d_model=32, n_layers=2, n_heads=4, **small),
+        "roformer": transformers.RoFormerConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                intermediate_size=48, embedding_size=32, **small),
+        "mpnet": transformers.MPNetConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=48, **small),
+        "falcon": transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **small),
+        "gpt_neo": transformers.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4,
+                                             attention_types=[[["global", "local"], 1]], **small),
+    }  # fmt: skip
+    return configs[name]
+
+
+_WHY = {
+    "bloom": "its attention layer BloomAttention .* computes attention in its own code",
+    "mpt": "its attention layer MptAttention .* computes attention in its own code",
+    "roformer": "its attention layer RoFormerSelfAttention .* computes attention in its own code",
+    "mpnet": "its attention layer MPNetSelfAttention .* computes attention in its own code",
+    "falcon": "its own table FALCON_ATTENTION_CLASSES keyed by the implementation name",
+    "gpt_neo": "its own table GPT_NEO_ATTENTION_CLASSES keyed by the implementation name",
+}
+
+
+@pytest.mark.parametrize("name", list(_WHY))
+def test_models_that_bypass_the_interface_are_refused_when_loaded(name: str) -> None:
+    """Before: RoFormer and MPNet lost their padding, MPT inverted its mask, Falcon and GPT-Neo
+    failed with KeyError: 'attnzero'. Now loading says why and what to use instead."""
+    cls = transformers.AutoModel._model_mapping[type(_tiny(name))]
+    with pytest.raises(ValueError, match=rf"attn_implementation: \w+ cannot use attn_implementation='attnzero': "
+                                         rf".*{_WHY[name]}.*Use attn_implementation='eager'"):  # fmt: skip
+        transformers.AutoModel.from_config(_tiny(name), attn_implementation=NAME)
+    assert cls is not None
+
+
+def test_from_pretrained_refuses_bloom(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    transformers.BloomForCausalLM(_tiny("bloom")).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="BloomAttention"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+
+
+@torch.no_grad()
+def test_set_attn_implementation_refuses_and_leaves_the_model_as_it_was() -> None:
+    """transformers itself only warns (and keeps sdpa/eager) for BLOOM; attnzero says why. A
+    composite model whose encoder could switch but whose decoder cannot is left whole."""
+    bloom = transformers.BloomForCausalLM(_tiny("bloom")).eval()
+    before = bloom.config._attn_implementation
+    with pytest.raises(ValueError, match=r"BloomForCausalLM .* BloomAttention .* computes attention in its own code"):
+        bloom.set_attn_implementation(NAME)
+    assert bloom.config._attn_implementation == before
+
+    encoder = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=48, vocab_size=101)  # fmt: skip
+    decoder = _tiny("roformer")
+    decoder.is_decoder, decoder.add_cross_attention = True, True
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    model = transformers.EncoderDecoderModel(config=config).eval()
+    saved = [(c, c._attn_implementation) for c in (model.config, model.encoder.config, model.decoder.config)]
+    with pytest.raises(ValueError, match="RoFormerSelfAttention"):
+        model.set_attn_implementation(NAME)
+    assert [(c, c._attn_implementation) for c, _ in saved] == saved
+
+
+def test_refusal_is_none_for_models_that_route_through_the_interface() -> None:
+    assert hf.refusal(_llama()) is None and hf.refusal(_gpt2()) is None
+    bert = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48)
+    assert hf.refusal(transformers.BertModel(bert)) is None
+    assert "BloomAttention" in str(hf.refusal(transformers.BloomModel(_tiny("bloom"))))
+
+
+@torch.no_grad()
+def test_a_decoder_that_does_not_say_it_is_causal_still_gets_its_causal_mask() -> None:
+    """NLLB-MoE has no sdpa path, and its decoder layers leave ``is_causal`` False: without padding
+    transformers' sdpa-style mask would be None and the decoder would see the future. attnzero's
+    mask function builds the mask for such models."""
+    torch.manual_seed(11)
+    config = transformers.NllbMoeConfig(
+        vocab_size=101, max_position_embeddings=64, encoder_layers=2, encoder_ffn_dim=48, encoder_attention_heads=4,
+        decoder_layers=2, decoder_ffn_dim=48, decoder_attention_heads=4, d_model=32, num_experts=4, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.NllbMoeForConditionalGeneration(config).eval()
+    ids, keep = _padded("right")
+    batch = {"input_ids": ids, "attention_mask": keep, "decoder_input_ids": ids[:, :5].clamp(min=3)}
+    model.set_attn_implementation("eager")
+    theirs = model(**batch).logits
+    model.set_attn_implementation(NAME)
+    torch.testing.assert_close(model(**batch).logits, theirs, atol=1e-5, rtol=1e-4)
