@@ -14,6 +14,7 @@ import torch
 from conftest import need
 
 from attnzero import cli, functional, selfcheck, viz
+from attnzero.demo import focus
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -75,11 +76,11 @@ def test_check_fails_with_a_wrong_backend(monkeypatch: pytest.MonkeyPatch, capsy
 
 def test_focus_index_picks_the_last_match_or_the_last_word() -> None:
     tokens = ["[CLS]", "it", "is", "what", "it", "is", ".", "[SEP]"]
-    assert cli._focus_index(tokens, "it") == 4
-    assert cli._focus_index(tokens, "IT") == 4
-    assert cli._focus_index(tokens, "zebra") is None
-    assert cli._focus_index(tokens, None) == 4  # "it" when there is one
-    assert cli._focus_index(["[CLS]", "a", "cat", ".", "[SEP]"], None) == 2  # else the last word
+    assert focus.focus_index(tokens, "it") == 4
+    assert focus.focus_index(tokens, "IT") == 4
+    assert focus.focus_index(tokens, "zebra") is None
+    assert focus.focus_index(tokens, None) == 4  # "it" when there is one
+    assert focus.focus_index(["[CLS]", "a", "cat", ".", "[SEP]"], None) == 2  # else the last word
 
 
 def test_demo_without_the_model_package_says_how_to_install(
@@ -207,3 +208,12 @@ def test_the_template_ships_in_the_package() -> None:
     for name in shipped:
         assert any(fnmatch.fnmatch(name, pat) for pat in patterns), f"{name} is not in package-data"
 
+
+
+def test_the_demo_model_keeps_its_old_import_path() -> None:
+    """The MiniLM helpers live in attnzero.demo.minilm; attnzero.integrations.minilm still names them."""
+    from attnzero.demo import minilm as new
+    from attnzero.integrations import minilm as old
+
+    for name in ("MiniLM", "Attentions", "Agreement", "model_path", "load", "run", "compare"):
+        assert getattr(old, name) is getattr(new, name)
