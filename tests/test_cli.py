@@ -1,4 +1,4 @@
-"""The ``attnzero`` command: tour, check, demo (what ``make demo`` runs), and their failure modes;
+"""The ``attnzero`` command: tour, check, demo (what ``make demo`` runs), bench, and their failure modes;
 the head-view page built from its packaged template."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import need
 
-from attnzero import cli, functional, selfcheck, viz
+from attnzero import bench, cli, functional, selfcheck, viz
 from attnzero.demo import focus
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -208,6 +208,23 @@ def test_the_template_ships_in_the_package() -> None:
     for name in shipped:
         assert any(fnmatch.fnmatch(name, pat) for pat in patterns), f"{name} is not in package-data"
 
+
+def test_benchmarks_script_runs_attnzero_bench(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench.py is `attnzero bench --full` (and `--quick` is plain `attnzero bench`), not a copy."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("bench_script", Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py")
+    assert spec is not None and spec.loader is not None
+    script = iu.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(bench, "main", lambda **kw: calls.append(kw) or 0)
+    assert script.main(["--lengths", "2048", "4096", "--impls", "flash", "torch", "--repeats", "9", "--no-memory"]) == 0
+    assert script.main(["--quick"]) == 0
+    full, quick = calls
+    assert full["full"] and full["lengths"] == [2048, 4096] and full["impls"] == ["flash", "torch"]
+    assert full["repeats"] == 9 and full["no_memory"]
+    assert not quick["full"] and quick["lengths"] is None and quick["repeats"] is None
 
 
 def test_the_demo_model_keeps_its_old_import_path() -> None:
