@@ -1,4 +1,5 @@
-"""The ``attnzero`` command: tour, check, demo (what ``make demo`` runs), and their failure modes."""
+"""The ``attnzero`` command: tour, check, demo (what ``make demo`` runs), bench, and their failure modes;
+the head-view page built from its packaged template."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from conftest import need
 
-from attnzero import cli, functional, selfcheck
+from attnzero import bench, cli, functional, selfcheck, viz
+from attnzero.demo import focus
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -74,11 +76,11 @@ def test_check_fails_with_a_wrong_backend(monkeypatch: pytest.MonkeyPatch, capsy
 
 def test_focus_index_picks_the_last_match_or_the_last_word() -> None:
     tokens = ["[CLS]", "it", "is", "what", "it", "is", ".", "[SEP]"]
-    assert cli._focus_index(tokens, "it") == 4
-    assert cli._focus_index(tokens, "IT") == 4
-    assert cli._focus_index(tokens, "zebra") is None
-    assert cli._focus_index(tokens, None) == 4  # "it" when there is one
-    assert cli._focus_index(["[CLS]", "a", "cat", ".", "[SEP]"], None) == 2  # else the last word
+    assert focus.focus_index(tokens, "it") == 4
+    assert focus.focus_index(tokens, "IT") == 4
+    assert focus.focus_index(tokens, "zebra") is None
+    assert focus.focus_index(tokens, None) == 4  # "it" when there is one
+    assert focus.focus_index(["[CLS]", "a", "cat", ".", "[SEP]"], None) == 2  # else the last word
 
 
 def test_demo_without_the_model_package_says_how_to_install(
@@ -162,3 +164,73 @@ def test_pngs_without_a_chinese_font_label_with_code_points(
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="focus"):
         viz.SentenceView("x", tokens, weights, focus=5)
+
+
+def _page_views() -> list[viz.SentenceView]:
+    gen = torch.Generator().manual_seed(0)
+    views = []
+    for title, tokens in (("english", ["[CLS]", "it", "</script>", "[SEP]"]), ("中文", ["[CLS]", "我", "愛", "[SEP]"])):
+        weights = torch.softmax(torch.randn(2, 3, 4, 4, generator=gen), dim=-1)  # (layers, heads, L, L)
+        views.append(viz.SentenceView(title, tokens, weights, focus=1))
+    return views
+
+
+def test_the_page_is_the_packaged_template_filled_with_the_data() -> None:
+    import json
+    import re
+    from importlib import resources
+
+    template = resources.files("attnzero").joinpath("resources", "head_view.html").read_text(encoding="utf-8")
+    assert viz.page_template() == template
+    assert template.count("__DATA__") == 1 and template.count("__TITLE__") == 2
+    views = _page_views()
+    page = viz.html_page(views, title="a <b> & __DATA__")
+    # every part of the template around the blanks is in the page, in order, unchanged
+    static = re.split("__TITLE__|__DATA__", template)
+    filled = re.fullmatch("(.*?)".join(map(re.escape, static)), page, flags=re.S)
+    assert filled is not None
+    title, title_again, data = filled.groups()
+    assert title == title_again == "a &lt;b&gt; &amp; __DATA__"  # escaped, and never filled in itself
+    assert "</" not in data  # the JSON cannot close its <script>
+    assert json.loads(data) == viz.page_data(views)
+    assert "src=" not in page and "href=" not in page and "@import" not in page  # opens without a network
+
+
+def test_the_template_ships_in_the_package() -> None:
+    """Every file under src/attnzero/resources is named by pyproject's package-data (the wheel's list)."""
+    tomllib = pytest.importorskip("tomllib")
+    import fnmatch
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["attnzero"]
+    shipped = [p.relative_to(root / "src" / "attnzero").as_posix() for p in (root / "src/attnzero/resources").iterdir()]
+    assert "resources/head_view.html" in shipped
+    for name in shipped:
+        assert any(fnmatch.fnmatch(name, pat) for pat in patterns), f"{name} is not in package-data"
+
+
+def test_benchmarks_script_runs_attnzero_bench(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench.py is `attnzero bench --full` (and `--quick` is plain `attnzero bench`), not a copy."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("bench_script", Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py")
+    assert spec is not None and spec.loader is not None
+    script = iu.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(bench, "main", lambda **kw: calls.append(kw) or 0)
+    assert script.main(["--lengths", "2048", "4096", "--impls", "flash", "torch", "--repeats", "9", "--no-memory"]) == 0
+    assert script.main(["--quick"]) == 0
+    full, quick = calls
+    assert full["full"] and full["lengths"] == [2048, 4096] and full["impls"] == ["flash", "torch"]
+    assert full["repeats"] == 9 and full["no_memory"]
+    assert not quick["full"] and quick["lengths"] is None and quick["repeats"] is None
+
+
+def test_the_demo_model_keeps_its_old_import_path() -> None:
+    """The MiniLM helpers live in attnzero.demo.minilm; attnzero.integrations.minilm still names them."""
+    from attnzero.demo import minilm as new
+    from attnzero.integrations import minilm as old
+
+    for name in ("MiniLM", "Attentions", "Agreement", "model_path", "load", "run", "compare"):
+        assert getattr(old, name) is getattr(new, name)

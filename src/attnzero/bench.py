@@ -1,6 +1,6 @@
-"""Benchmark core: time and peak memory of attention implementations, side by side.
+"""The benchmark: time and peak memory of attention implementations, side by side.
 
-Used by ``benchmarks/bench.py`` (and meant for an ``attnzero bench`` command). Implementations:
+Run by ``attnzero bench`` (:func:`main`; ``benchmarks/bench.py`` runs the same). Implementations:
 our backends (``flash``, ``reference``), torch's fused ``scaled_dot_product_attention``
 (``torch``), and ``naive`` — the seeds' formula, ``softmax(masked_fill(Q Kᵀ / √d)) V``.
 
@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -256,3 +257,85 @@ def machine() -> dict[str, str]:
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The command: ``attnzero bench`` (and ``benchmarks/bench.py``, which runs it)
+
+QUICK_LENGTHS = (512, 1024, 2048, 4096)
+FULL_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def main(
+    *,
+    full: bool = False,
+    lengths: Sequence[int] | None = None,
+    impls: Sequence[str] | None = None,
+    repeats: int | None = None,
+    fwd_only: bool = False,
+    causal_only: bool = False,
+    no_memory: bool = False,
+    out: str | Path = "out/bench",
+) -> int:
+    """Run :func:`sweep` with a progress bar; print a table, write bench.json and bench.png under
+    ``out``. Default: L = 512 … 4096, 3 repeats, no memory; ``full``: L = 512 … 16384, 5 repeats
+    and the peak memory (unless ``no_memory``). Exit status 2 when matplotlib or rich is missing
+    or an implementation is unknown, else 0."""
+    from .extras import need
+
+    if not need("bench", ("matplotlib", "rich")):
+        return 2
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import viz
+
+    chosen = list(impls or IMPLS)
+    unknown = [i for i in chosen if i not in IMPLS]
+    if unknown:
+        print(f"attnzero bench: --impls: expected some of {', '.join(IMPLS)}, got {', '.join(unknown)}",
+              file=sys.stderr)
+        return 2
+    lengths = list(lengths or (FULL_LENGTHS if full else QUICK_LENGTHS))
+    modes = [False] if fwd_only else [False, True]
+    masks = [True] if causal_only else [False, True]
+    repeats = repeats or (5 if full else 3)
+    console = Console(width=max(Console().width, 110))
+    info = machine()
+    console.print(f"{info['cpu']}, {info['cores']}, torch {info['torch']}")
+    total = len(lengths) * len(modes) * len(masks) * len(chosen)
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        task = progress.add_task("timing", total=total)
+
+        def log(line: str) -> None:
+            progress.update(task, advance=1, description=" ".join(line.split()[:4]))
+
+        rows = sweep(lengths, chosen, modes=modes, masks=masks, repeats=repeats,
+                     memory=full and not no_memory, log=log)
+        progress.update(task, completed=total, description="done")
+
+    table = Table(title="attention: time per call (median of the repeats), throughput, memory", header_style="bold")
+    for name, justify in (("L", "right"), ("pass", "left"), ("mask", "left"), ("impl", "left"), ("ms", "right"),
+                          ("GFLOP/s", "right"), ("× torch", "right"), ("peak extra MB", "right"), ("note", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(
+            str(r.L), r.mode, r.mask, r.impl,
+            "–" if r.seconds is None else f"{r.seconds * 1e3:.1f}",
+            "–" if r.gflops is None else f"{r.gflops:.1f}",
+            "" if r.vs_torch is None else f"{r.vs_torch:.2f}",
+            "" if r.peak_mb is None else f"{r.peak_mb:.0f}",
+            r.note,
+        )
+    console.print(table)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench.json").write_text(json.dumps({"machine": info, "rows": [asdict(r) for r in rows]}, indent=1))
+    viz.save_bench_png(rows, folder / "bench.png")
+    console.print("× torch = torch's time / ours (above 1: faster than torch).")
+    console.print(f"Files:\n  {(folder / 'bench.json').resolve()}\n  {(folder / 'bench.png').resolve()}")
+    return 0

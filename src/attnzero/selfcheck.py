@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -250,3 +251,28 @@ def format_table(rows: list[Row]) -> str:
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths[:-1]))
     return "\n".join(lines)
+
+
+def main(quick: bool = False) -> int:
+    """The ``attnzero check`` command: run, with a progress bar on stderr (rich's when installed, else
+    a dot per step), then print the table and a summary. Exit status 1 when a check failed or none
+    could run, else 0."""
+    total = steps(quick=quick)
+    if importlib.util.find_spec("rich") is not None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("[bold]{task.description:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+        # the bar goes to stderr: stdout keeps only the table
+        with Progress(*columns, TimeElapsedColumn(), transient=True, console=Console(stderr=True)) as progress:
+            task = progress.add_task("checking", total=total)
+            rows = run(quick=quick, on_step=lambda d: progress.update(task, advance=1, description=d))
+    else:  # without the hf extra: a dot per step
+        rows = run(quick=quick, on_step=lambda d: print(".", end="", flush=True, file=sys.stderr))
+        print(file=sys.stderr)
+    print(format_table(rows))
+    failed = [r for r in rows if r.verdict == "FAIL"]
+    ran = [r for r in rows if r.verdict in ("ok", "FAIL")]
+    print(f"\n{len(ran)} checks run, {len(failed)} failed, "
+          f"{sum(r.verdict == 'unavailable' for r in rows)} unavailable here")
+    return 1 if failed or not ran else 0

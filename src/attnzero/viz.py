@@ -6,15 +6,18 @@ Everything here takes the attention weights of a whole model for one sentence as
 
 plus the L token strings. matplotlib is imported only when a PNG is drawn (it comes with the
 ``hf`` extra); the HTML page needs nothing but a browser — its script and style are inline, it
-loads nothing from the network.
+loads nothing from the network. The page itself is a file of the package,
+``attnzero/resources/head_view.html``, which :func:`html_page` fills with the data.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -176,13 +179,27 @@ def page_data(views: Sequence[SentenceView], digits: int = 4) -> list[dict[str, 
 
 def html_page(views: Sequence[SentenceView], title: str = "attnzero — attention head view") -> str:
     """The interactive page as one string: pick the sentence, layer and head; hover a token to
-    see where it looks. Self-contained (inline data, script and style; no network)."""
+    see where it looks. Self-contained (inline data, script and style; no network).
+
+    The page is the template ``resources/head_view.html`` with its two blanks filled in one pass:
+    ``__TITLE__`` (escaped as HTML text) and ``__DATA__`` (:func:`page_data` as JSON, read by the
+    page's script from ``<script type="application/json" id="attention-data">``)."""
     if not views:
         raise ValueError("views: expected at least one sentence, got none")
     payload = json.dumps(page_data(views), ensure_ascii=False, separators=(",", ":"))
     payload = payload.replace("</", "<\\/")  # the JSON sits inside <script>: never let it close the tag
     safe_title = title.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return _PAGE.replace("__TITLE__", safe_title).replace("__DATA__", payload)
+    blanks = {"__TITLE__": safe_title, "__DATA__": payload}
+    # one pass: a title that happens to contain "__DATA__" stays text
+    return re.sub("__TITLE__|__DATA__", lambda m: blanks[m.group(0)], page_template())
+
+
+def page_template() -> str:
+    """The page with its blanks, as shipped in the package (``attnzero/resources/head_view.html``).
+    In it, lines join each token on the left (the query) to each token on the right (the key),
+    opacity = attention weight; hovering a token keeps only its lines and lists its weights in
+    ``#panel``. Tokens are inserted with ``textContent`` only, never as HTML."""
+    return resources.files("attnzero").joinpath("resources", "head_view.html").read_text(encoding="utf-8")
 
 
 def save_html(views: Sequence[SentenceView], path: str | Path, title: str = "attnzero — attention head view") -> Path:
@@ -190,194 +207,6 @@ def save_html(views: Sequence[SentenceView], path: str | Path, title: str = "att
     out = Path(path)
     out.write_text(html_page(views, title), encoding="utf-8")
     return out
-
-
-# The page. Lines from each token on the left (the query) to each token on the right (the key),
-# opacity = attention weight; hovering a token keeps only its lines and lists its weights. Tokens
-# are inserted with textContent only, never as HTML.
-_PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>__TITLE__</title>
-<style>
-  body { font-family: system-ui, "Segoe UI", "Noto Sans", "Noto Sans CJK SC", sans-serif; margin: 1.5em;
-         color: #222; background: #fafafa; }
-  h1 { font-size: 1.25em; margin: 0 0 .3em; }
-  p.note { color: #555; margin: 0 0 1em; max-width: 60em; }
-  .controls { display: flex; gap: 1.2em; align-items: center; flex-wrap: wrap; margin-bottom: .8em; }
-  .controls label { font-size: .95em; }
-  select { font-size: .95em; padding: .1em .3em; }
-  .row { display: flex; gap: 2em; align-items: flex-start; flex-wrap: wrap; }
-  svg text { font-size: 14px; cursor: pointer; dominant-baseline: middle; }
-  svg text.focus { font-weight: bold; fill: crimson; }
-  svg text.active { fill: #0b62c4; font-weight: bold; }
-  #panel { min-width: 16em; font-size: .95em; }
-  #panel table { border-collapse: collapse; }
-  #panel td { padding: .1em .5em; }
-  #panel td.bar span { display: inline-block; height: .8em; background: #0b62c4; }
-</style>
-</head>
-<body>
-<h1>__TITLE__</h1>
-<p class="note">Lines join each token on the left (the query) to the tokens on the right (the keys) it
-attends to; the darker the line, the larger the weight. Hover a token on the left to see only its
-weights. Weights computed by attnzero inside the model.</p>
-<div class="controls">
-  <label>Sentence <select id="sentence"></select></label>
-  <label>Layer <select id="layer"></select></label>
-  <label>Head <select id="head"></select></label>
-</div>
-<div class="row">
-  <svg id="view" xmlns="http://www.w3.org/2000/svg" width="460" height="100"></svg>
-  <div id="panel"></div>
-</div>
-<script type="application/json" id="attention-data">__DATA__</script>
-<script>
-"use strict";
-(function () {
-  const DATA = JSON.parse(document.getElementById("attention-data").textContent);
-  const NS = "http://www.w3.org/2000/svg";
-  const ROW = 24, TOP = 20, LEFT_X = 140, RIGHT_X = 320, COLOR = "#0b62c4";
-  const sentenceSel = document.getElementById("sentence");
-  const layerSel = document.getElementById("layer");
-  const headSel = document.getElementById("head");
-  const svg = document.getElementById("view");
-  const panel = document.getElementById("panel");
-  let hovered = null;
-
-  function option(select, value, text) {
-    const o = document.createElement("option");
-    o.value = String(value);
-    o.textContent = text;
-    select.appendChild(o);
-  }
-  DATA.forEach(function (s, i) { option(sentenceSel, i, s.title); });
-
-  function current() { return DATA[Number(sentenceSel.value)]; }
-
-  function fillLayersAndHeads() {
-    const w = current().weights;
-    const keepLayer = layerSel.value, keepHead = headSel.value;
-    layerSel.textContent = "";
-    headSel.textContent = "";
-    for (let n = 0; n < w.length; n++) option(layerSel, n, String(n));
-    for (let h = 0; h < w[0].length; h++) option(headSel, h, String(h));
-    option(headSel, "mean", "mean of heads");
-    if (keepLayer !== "" && Number(keepLayer) < w.length) layerSel.value = keepLayer;
-    if (keepHead === "mean" || (keepHead !== "" && Number(keepHead) < w[0].length)) headSel.value = keepHead;
-  }
-
-  // The weights of the chosen layer and head: an L x L array (row = query, column = key).
-  function matrix() {
-    const layer = current().weights[Number(layerSel.value)];
-    if (headSel.value !== "mean") return layer[Number(headSel.value)];
-    const L = layer[0].length, H = layer.length;
-    const m = [];
-    for (let i = 0; i < L; i++) {
-      m.push([]);
-      for (let j = 0; j < L; j++) {
-        let t = 0;
-        for (let h = 0; h < H; h++) t += layer[h][i][j];
-        m[i].push(t / H);
-      }
-    }
-    return m;
-  }
-
-  function label(x, y, text, anchor, cls, index, side) {
-    const t = document.createElementNS(NS, "text");
-    t.setAttribute("x", String(x));
-    t.setAttribute("y", String(y));
-    t.setAttribute("text-anchor", anchor);
-    t.setAttribute("class", cls);
-    t.setAttribute("data-side", side);
-    t.setAttribute("data-index", String(index));
-    t.textContent = text;
-    return t;
-  }
-
-  function drawPanel(m, tokens, i) {
-    panel.textContent = "";
-    const title = document.createElement("div");
-    const strong = document.createElement("strong");
-    strong.textContent = tokens[i];
-    title.appendChild(document.createTextNode("Token "));
-    title.appendChild(strong);
-    title.appendChild(document.createTextNode(" attends to:"));
-    panel.appendChild(title);
-    const table = document.createElement("table");
-    const order = m[i].map(function (w, j) { return [w, j]; }).sort(function (a, b) { return b[0] - a[0]; });
-    order.forEach(function (pair) {
-      const tr = document.createElement("tr");
-      const tok = document.createElement("td");
-      tok.textContent = tokens[pair[1]];
-      const val = document.createElement("td");
-      val.textContent = pair[0].toFixed(3);
-      const bar = document.createElement("td");
-      bar.className = "bar";
-      const span = document.createElement("span");
-      span.style.width = (pair[0] * 120).toFixed(1) + "px";
-      bar.appendChild(span);
-      tr.appendChild(tok); tr.appendChild(val); tr.appendChild(bar);
-      table.appendChild(tr);
-    });
-    panel.appendChild(table);
-  }
-
-  function draw() {
-    const s = current();
-    const m = matrix();
-    const L = s.tokens.length;
-    svg.textContent = "";
-    svg.setAttribute("height", String(TOP * 2 + ROW * L));
-    svg.setAttribute("data-layer", layerSel.value);
-    svg.setAttribute("data-head", headSel.value);
-    const lines = document.createElementNS(NS, "g");
-    lines.setAttribute("id", "lines");
-    for (let i = 0; i < L; i++) {
-      for (let j = 0; j < L; j++) {
-        const w = m[i][j];
-        const shown = hovered === null || hovered === i;
-        const line = document.createElementNS(NS, "line");
-        line.setAttribute("x1", String(LEFT_X + 6));
-        line.setAttribute("y1", String(TOP + ROW * i));
-        line.setAttribute("x2", String(RIGHT_X - 6));
-        line.setAttribute("y2", String(TOP + ROW * j));
-        line.setAttribute("stroke", COLOR);
-        line.setAttribute("stroke-width", "2");
-        line.setAttribute("stroke-opacity", shown ? w.toFixed(4) : "0");
-        line.setAttribute("data-query", String(i));
-        line.setAttribute("data-key", String(j));
-        lines.appendChild(line);
-      }
-    }
-    svg.appendChild(lines);
-    for (let i = 0; i < L; i++) {
-      let cls = i === s.focus ? "focus" : "";
-      if (hovered === i) cls += " active";
-      const left = label(LEFT_X, TOP + ROW * i, s.tokens[i], "end", cls, i, "query");
-      left.addEventListener("mouseenter", function () { hovered = i; draw(); });
-      svg.appendChild(left);
-      svg.appendChild(label(RIGHT_X, TOP + ROW * i, s.tokens[i], "start", i === s.focus ? "focus" : "", i, "key"));
-    }
-    drawPanel(m, s.tokens, hovered === null ? s.focus : hovered);
-  }
-
-  function onLeave() { if (hovered !== null) { hovered = null; draw(); } }
-
-  svg.addEventListener("mouseleave", onLeave);
-  sentenceSel.addEventListener("change", function () { hovered = null; fillLayersAndHeads(); draw(); });
-  layerSel.addEventListener("change", draw);
-  headSel.addEventListener("change", draw);
-  fillLayersAndHeads();
-  draw();
-})();
-</script>
-</body>
-</html>
-"""
 
 
 def save_bench_png(rows: Sequence[object], path: str | Path) -> Path:
