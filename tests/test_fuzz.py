@@ -1,0 +1,1061 @@
+"""Fuzz: random attention problems, on every backend, against a float64 golden of this file's own.
+
+Each case is drawn from one integer seed (``draw(seed)``): shapes (GQA/MQA, Lq != Lk, Dv != D),
+dtype, memory layout, a keep-mask (none; tensors of any dtype and broadcast shape, non-zero = keep;
+``az.masks`` builders, custom ``az.Mask`` predicates, their ``and_`` / ``or_`` / ``~``), a bias
+(none; broadcast float tensors, ALiBi, -inf entries), causal, window, scale, and extreme values
+(scores far below -88, sharp or huge scores, v scaled by 1e±30, tiny q). The golden below is written
+from DESIGN.md's definitions alone, in float64 (its gradients by float64 autograd); attnzero's
+reference backend is used only as the same-precision baseline of DESIGN.md's tolerance rule:
+
+    err(backend in dtype X) <= 2 × err(reference in dtype X) + floor      (3× for gradients)
+
+errors being max |x - golden|, NaN never passing. The floor is FLOOR[X] (conftest) times the size of
+the terms the result sums (e.g. max_i Σ_j p_ij |v_j| for the output), so that it stays a rounding of
+the result also when v is 1e-30 or 1e30. The reference itself must stay within a few roundings of the
+golden (else it is reported, and the others are held to that bound instead of its error).
+
+A failing case prints every failure of the case and a reproducer::
+
+    PYTHONPATH=src:tests python -c "import test_fuzz as f; f.replay(SEED)"
+
+Environment: ``ATTNZERO_FUZZ_EXAMPLES`` (random cases of the main test, default 160; the triton,
+dropout and SDPA tests scale with it) and ``ATTNZERO_FUZZ_SEED`` (offset of the seeds) to run many
+more or other cases by hand, e.g. ``ATTNZERO_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py -q -x``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FLOOR
+
+import attnzero as az
+from attnzero.flash import block_sizes
+
+EXAMPLES = int(os.environ.get("ATTNZERO_FUZZ_EXAMPLES", "160"))
+BASE_SEED = int(os.environ.get("ATTNZERO_FUZZ_SEED", "0"))
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+DTYPE_NAMES = {F16: "float16", BF16: "bfloat16", F32: "float32", F64: "float64"}
+NEG_INF = float("-inf")
+LENGTHS = [1, 2, 7, 17, 33, 65, 129, 200]
+HEAD_DIMS = [1, 8, 16, 40, 64]
+HEADS = [(1, 1), (2, 2), (2, 1), (3, 3), (3, 1), (4, 2), (4, 1), (6, 2), (8, 8), (8, 2)]  # (Hq, Hkv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The golden: DESIGN.md's definitions, float64, as plainly as possible
+
+
+def causal_keep(Lq: int, Lk: int, align: str = "bottom_right") -> torch.Tensor:
+    """(Lq, Lk): query i sees key j iff j <= i + (Lk - Lq) (bottom-right) or j <= i (top-left)."""
+    off = Lk - Lq if align == "bottom_right" else 0
+    i = torch.arange(Lq).view(-1, 1)
+    j = torch.arange(Lk).view(1, -1)
+    return j <= i + off
+
+
+def window_keep(Lq: int, Lk: int, left: int | None, right: int | None) -> torch.Tensor:
+    """(Lq, Lk): query i at p = i + Lk - Lq sees key j iff p - left <= j <= p + right."""
+    p = torch.arange(Lq).view(-1, 1) + (Lk - Lq)
+    j = torch.arange(Lk).view(1, -1)
+    keep = torch.ones(Lq, Lk, dtype=torch.bool)
+    if left is not None:
+        keep &= j >= p - left
+    if right is not None:
+        keep &= j <= p + right
+    return keep
+
+
+def alibi_golden(H: int, Lq: int, Lk: int) -> torch.Tensor:
+    """(1, H, Lq, Lk) float64: -slope_h·|p - j|, slopes of the ALiBi paper (Press et al., their
+    reference code): 2^(-8/n)^(h+1) for n = H a power of two; otherwise those of the largest power of
+    two n < H, then every other slope of 2n (starting with the first) until H are there."""
+
+    def pow2(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start ** (h + 1) for h in range(n)]
+
+    n = 2 ** math.floor(math.log2(H))
+    slopes = pow2(n) if n == H else pow2(n) + pow2(2 * n)[0::2][: H - n]
+    out = torch.zeros(1, H, Lq, Lk, dtype=F64)
+    for h in range(H):
+        for i in range(Lq):
+            p = i + Lk - Lq
+            for j in range(Lk):
+                out[0, h, i, j] = -slopes[h] * abs(p - j)
+    return out
+
+
+@dataclass
+class Golden:
+    out: torch.Tensor  # (B, Hq, Lq, Dv)
+    lse: torch.Tensor  # (B, Hq, Lq), -inf on rows with no kept key
+    p: torch.Tensor  # (B, Hq, Lq, Lk)
+    grads: dict[str, torch.Tensor]
+    mags: dict[str, float]  # per result: the size of the terms it sums (the floor's unit)
+    score_size: float  # max over kept pairs of |scale|·Σ_d |q_d k_d| + |b| (how far scores may round)
+
+
+def golden(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float | None,
+    dout: torch.Tensor | None,
+) -> Golden:
+    """softmax(scale·q·kᵀ + bias) v over kept pairs, float64. ``keep`` bool, broadcastable to
+    (B, Hq, Lq, Lk); a pair whose score is -inf (a -inf bias) is not kept either; rows without a
+    kept pair give out 0, lse -inf, p 0. Gradients of <out, dout> w.r.t. q, k, v (and bias)."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv if Hkv > 0 else 1
+    want_grad = dout is not None
+    q = q.detach().to(F64).requires_grad_(want_grad)
+    k = k.detach().to(F64).requires_grad_(want_grad)
+    v = v.detach().to(F64).requires_grad_(want_grad)
+    b = None if bias is None else bias.detach().to(F64).requires_grad_(want_grad)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0: every score is 0 whatever the scale
+    kk = k.repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): query head h reads kv head h // G
+    vv = v.repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
+    s = torch.einsum("bhid,bhjd->bhij", q, kk) * scale  # (B, Hq, Lq, Lk)
+    if b is not None:
+        s = s + b
+    kept = keep.expand(B, Hq, Lq, Lk) & (s.detach() > NEG_INF)
+    row = kept.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
+    m = torch.where(kept, s.detach(), NEG_INF).amax(dim=-1, keepdim=True) if Lk > 0 else torch.zeros(B, Hq, Lq, 1)
+    m = torch.where(row, m, 0.0).to(F64)
+    # exp only ever sees kept scores (blocked ones are replaced by m, then zeroed): no inf, no NaN
+    e = torch.where(kept, torch.exp(torch.where(kept, s, m) - m), 0.0)
+    l = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(row, l, 1.0)
+    out = torch.einsum("bhij,bhjd->bhid", p, vv)
+    lse = torch.where(row, m + torch.log(torch.where(row, l, 1.0)), NEG_INF).squeeze(-1)
+
+    grads: dict[str, torch.Tensor] = {}
+    mags: dict[str, float] = {}
+
+    def amax(t: torch.Tensor) -> float:
+        return float(t.abs().max()) if t.numel() else 0.0
+
+    pd = p.detach()
+    mags["out"] = amax(pd @ vv.detach().abs())
+    if dout is not None:
+        leaves = {"q": q, "k": k, "v": v} | ({} if b is None else {"bias": b})
+        gs = torch.autograd.grad(out, list(leaves.values()), dout.to(F64), allow_unused=True)
+        grads = {n: (torch.zeros_like(t) if g is None else g) for (n, t), g in zip(leaves.items(), gs)}
+        # sizes of the terms of each gradient (error analysis of the sums: ds = p (dp - Δ), ...)
+        do = dout.to(F64).abs()
+        dp = dout.to(F64) @ vv.detach().transpose(-1, -2)  # (B, Hq, Lq, Lk)
+        delta = (dout.to(F64) * out.detach()).sum(-1, keepdim=True)
+        t = pd * (dp.abs() + delta.abs())  # |terms of ds|
+        mags["q"] = abs(scale) * amax(t @ kk.detach().abs())
+        dk_terms = abs(scale) * (t.transpose(-1, -2) @ q.detach().abs())  # (B, Hq, Lk, D)
+        mags["k"] = amax(dk_terms.view(B, Hkv, G, Lk, D).sum(2)) if Hkv else 0.0
+        dv_terms = pd.transpose(-1, -2) @ do  # (B, Hq, Lk, Dv)
+        mags["v"] = amax(dv_terms.view(B, Hkv, G, Lk, Dv).sum(2)) if Hkv else 0.0
+        if b is not None:
+            mags["bias"] = amax(t.sum_to_size(b.shape))
+    sz = (scale * torch.einsum("bhid,bhjd->bhij", q.detach().abs(), kk.detach().abs())).abs()
+    if b is not None:
+        sz = sz + torch.where(torch.isfinite(b.detach()), b.detach().abs(), 0.0)
+    score_size = float(torch.where(kept, sz, 0.0).max()) if sz.numel() else 0.0
+    return Golden(out.detach(), lse.detach(), pd, grads, mags, score_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Judging one result
+
+
+def max_err(x: torch.Tensor, gold: torch.Tensor) -> tuple[float, tuple[int, ...]]:
+    """Max |x - gold| (equal infinities count 0, NaN counts inf) and where it is."""
+    x64 = x.detach().to(F64)
+    same_inf = torch.isinf(gold) & (x64 == gold)
+    d = torch.where(same_inf, 0.0, (x64 - gold).abs())
+    d = torch.where(torch.isnan(d), math.inf, d)
+    if d.numel() == 0:
+        return 0.0, ()
+    i = int(d.argmax())
+    return float(d.reshape(-1)[i]), tuple(int(c) for c in torch.unravel_index(torch.tensor(i), d.shape))
+
+
+def eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return F64 if dtype == F64 else F32
+
+
+@dataclass
+class Bounds:
+    """The floor and the reference's sanity bound of one result (out, lse, a gradient)."""
+
+    floor: float
+    sane: float
+
+
+def spacing(dtype: torch.dtype) -> float:
+    """The dtype's smallest subnormal: results below it are not representable at all."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps
+
+
+def bounds(name: str, dtype: torch.dtype, gold: Golden, gval: torch.Tensor, rdt: torch.dtype | None = None) -> Bounds:
+    """``floor``: FLOOR[X] × the size of the summed terms (lse: FLOOR of its dtype × max(1, |lse|)),
+    and never under the dtype's smallest subnormal (a gradient of 1e-49 is 0 in float32).
+    ``sane``: what the reference in dtype X may be off by: 16 roundings of X (64 for gradients) of
+    those terms, plus what rounding the scores in the accumulator dtype costs (a score of size S is
+    off by eps·S; that moves p relatively by as much). ``rdt``: the result's dtype where it differs
+    from X (the gradient of a bias of another dtype): the coarser of the two counts."""
+    if rdt is not None and eps(rdt) > eps(dtype):
+        dtype = rdt
+    kappa = eps(acc_dtype(dtype)) * gold.score_size
+    if name == "lse":
+        ldt = acc_dtype(dtype)
+        fin = gval[torch.isfinite(gval)]
+        mag = max(1.0, float(fin.abs().max()) if fin.numel() else 0.0)
+        return Bounds(FLOOR[ldt] * mag, 16 * eps(ldt) * mag + 4 * kappa)
+    if name == "p":
+        return Bounds(FLOOR[dtype], 16 * eps(dtype) + 4 * kappa)
+    mag = gold.mags[name]
+    k = 64 if name != "out" else 16
+    sub = spacing(dtype)
+    return Bounds(FLOOR[dtype] * mag + sub, (k * eps(dtype) + 8 * kappa) * mag + 4 * sub)
+
+
+def judge(
+    name: str,
+    got: torch.Tensor,
+    gval: torch.Tensor,
+    ref: torch.Tensor | None,
+    bd: Bounds,
+    *,
+    grad: bool,
+    dtype: torch.dtype,
+) -> str | None:
+    """None when ``got`` passes the tolerance rule, else what is wrong. ``ref`` None: ``got`` *is*
+    the reference (held to the sanity bound)."""
+    if tuple(got.shape) != tuple(gval.shape):
+        return f"{name}: shape {tuple(got.shape)}, expected {tuple(gval.shape)}"
+    if got.dtype != dtype:
+        return f"{name}: dtype {got.dtype}, expected {dtype}"
+    nan = torch.isnan(got)
+    if nan.any():
+        idx = tuple(int(c) for c in nan.nonzero()[0])
+        return f"{name}: NaN in {int(nan.sum())} of {got.numel()} entries (first at {idx})"
+    if not torch.equal(torch.isinf(got), torch.isinf(gval)):
+        bad = (torch.isinf(got) != torch.isinf(gval)).nonzero()[0]
+        idx = tuple(int(c) for c in bad)
+        return f"{name}: infinity mismatch at {idx}: got {got[idx].item()}, golden {gval[idx].item()}"
+    err, where = max_err(got, gval)
+    if ref is None:
+        if err <= bd.sane:
+            return None
+        return (
+            f"{name}: reference error {err:.3e} at {where} (got {got[where].item():.6g}, golden "
+            f"{gval[where].item():.6g}) > sanity bound {bd.sane:.2e}"
+        )
+    ref_err, _ = max_err(ref, gval)
+    base = min(ref_err, bd.sane)  # a broken reference must not loosen the rule
+    factor = 3.0 if grad else 2.0
+    allowed = factor * base + bd.floor
+    if err <= allowed:
+        return None
+    return (
+        f"{name}: error {err:.3e} at {where} (got {got[where].item():.6g}, golden {gval[where].item():.6g}) > "
+        f"{factor:g} × reference error {ref_err:.3e}{' (capped at its sanity bound)' if base < ref_err else ''}"
+        f" + floor {bd.floor:.1e}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def laid_out(vals: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """``vals`` (float64, 4-D) rounded to ``dtype`` in a memory layout: contiguous; "transpose"
+    (stored (B, L, H, D)); "strided" (rows padded by 3); "sliced" (every other element of a twice
+    as wide last dim); "bcast" (batch dim of stride 0; the values of batch 0 everywhere)."""
+    B, H, L, D = vals.shape
+    if layout == "contiguous":
+        return vals.to(dtype)
+    if layout == "transpose":
+        return vals.transpose(1, 2).contiguous().to(dtype).transpose(1, 2)
+    if layout == "strided":
+        buf = torch.zeros(B, H, L, D + 3, dtype=dtype)
+        buf[..., :D] = vals.to(dtype)
+        return buf[..., :D]
+    if layout == "sliced":
+        buf = torch.zeros(B, H, L, 2 * D, dtype=dtype)
+        buf[..., ::2] = vals.to(dtype)
+        return buf[..., ::2]
+    if layout == "bcast":
+        return vals[:1].to(dtype).expand(B, H, L, D)
+    raise ValueError(layout)
+
+
+def relayout(t: torch.Tensor) -> torch.Tensor:
+    """A fresh copy of ``t`` with the same strides (so that a leaf that requires grad keeps them)."""
+    if 0 in t.stride() and t.numel() > 1:
+        return t  # a broadcast view (only used without gradients): shared, never written
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
+def bshape(rng: random.Random, full: tuple[int, int, int, int], min_ndim: int = 1) -> tuple[int, ...]:
+    """A random shape broadcastable to ``full``: 1-4 dims, each the full size or 1."""
+    nd = rng.randint(min_ndim, 4)
+    return tuple(n if rng.random() < 0.6 else 1 for n in full[4 - nd :])
+
+
+def to4(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
+
+
+# The custom Mask predicates: (name, fn). Several return ints (non-zero = keep), as DESIGN allows.
+PREDICATES: list[tuple[str, Callable[..., torch.Tensor]]] = [
+    ("(3q + 5kv + b + 2h) % 4  [int64]", lambda b, h, q, kv: (3 * q + 5 * kv + b + 2 * h) % 4),
+    ("2·(kv <= q + 1)  [int32]", lambda b, h, q, kv: (kv <= q + 1).to(torch.int32) * 2),
+    ("(q + kv + b) % 3 != 0  [bool]", lambda b, h, q, kv: (q + kv + b) % 3 != 0),
+    ("(kv - q + h) % 5  [float32]", lambda b, h, q, kv: ((kv - q + h) % 5).to(torch.float32)),
+    ("kv >= b + h  [bool]", lambda b, h, q, kv: kv >= b + h),
+]
+
+
+def eval_predicate(fn: Callable[..., torch.Tensor], shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A custom Mask's keep-mask by its definition: the predicate on the index grid of ``shape``
+    (a dim of size 1 is index 0), non-zero = keep."""
+    idx = [torch.arange(n).view([-1 if d == i else 1 for d in range(4)]) for i, n in enumerate(shape)]
+    return (fn(*idx) != 0).expand(shape)
+
+
+@dataclass
+class MaskLeaf:
+    arg: Any  # what attnzero gets: a tensor or an az.Mask
+    dense: torch.Tensor  # the golden keep-mask, bool, 4-D broadcastable to (B, Hq, Lq, Lk)
+    desc: str
+
+
+def tensor_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int]) -> MaskLeaf:
+    shape = bshape(rng, full)
+    dtype = rng.choice([torch.bool, torch.bool, torch.int64, torch.int32, torch.uint8, torch.int8, F32, F16, F64])
+    p_keep = rng.choice([0.15, 0.5, 0.8, 0.95])
+    keep = torch.rand(shape, generator=gen) < p_keep
+    if len(shape) >= 2 and shape[-2] > 1 and rng.random() < 0.4:
+        keep[..., rng.randrange(shape[-2]), :] = False  # a fully-blocked row
+    if dtype == torch.bool:
+        arg = keep.clone()
+    else:
+        values: list[float] = {torch.uint8: [1.0, 2, 255], torch.int8: [1.0, -1, 7, -128]}.get(dtype, [1.0, 2, -3, 1000])
+        if dtype.is_floating_point:
+            values = [1.0, 0.5, -2.0, 1e-3, float("inf")]
+        pick = torch.tensor(values, dtype=dtype)[torch.randint(len(values), shape, generator=gen)]
+        zero = torch.tensor(-0.0 if dtype.is_floating_point else 0, dtype=dtype)  # -0.0 == 0: blocked
+        arg = torch.where(keep, pick, zero)
+    return MaskLeaf(arg, to4(keep), f"tensor{tuple(shape)}:{str(dtype).replace('torch.', '')}:p{p_keep}")
+
+
+def builder_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int]) -> MaskLeaf:
+    B, Hq, Lq, Lk = full
+    kind = rng.choice(["causal", "window", "padding", "document", "custom", "custom", "from_tensor"])
+    if kind == "causal":
+        align = rng.choice(["bottom_right", "top_left"])
+        return MaskLeaf(az.masks.causal(Lq, Lk, align=align), to4(causal_keep(Lq, Lk, align)), f"causal({align})")
+    if kind == "window":
+        left = rng.choice([None, 0, 1, 3, 16, 40])
+        right = rng.choice([None, 0, 0, 2, 17])
+        return MaskLeaf(
+            az.masks.window(Lq, Lk, left, right), to4(window_keep(Lq, Lk, left, right)), f"window({left}, {right})"
+        )
+    if kind == "padding":
+        nb = rng.choice([B, B, 1])
+        lengths = [rng.choice([0, 1, rng.randint(0, Lk), Lk]) for _ in range(nb)]
+        if max(lengths) == 0:
+            lengths[0] = Lk
+        kv_len = None if max(lengths) == Lk and rng.random() < 0.5 else Lk
+        dense = torch.arange(Lk).view(1, 1, 1, Lk) < torch.tensor(lengths).view(nb, 1, 1, 1)
+        return MaskLeaf(az.masks.padding(lengths, kv_len), dense, f"padding({lengths}, kv_len={kv_len})")
+    if kind == "document":
+        nb = rng.choice([B, 1])
+        ndoc = rng.randint(1, 4)
+        qi = torch.sort(torch.randint(ndoc, (nb, Lq), generator=gen), dim=-1).values
+        ki = torch.sort(torch.randint(ndoc, (nb, Lk), generator=gen), dim=-1).values
+        flat = nb == 1 and rng.random() < 0.5
+        if Lq == Lk and rng.random() < 0.5:
+            ki = qi
+            arg = az.masks.document(qi[0] if flat else qi)
+        else:
+            arg = az.masks.document(qi[0] if flat else qi, ki[0] if flat else ki)
+        dense = qi.view(nb, 1, Lq, 1) == ki.view(nb, 1, 1, Lk)
+        return MaskLeaf(arg, dense, f"document(nb={nb}, ndoc={ndoc}{', 1-D' if flat else ''})")
+    if kind == "custom":
+        name, fn = rng.choice(PREDICATES)
+        shape = (
+            rng.choice([1, B]),
+            rng.choice([1, Hq]),
+            Lq if rng.random() < 0.9 else 1,
+            Lk if rng.random() < 0.9 else 1,
+        )
+        return MaskLeaf(az.Mask(fn, shape, name="custom"), eval_predicate(fn, shape), f"Mask({name}, {shape})")
+    leaf = tensor_mask(rng, gen, full)
+    return MaskLeaf(az.masks.from_tensor(leaf.arg), leaf.dense, f"from_tensor({leaf.desc})")
+
+
+def draw_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int]) -> MaskLeaf | None:
+    r = rng.random()
+    if r < 0.2:
+        return None
+    if r < 0.45:
+        return tensor_mask(rng, gen, full)
+    if r < 0.75:
+        leaf = builder_mask(rng, gen, full)
+        if isinstance(leaf.arg, az.Mask) and rng.random() < 0.1:
+            return MaskLeaf(~leaf.arg, ~leaf.dense, f"~{leaf.desc}")
+        return leaf
+    # a combination of 2-3 leaves
+    leaves = [builder_mask(rng, gen, full) for _ in range(rng.randint(1, 2))]
+    if rng.random() < 0.5:
+        leaves.append(tensor_mask(rng, gen, full))
+    if len(leaves) == 1:
+        leaves.append(builder_mask(rng, gen, full))
+    op = rng.choice(["and_", "or_", "&", "|"])
+    if op in ("&", "|"):
+        arg = leaves[0].arg
+        for lf in leaves[1:]:
+            arg = arg & lf.arg if op == "&" else arg | lf.arg
+    else:
+        arg = (az.masks.and_ if op == "and_" else az.masks.or_)(*(lf.arg for lf in leaves))
+    dense = leaves[0].dense
+    for lf in leaves[1:]:
+        dense = dense & lf.dense if op in ("and_", "&") else dense | lf.dense
+    return MaskLeaf(arg, dense, f" {op} ".join(f"[{lf.desc}]" for lf in leaves))
+
+
+@dataclass
+class Problem:
+    seed: int
+    dtype: torch.dtype
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Any
+    keep: torch.Tensor  # golden keep: mask ∧ causal ∧ window, bool, broadcastable to (B, Hq, Lq, Lk)
+    bias: torch.Tensor | None
+    causal: bool
+    window: Any
+    scale: float | None
+    dout: torch.Tensor | None
+    desc: list[str] = field(default_factory=list)
+    flash_cfgs: list[dict[str, int]] = field(default_factory=list)
+    infer_cfg: dict[str, int] | None = None
+    alibi: tuple[int, int, int] | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(mask=self.mask, causal=self.causal, window=self.window, scale=self.scale)
+
+
+def draw(seed: int, *, small: bool = False, dtypes: tuple[torch.dtype, ...] = (F16, BF16, F32, F64)) -> Problem:
+    """The case of ``seed``. ``small``: shapes the Triton interpreter runs in well under a second."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = rng.choice(dtypes)
+    B = rng.choice([1, 2, 3])
+    Hq, Hkv = rng.choice(HEADS)
+    if small:
+        lens = [1, 2, 7, 17, 33]
+        Lq, Lk = rng.choice(lens), rng.choice(lens)
+        D = rng.choice([1, 8, 16])
+        Dv = D if rng.random() < 0.7 else rng.choice([1, 8, 16])
+        B = min(B, 2)
+        Hq, Hkv = rng.choice([(1, 1), (2, 1), (2, 2), (3, 1), (4, 2), (4, 1)])
+    else:
+        Lq, Lk = rng.choice(LENGTHS), rng.choice(LENGTHS)
+        if rng.random() < 0.25:
+            Lk = Lq
+        D = rng.choice(HEAD_DIMS)
+        Dv = D if rng.random() < 0.7 else rng.choice(HEAD_DIMS)
+        while B * Hq * Lq * Lk > 200_000 and (Hq > 1 or B > 1):  # keep each case cheap
+            if Hq > 1:
+                Hq, Hkv = rng.choice([h for h in HEADS if h[0] < Hq])
+            else:
+                B -= 1
+    full = (B, Hq, Lq, Lk)
+    grads = rng.random() < 0.7
+    desc = [f"dtype={DTYPE_NAMES[dtype]} B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D} Dv={Dv} grads={grads}"]
+
+    # values: float64, rounded to dtype later (the golden sees the rounded values)
+    qv = torch.randn(B, Hq, Lq, D, generator=gen, dtype=F64)
+    kv = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=F64)
+    vv = torch.randn(B, Hkv, Lk, Dv, generator=gen, dtype=F64)
+    bias: torch.Tensor | None = None
+    bias_dtype = dtype if rng.random() < 0.7 else (F32 if dtype != F64 else F64)
+    alibi = None
+
+    r = rng.random()
+    if r < 0.35:
+        pass
+    elif r < 0.75:
+        shape = bshape(rng, full)
+        bias = torch.randn(shape, generator=gen, dtype=F64) * rng.choice([0.5, 3.0])
+        if rng.random() < 0.3:  # -inf entries, maybe a whole row
+            bias = bias.masked_fill(torch.rand(shape, generator=gen) < 0.2, NEG_INF)
+            if len(shape) >= 2 and shape[-2] > 1 and rng.random() < 0.5:
+                bias[..., rng.randrange(shape[-2]), :] = NEG_INF
+        desc.append(f"bias randn{tuple(shape)}:{DTYPE_NAMES[bias_dtype]}{' with -inf' if bias.isinf().any() else ''}")
+    else:
+        alibi = (Hq, Lq, Lk)
+        bias = az.masks.alibi(Hq, Lq, Lk).to(F64)  # float32 values, checked against alibi_golden
+        bias_dtype = F32
+        desc.append("bias alibi")
+
+    # extremes (each case at most two)
+    lim = torch.finfo(dtype).max
+    extremes = rng.sample(
+        ["q_big", "qk_huge", "q_tiny", "v_huge", "v_tiny", "bias_low", "bias_low_first_block", "scale_big", "rows_big"],
+        k=rng.choice([0, 0, 0, 1, 1, 2]),
+    )
+    scale: float | None = None
+    if rng.random() < 0.35:
+        scale = rng.choice([0.0, -0.4, 0.05, 0.3, 1.0, 2.5])
+    for ex in extremes:
+        if ex == "q_big":
+            qv = qv * rng.choice([20.0, 50.0, 100.0])
+        elif ex == "qk_huge":
+            f = rng.choice([10.0, 30.0])
+            qv, kv = qv * f, kv * f
+        elif ex == "q_tiny":
+            qv = qv * (1e-6 if dtype == F16 else 1e-20)
+        elif ex == "v_huge":
+            vv = vv * (1e2 if dtype == F16 else 1e30)
+        elif ex == "v_tiny":
+            vv = vv * (1e-4 if dtype == F16 else 1e-30)
+        elif ex == "scale_big":
+            scale = rng.choice([50.0, 300.0])
+        elif ex == "rows_big":
+            rows = torch.rand(B, Hq, Lq, 1, generator=gen) < 0.3
+            qv = torch.where(rows, qv * 100.0, qv)
+        elif ex in ("bias_low", "bias_low_first_block"):
+            low = rng.choice([-100.0, -200.0, -1e3, -1e4])
+            if bias is None:
+                bias = torch.zeros(bshape(rng, full, min_ndim=2), dtype=F64)
+            if ex == "bias_low":
+                bias = bias + low
+            else:  # every score of the first key block(s) of some rows far below -88
+                cut = min(Lk, rng.choice([1, 16, 64, 128, max(1, Lk // 2)]))
+                sh = list(torch.broadcast_shapes(bias.shape, (1, 1, 1, Lk)))
+                bias = bias.expand(sh).clone()
+                bias[..., :cut] += low
+            desc.append(f"{ex} {low:g}")
+            if bias_dtype == F16 and bias.abs().max() > 6e4:
+                bias_dtype = F32
+    if extremes:
+        desc.append("extremes " + ",".join(e for e in extremes if not e.startswith("bias")))
+    if scale is not None:
+        desc.append(f"scale={scale}")
+
+    # layouts (bcast only without gradients: a leaf cannot be a broadcast view)
+    lays = ["contiguous", "contiguous", "transpose", "strided", "sliced"] + ([] if grads else ["bcast"])
+    layouts = [rng.choice(lays) if rng.random() < 0.4 else "contiguous" for _ in range(3)]
+    if any(x != "contiguous" for x in layouts):
+        desc.append(f"layouts q/k/v={'/'.join(layouts)}")
+    q = laid_out(qv, dtype, layouts[0])
+    k = laid_out(kv, dtype, layouts[1])
+    v = laid_out(vv, dtype, layouts[2])
+    assert bool(q.abs().max() < lim) and bool(v.abs().max() < lim)
+
+    mleaf = draw_mask(rng, gen, full)
+    keep = torch.ones(1, 1, 1, 1, dtype=torch.bool) if mleaf is None else mleaf.dense
+    if mleaf is not None:
+        desc.append(f"mask {mleaf.desc}")
+    causal = rng.random() < 0.3
+    window: Any = None
+    if rng.random() < 0.2:
+        left, right = rng.choice([None, 0, 1, 5, 16, 50]), rng.choice([None, 0, 3, 20])
+        window = rng.choice([(left, right), [left, right], left if left is not None else 4])
+    if causal:
+        keep = keep & causal_keep(Lq, Lk)
+        desc.append("causal")
+    if window is not None:
+        wl, wr = (window, 0) if isinstance(window, int) else tuple(window)
+        keep = keep & window_keep(Lq, Lk, wl, wr)
+        desc.append(f"window={window!r}")
+
+    dout = torch.randn(B, Hq, Lq, Dv, generator=gen, dtype=F64).to(dtype) if grads else None
+    # flash block sizes that cross block boundaries (16 × 16 on small problems; wider where 16 × 16
+    # would make hundreds of Python-level blocks), one (batch, kv head) pair per chunk ("kv"),
+    # two worker threads
+    t = 16 if B * Hkv * Lq * Lk <= 40_000 else 48
+    flash_cfgs = [
+        {},
+        rng.choice(
+            [
+                {"rows": t, "cols": t},
+                {"rows": t, "cols": t, "kv": 64},
+                {"rows": 2 * t, "cols": t, "threads": 2},
+                {"rows": t, "cols": 2 * t, "threads": 2, "kv": 64},
+                {"rows": 64, "cols": 128, "threads": 2},
+            ]
+        ),
+    ]
+    infer_cfg = rng.choice([{"rows": t, "cols": t, "threads": 2}, {"threads": 2}]) if rng.random() < 0.3 else None
+    return Problem(
+        seed, dtype, q, k, v, None if mleaf is None else mleaf.arg, keep,
+        None if bias is None else bias.to(bias_dtype), causal, window, scale, dout, desc, flash_cfgs, infer_cfg,
+        alibi,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a backend
+
+
+@dataclass
+class Run:
+    out: torch.Tensor
+    lse: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+@contextlib.contextmanager
+def flash_cfg(cfg: dict[str, int] | None) -> Iterator[None]:
+    if cfg:
+        with block_sizes(**cfg):
+            yield
+    else:
+        yield
+
+
+def run(pb: Problem, backend: str, *, grads: bool, cfg: dict[str, int] | None = None, infer: bool = False) -> Run:
+    """az.attention on fresh copies of the inputs (same strides), and <out, dout>'s gradients."""
+    xs = {"q": relayout(pb.q), "k": relayout(pb.k), "v": relayout(pb.v)}
+    if pb.bias is not None:
+        xs["bias"] = pb.bias.clone()
+    if grads:
+        for t in xs.values():
+            t.requires_grad_(True)
+    mode = torch.inference_mode() if infer else contextlib.nullcontext()
+    with flash_cfg(cfg), mode:
+        out, lse = az.attention(
+            xs["q"], xs["k"], xs["v"], bias=xs.get("bias"), backend=backend, return_lse=True, **pb.kwargs()
+        )
+        gs: dict[str, torch.Tensor] = {}
+        if grads:
+            names = list(xs)
+            got = torch.autograd.grad(out, [xs[n] for n in names], pb.dout, allow_unused=True)
+            gs = {n: (torch.zeros_like(xs[n]) if g is None else g) for n, g in zip(names, got)}
+    return Run(out.detach(), lse.detach(), gs)
+
+
+def exc_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def compare(label: str, pb: Problem, gold: Golden, got: Run, ref: Run | None, grads: bool) -> list[str]:
+    """Every failure of one run against the golden (``ref`` None: this run is the reference)."""
+    fails: list[str] = []
+    ldt = acc_dtype(pb.dtype)
+    items: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, bool, torch.dtype]] = [
+        ("out", got.out, gold.out, None if ref is None else ref.out, False, pb.dtype),
+        ("lse", got.lse, gold.lse, None if ref is None else ref.lse, False, ldt),
+    ]
+    if grads:
+        for n, g in gold.grads.items():
+            dt = pb.bias.dtype if n == "bias" and pb.bias is not None else pb.dtype
+            if n not in got.grads:
+                fails.append(f"{label}: no gradient for {n}")
+                continue
+            items.append((n, got.grads[n], g, None if ref is None else ref.grads.get(n), True, dt))
+    for name, x, g, r, is_grad, dt in items:
+        bd = bounds(name, pb.dtype, gold, g, dt if is_grad else None)
+        msg = judge(name if name in ("out", "lse") else f"d{name}", x, g, r, bd, grad=is_grad, dtype=dt)
+        if msg:
+            fails.append(f"{label}: {msg}")
+    return fails
+
+
+def reproducer(pb: Problem, extra: str = "") -> str:
+    return (
+        f"case seed={pb.seed}: " + "; ".join(pb.desc) + "\n"
+        f'  reproduce: PYTHONPATH=src:tests python -c "import test_fuzz as f; f.replay({pb.seed}{extra})"'
+    )
+
+
+def snapshot(pb: Problem) -> list[torch.Tensor]:
+    ts = [pb.q, pb.k, pb.v] + ([pb.bias] if pb.bias is not None else [])
+    if isinstance(pb.mask, torch.Tensor):
+        ts.append(pb.mask)
+    return [t.clone() for t in ts]
+
+
+def check_case(pb: Problem, backends: list[str]) -> list[str]:
+    """Run ``backends`` (and always the reference, the baseline) on the case; every failure."""
+    grads = pb.dout is not None
+    flush = torch.set_flush_denormal(True)  # the golden only: subnormal float64 arithmetic is slow
+    try:
+        gold = golden(pb.q, pb.k, pb.v, pb.keep, pb.bias, pb.scale, pb.dout)
+    finally:
+        torch.set_flush_denormal(False) if flush else None
+    assert not any(torch.isnan(t).any() for t in (gold.out, gold.lse, *gold.grads.values())), "golden has NaN"
+    fails: list[str] = []
+    before = snapshot(pb)
+    if pb.alibi is not None:
+        want = alibi_golden(*pb.alibi)
+        got_alibi = az.masks.alibi(*pb.alibi)
+        err = float((got_alibi.to(F64) - want).abs().max())
+        if got_alibi.shape != want.shape or err > 4 * eps(F32) * max(1.0, float(want.abs().max())):
+            fails.append(f"az.masks.alibi{pb.alibi}: off by {err:.3e} from the ALiBi slopes")
+
+    ref: Run | None = None
+    try:
+        ref = run(pb, "reference", grads=grads)
+        fails += compare("reference", pb, gold, ref, None, grads)
+    except Exception as e:
+        fails.append(f"reference: raised {exc_line(e)}")
+
+    for backend in backends:
+        cfgs: list[dict[str, int] | None] = list(pb.flash_cfgs) if backend == "flash" else [None]
+        for cfg in cfgs:
+            label = backend + (f"{cfg}" if cfg else "")
+            try:
+                res = run(pb, backend, grads=grads, cfg=cfg)
+            except Exception as e:
+                fails.append(f"{label}: raised {exc_line(e)}")
+                continue
+            if ref is None:
+                ref_for = None
+                fails += [f"{label}: (no reference baseline) {m}" for m in compare(label, pb, gold, res, None, grads)]
+            else:
+                ref_for = ref
+                fails += compare(label, pb, gold, res, ref_for, grads)
+        if backend in ("flash", "triton") and pb.infer_cfg is not None:
+            cfg = pb.infer_cfg if backend == "flash" else None
+            label = f"{backend} inference_mode" + (f"{cfg}" if cfg else "")
+            try:
+                res = run(pb, backend, grads=False, cfg=cfg, infer=True)
+                fails += compare(label, pb, gold, res, ref, False) if ref else []
+            except Exception as e:
+                fails.append(f"{label}: raised {exc_line(e)}")
+
+    # the probabilities: az.attention_weights against the golden p
+    try:
+        w = az.attention_weights(pb.q, pb.k, mask=pb.mask, bias=pb.bias, causal=pb.causal, window=pb.window,
+                                 scale=pb.scale)  # fmt: skip
+        msg = judge("p", w, gold.p, None, bounds("p", pb.dtype, gold, gold.p), grad=False, dtype=pb.dtype)
+        if msg:
+            fails.append(f"attention_weights: {msg}")
+    except Exception as e:
+        fails.append(f"attention_weights: raised {exc_line(e)}")
+
+    for t0, t1 in zip(before, snapshot(pb)):
+        if not torch.equal(t0.nan_to_num(), t1.nan_to_num()):
+            fails.append("an input was modified in place")
+            break
+    return fails
+
+
+TRITON_DTYPES = (F16, BF16, F32, F16, BF16, F32, F64)  # float64 on backend="triton" is computed by flash
+
+
+def replay(seed: int, small: bool = False, backends: tuple[str, ...] = ("flash", "auto")) -> None:
+    """Rerun one case by hand and print what fails."""
+    pb = draw(seed, small=small, dtypes=TRITON_DTYPES if small else (F16, BF16, F32, F64))
+    print(reproducer(pb))
+    with contextlib.ExitStack() as stack:
+        if "triton" in backends:
+            from attnzero.kernels import triton_backend as tb
+
+            old = tb.DECODE_MIN_LK
+            tb.DECODE_MIN_LK = 16
+            stack.callback(setattr, tb, "DECODE_MIN_LK", old)
+        fails = check_case(pb, list(backends))
+    for line in fails:
+        print("  " + line)
+
+
+def fail_with(fails: list[str], pb: Problem, extra: str = "") -> None:
+    if fails:
+        pytest.fail("\n".join(fails) + "\n" + reproducer(pb, extra), pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+
+
+@pytest.mark.parametrize("i", range(EXAMPLES))
+def test_random_case(i: int) -> None:
+    """Reference and flash (default and small/threaded block sizes, inference_mode), and "auto" on
+    every fourth case; attention_weights; against the golden."""
+    pb = draw(BASE_SEED + i)
+    fail_with(check_case(pb, ["flash"] + (["auto"] if i % 4 == 0 else [])), pb)
+
+
+TRITON_EXAMPLES = max(6, EXAMPLES // 7)
+
+
+@pytest.mark.parametrize("i", range(TRITON_EXAMPLES))
+def test_random_case_triton(i: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend="triton" on small random cases (the interpreter is slow); inference_mode runs also
+    take the split-KV decode kernel where it applies (its length threshold lowered to 16 here)."""
+    pytest.importorskip("triton")
+    from attnzero.kernels import triton_backend as tb
+
+    monkeypatch.setattr(tb, "DECODE_MIN_LK", 16)
+    seed = 1_000_003 + BASE_SEED + i
+    pb = draw(seed, small=True, dtypes=TRITON_DTYPES)
+    fail_with(check_case(pb, ["triton"]), pb, ", small=True, backends=('triton',)")
+
+
+ZERO_SHAPES = [  # (B, Hq, Hkv, Lq, Lk, D, Dv)
+    (0, 2, 1, 5, 7, 8, 8),
+    (2, 0, 0, 5, 7, 8, 8),
+    (2, 2, 1, 0, 7, 8, 8),
+    (2, 2, 1, 5, 0, 8, 8),
+    (2, 2, 1, 5, 7, 0, 8),
+    (1, 1, 1, 0, 0, 8, 8),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash", "triton"])
+@pytest.mark.parametrize("shape", ZERO_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_zero_size(shape: tuple[int, ...], backend: str) -> None:
+    """DESIGN.md: B, H, Lq = 0 give empty outputs; Lk = 0 makes every row fully blocked (output 0,
+    lse -inf); D = 0 gives scores 0 (uniform weights over kept keys). With and without causal and a
+    mask, with gradients; also attention_weights, and the SDPA drop-in against torch's."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    B, Hq, Hkv, Lq, Lk, D, Dv = shape
+    gen = torch.Generator().manual_seed(7)
+    fails: list[str] = []
+    for dtype in (F32, F16):
+        for causal, with_mask in ((False, False), (True, False), (False, True)):
+            q = torch.randn(B, Hq, Lq, D, generator=gen).to(dtype)
+            k = torch.randn(B, Hkv, Lk, D, generator=gen).to(dtype)
+            v = torch.randn(B, Hkv, Lk, Dv, generator=gen).to(dtype)
+            mask = (torch.rand(Lq, Lk, generator=gen) < 0.6) if with_mask else None
+            keep = torch.ones(1, 1, 1, 1, dtype=torch.bool) if mask is None else to4(mask)
+            if causal:
+                keep = keep & causal_keep(Lq, Lk)
+            dout = torch.randn(B, Hq, Lq, Dv, generator=gen).to(dtype)
+            pb = Problem(seed=0, dtype=dtype, q=q, k=k, v=v, mask=mask, keep=keep, bias=None, causal=causal,
+                         window=None, scale=None, dout=dout)  # fmt: skip
+            label = f"{backend} {DTYPE_NAMES[dtype]} causal={causal} mask={with_mask}"
+            gold = golden(q, k, v, keep, None, None, dout)
+            ref = None  # the baseline (a failure of the reference itself is the reference's test)
+            if backend != "reference":
+                with contextlib.suppress(Exception):
+                    ref = run(pb, "reference", grads=True)
+            try:
+                got = run(pb, backend, grads=True)
+                fails += compare(label, pb, gold, got, ref, True)
+            except Exception as e:
+                fails.append(f"{label}: raised {exc_line(e)}")
+            if backend == "reference":
+                try:
+                    w = az.attention_weights(q, k, mask=mask, causal=causal)
+                    msg = judge("p", w, gold.p, None, bounds("p", dtype, gold, gold.p), grad=False, dtype=dtype)
+                    if msg:
+                        fails.append(f"attention_weights {label}: {msg}")
+                except Exception as e:
+                    fails.append(f"attention_weights {label}: raised {exc_line(e)}")
+    if backend == "reference":  # the drop-in against torch's, where torch's result is defined
+        q = torch.randn(B, Hq, Lq, D, generator=gen, dtype=F64)
+        k = torch.randn(B, Hkv, Lk, D, generator=gen, dtype=F64)
+        v = torch.randn(B, Hkv, Lk, Dv, generator=gen, dtype=F64)
+        for is_causal in (False, True):
+            try:
+                want = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=Hkv != Hq)
+            except Exception:
+                continue  # undefined in torch: nothing to match
+            try:
+                got_sdpa = az.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=Hkv != Hq)
+                if got_sdpa.shape != want.shape or not torch.allclose(got_sdpa, want, atol=1e-12, equal_nan=True):
+                    fails.append(f"scaled_dot_product_attention(is_causal={is_causal}): differs from torch's")
+            except Exception as e:
+                fails.append(f"scaled_dot_product_attention(is_causal={is_causal}): raised {exc_line(e)}")
+    if fails:
+        pytest.fail(f"shape (B, Hq, Hkv, Lq, Lk, D, Dv) = {shape}:\n" + "\n".join(fails), pytrace=False)
+
+
+def test_inference_mode_large() -> None:
+    """B=1, H=8, L=2048 under inference_mode: flash takes its worker threads where the machine has
+    several cores, and two forced ones everywhere; against the golden (computed head by head),
+    float32, causal."""
+    B, H, L, D = 1, 8, 2048, 8
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, H, L, D, generator=gen, dtype=F64).to(F32) for _ in range(3))
+    keep = causal_keep(L, L)
+    outs, lses, refo, refl = [], [], [], []
+    for h in range(H):
+        g = golden(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], keep, None, None, None)
+        outs.append(g.out)
+        lses.append(g.lse)
+        r_out, r_lse = az.attention(
+            q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], causal=True, backend="reference", return_lse=True
+        )
+        refo.append(r_out)
+        refl.append(r_lse)
+    gold = Golden(torch.cat(outs, 1), torch.cat(lses, 1), torch.empty(0), {}, {}, 0.0)
+    gold.mags["out"] = float(v.abs().max())
+    gold.score_size = float((q.abs().sum(-1).max() * k.abs().max()) / math.sqrt(D))
+    ref = Run(torch.cat(refo, 1), torch.cat(refl, 1), {})
+    pb = Problem(
+        seed=0,
+        dtype=F32,
+        q=q,
+        k=k,
+        v=v,
+        mask=None,
+        keep=keep,
+        bias=None,
+        causal=True,
+        window=None,
+        scale=None,
+        dout=None,
+    )
+    fails: list[str] = []
+    for label, backend, cfg in (("flash", "flash", None), ("flash threads=2", "flash", {"threads": 2})):
+        try:
+            res = run(pb, backend, grads=False, cfg=cfg, infer=True)
+            fails += compare(f"{label} inference_mode", pb, gold, res, ref, False)
+        except Exception as e:
+            fails.append(f"{label} inference_mode: raised {exc_line(e)}")
+    if fails:
+        pytest.fail("\n".join(fails), pytrace=False)
+
+
+SDPA_EXAMPLES = max(10, EXAMPLES // 3)
+
+
+@pytest.mark.parametrize("i", range(SDPA_EXAMPLES))
+def test_sdpa_peer(i: int) -> None:
+    """az.scaled_dot_product_attention against torch's, float64: random masks (bool or additive
+    float with -inf), is_causal (top-left), GQA, scale, 3-D and 4-D inputs; outputs and gradients."""
+    seed = 2_000_003 + BASE_SEED + i
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    four = rng.random() < 0.75
+    Lq, Lk = rng.choice(LENGTHS[:6]), rng.choice(LENGTHS[:6])
+    D, Dv = rng.choice(HEAD_DIMS), rng.choice(HEAD_DIMS)
+    Hq, Hkv = rng.choice(HEADS) if four else (1, 1)
+    B = rng.choice([1, 2, 3])
+    lead = (B, Hq) if four else (B * Hq,)
+    kvlead = (B, Hkv) if four else (B * Hq,)
+    q = torch.randn(*lead, Lq, D, generator=gen, dtype=F64)
+    k = torch.randn(*kvlead, Lk, D, generator=gen, dtype=F64)
+    v = torch.randn(*kvlead, Lk, Dv, generator=gen, dtype=F64)
+    full = (*lead, Lq, Lk)
+    kind = rng.choice(["none", "bool", "float", "causal"])
+    attn_mask = None
+    if kind in ("bool", "float"):
+        nd = rng.randint(2, len(full))
+        shape = tuple(n if rng.random() < 0.6 else 1 for n in full[len(full) - nd :])
+        keep = torch.rand(shape, generator=gen) < rng.choice([0.3, 0.8])
+        if kind == "bool":
+            attn_mask = keep
+        else:
+            attn_mask = torch.randn(shape, generator=gen, dtype=F64).masked_fill(~keep, NEG_INF)
+    scale = rng.choice([None, None, 0.3, 1.7])
+    kw: dict[str, Any] = dict(attn_mask=attn_mask, is_causal=kind == "causal", scale=scale, enable_gqa=Hq != Hkv)
+    desc = (
+        f"seed={seed} q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} mask={kind}"
+        + (f"{tuple(attn_mask.shape)}" if attn_mask is not None else "")
+        + f" scale={scale} gqa={Hq != Hkv}"
+    )
+    qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
+    want = F.scaled_dot_product_attention(qs, ks, vs, **kw)
+    qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
+    try:
+        got = az.scaled_dot_product_attention(qa, ka, va, **kw)
+    except Exception as e:
+        pytest.fail(f"raised {exc_line(e)}\n{desc}", pytrace=False)
+    defined = ~torch.isnan(want)
+    assert got.shape == want.shape, desc
+    assert not torch.isnan(got).any(), f"NaN in az's output\n{desc}"
+    err = float((got - want).detach().abs()[defined].max()) if defined.any() else 0.0
+    assert err <= 1e-12 * max(1.0, float(v.abs().max())), f"output differs from torch's by {err:.3e}\n{desc}"
+    if bool(defined.all()):
+        dout = torch.randn(want.shape, generator=gen, dtype=F64)
+        gw = torch.autograd.grad(want, (qs, ks, vs), dout)
+        ga = torch.autograd.grad(got, (qa, ka, va), dout)
+        for n, a, b in zip("qkv", ga, gw):
+            gerr = float((a - b).abs().max()) if a.numel() else 0.0
+            assert gerr <= 1e-10 * max(1.0, float(b.abs().max())), f"d{n} differs from torch's by {gerr:.3e}\n{desc}"
+
+
+DROPOUT_EXAMPLES = max(3, EXAMPLES // 40)
+
+
+@pytest.mark.parametrize("i", range(DROPOUT_EXAMPLES))
+def test_dropout_between_backends(i: int) -> None:
+    """Dropout is not in the golden; instead: the same seed gives the same output twice, and flash
+    (float64, small blocks) equals the reference (float64) under the same seed, forward and backward."""
+    seed = 3_000_003 + BASE_SEED + i
+    pb = draw(seed)
+    rng = random.Random(seed)
+    p = rng.choice([0.1, 0.5, 0.9])
+    q, k, v = (t.to(F64).requires_grad_(True) for t in (pb.q.detach(), pb.k.detach(), pb.v.detach()))
+    bias = None if pb.bias is None else pb.bias.to(F64)
+    dout = torch.randn((*q.shape[:3], v.shape[-1]), dtype=F64)
+    res: dict[str, list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = {}
+    fails: list[str] = []
+    for backend, cfg in (("reference", None), ("reference", None), ("flash", {"rows": 16, "cols": 16})):
+        torch.manual_seed(seed)
+        try:
+            with flash_cfg(cfg):
+                out = az.attention(q, k, v, bias=bias, dropout_p=p, backend=backend, **pb.kwargs())
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+            res.setdefault(backend, []).append((out.detach(), grads))
+        except Exception as e:
+            fails.append(f"{backend}: raised {exc_line(e)}")
+    if "reference" in res and len(res["reference"]) == 2:
+        (o1, g1), (o2, g2) = res["reference"]
+        if not (torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))):
+            fails.append("reference: the same seed gave different results")
+    if "reference" in res and "flash" in res:
+        (o1, g1), (o2, g2) = res["reference"][0], res["flash"][0]
+
+        # the size of the terms each result sums (so that 1e-30 and 1e30 values are judged alike)
+        def amax(t: torch.Tensor) -> float:
+            return float(t.detach().abs().max()) if t.numel() else 0.0
+
+        D, G, Lq = q.shape[-1], q.shape[1] // max(1, k.shape[1]), q.shape[2]
+        sc = abs(pb.scale) if pb.scale is not None else (1.0 / math.sqrt(D) if D else 0.0)
+        kp, dv_dp = 1.0 / (1.0 - p), amax(dout) * amax(v)
+        terms = {
+            "out": kp * amax(v),
+            "dq": 2 * kp * sc * dv_dp * amax(k),
+            "dk": 2 * kp * sc * dv_dp * amax(q) * G * Lq,
+            "dv": kp * amax(dout) * G * Lq,
+        }
+        for n, a, b in zip(["out", "dq", "dk", "dv"], (o1, *g1), (o2, *g2)):
+            diff = float((a - b).abs().max()) if a.numel() else 0.0
+            if not diff <= 1e-11 * terms[n]:
+                fails.append(
+                    f"flash vs reference under dropout {p}: {n} differs by {diff:.3e} (terms of size {terms[n]:.1e})"
+                )
+    if fails:
+        pytest.fail(
+            "\n".join(fails)
+            + f"\ninputs of case seed={seed} ("
+            + "; ".join(pb.desc)
+            + f") in float64, dropout_p={p}\n"
+            + '  reproduce: PYTHONPATH=src:tests python -c "import test_fuzz as f; '
+            + f'f.test_dropout_between_backends({i})"',
+            pytrace=False,
+        )
