@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -38,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnzero as az
+from attnzero.bench import machine
 
 ATTENTION = ("torch", "reference", "flash", "auto", "dropin")
 
@@ -103,17 +102,6 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or platform.machine()
-
-
 def measure(args: argparse.Namespace, attention: str, dropout: tuple[float, float]) -> dict[str, float]:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.length, args.heads * args.head_dim, args.heads, args.layers, dropout, attention)
@@ -169,7 +157,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    print(f"# compile.py — {cpu_model()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
+    print(f"# compile.py — {machine()['cpu']}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
           f"{datetime.date.today().isoformat()}")
     print(f"# nanoGPT step (forward, backward, AdamW): B={args.batch}, H={args.heads}, L={args.length}, "
           f"D={args.head_dim}, {args.layers} layers, float32; median of {args.repeats} interleaved steps")
