@@ -18,6 +18,12 @@ import torch
 from torch import Tensor
 
 _M32 = 0xFFFFFFFF
+_I32_MIN = -(2**31)
+
+
+def _int32(x: int) -> int:
+    """The int32 with the bits of the uint32 ``x``."""
+    return x - 2**32 if x >= 2**31 else x
 
 
 def seed_tensor(device: torch.device) -> Tensor:
@@ -31,13 +37,21 @@ def draw_seed(device: torch.device) -> int:
     return int(seed_tensor(device).item())
 
 
-def _mix32(x: Tensor) -> Tensor:
-    # x holds uint32 values in int64; every product is masked back to 32 bits.
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+def _mix32_(x: Tensor) -> Tensor:
+    """lowbias32 in place on an int32 tensor holding uint32 bits: int32 products wrap at 32 bits
+    like uint32 ones, and each right shift is made logical by masking off the copied sign bits."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= 0x7FEB352D
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _int32(0x846CA68B)
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+def _low32(x: Tensor) -> Tensor:
+    """The low 32 bits of a non-negative int64 tensor, as int32."""
+    lo = x & _M32
+    return torch.where(lo >= 2**31, lo - 2**32, lo).to(torch.int32)
 
 
 def keep_mask(
@@ -47,17 +61,35 @@ def keep_mask(
     rows: tuple[int, int] | None = None,
     cols: tuple[int, int] | None = None,
     device: torch.device | None = None,
+    batches: tuple[int, int] | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> Tensor:
-    """Bool keep-mask (True = kept) for rows ``[r0, r1)`` × cols ``[c0, c1)`` of the full
-    (B, H, Lq, Lk) probability tensor; each entry is kept with probability ``1 - p``."""
+    """Bool keep-mask (True = kept) for batches ``[b0, b1)`` × heads ``[h0, h1)`` × rows
+    ``[r0, r1)`` × cols ``[c0, c1)`` of the full (B, H, Lq, Lk) probability tensor (default: all of
+    each); each entry is kept with probability ``1 - p``. Shape (b1 - b0, h1 - h0, r1 - r0, c1 - c0).
+
+    The counter of a row's columns is ``start + j``: its low 32 bits are computed in int32 (adding
+    j wraps as uint32 does) and its high 32 bits are the row's own, unless the row crosses a
+    multiple of 2^32 — then the high bits vary along it and the counters are formed in int64."""
     B, H, Lq, Lk = shape
+    b0, b1 = batches if batches is not None else (0, B)
+    h0, h1 = heads if heads is not None else (0, H)
     r0, r1 = rows if rows is not None else (0, Lq)
     c0, c1 = cols if cols is not None else (0, Lk)
-    bh = torch.arange(B * H, device=device, dtype=torch.int64).view(B, H, 1, 1)
-    i = torch.arange(r0, r1, device=device, dtype=torch.int64).view(1, 1, -1, 1)
-    j = torch.arange(c0, c1, device=device, dtype=torch.int64).view(1, 1, 1, -1)
-    counter = (bh * Lq + i) * Lk + j  # (B, H, r, c)
-    x = _mix32((counter & _M32) ^ (seed & _M32))
-    x = _mix32(x ^ (counter >> 32) ^ ((seed >> 32) & _M32))
+    bh = torch.arange(b0, b1, device=device).view(-1, 1) * H + torch.arange(h0, h1, device=device)  # (nb, nh)
+    i = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
+    start = (bh.view(b1 - b0, h1 - h0, 1, 1) * Lq + i) * Lk + c0  # counter of each row's first column: (nb, nh, r, 1)
+    hi = start >> 32
+    if c1 > c0 and not torch.equal(hi, (start + (c1 - c0 - 1)) >> 32):  # some row crosses a multiple of 2^32
+        counter = start + torch.arange(c1 - c0, device=device)  # (nb, nh, r, c) int64
+        x, hi = _low32(counter), counter >> 32
+    else:
+        x = _low32(start) + torch.arange(c1 - c0, dtype=torch.int32, device=device)  # (nb, nh, r, c), wraps
+    x ^= _int32(seed & _M32)
+    _mix32_(x)
+    x ^= _low32(hi ^ ((seed >> 32) & _M32))
+    _mix32_(x)
+    # keep iff x >= threshold as uint32: flipping the sign bit maps uint32 order onto int32 order
     threshold = min(round(p * 2.0**32), 2**32)
-    return x >= threshold
+    x ^= _I32_MIN
+    return x >= threshold + _I32_MIN

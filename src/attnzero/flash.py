@@ -419,19 +419,14 @@ class _Problem:
 
     def dropout_scale(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
         """Z / (1 - p) for one block, (N, G·r, c): the entries ``dropout.keep_mask`` keeps for the
-        full (B, Hq, Lq, Lk) problem, read one query head at a time through its counter
-        ``((b·Hq + h)·Lq + i)·Lk + j`` (a (1, 1, B·Hq·Lq, Lk) problem has the same counters)."""
-        flat = (1, 1, self.B * self.Hq * self.Lq, self.Lk)
-        parts = []
-        for b in range(c.b0, c.b1):
-            for h in range(c.n0 * self.G, c.n1 * self.G):
-                base = (b * self.Hq + h) * self.Lq
-                keep = dropout.keep_mask(
-                    self.dropout_seed, self.dropout_p, flat, (base + rows[0], base + rows[1]), cols, self.q.device
-                )
-                parts.append(keep[0, 0])  # (r, c)
-        z = torch.stack(parts).view(c.n, -1, cols[1] - cols[0])  # (N, G·r, c)
-        return z.to(self.acc) * (1.0 / (1.0 - self.dropout_p))
+        full (B, Hq, Lq, Lk) problem, for the chunk's batches and query heads."""
+        keep = dropout.keep_mask(
+            self.dropout_seed, self.dropout_p, (self.B, self.Hq, self.Lq, self.Lk), rows, cols, self.q.device,
+            batches=(c.b0, c.b1), heads=(c.n0 * self.G, c.n1 * self.G),
+        )  # (nb, nh·G, r, c)  # fmt: skip
+        kept = torch.full((), 1.0 / (1.0 - self.dropout_p), dtype=self.acc, device=self.q.device)
+        z = torch.where(keep, kept, 0.0)  # (nb, nh·G, r, c) in the accumulator dtype
+        return z.view(c.n, -1, cols[1] - cols[0])  # (N, G·r, c)
 
 
 @torch.no_grad()
