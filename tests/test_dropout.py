@@ -23,7 +23,7 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 def spec(seed: int, p: float, shape: tuple[int, int, int, int], idx: tuple[slice, ...]) -> torch.Tensor:
     """Entry (b, h, i, j) kept iff hash(seed, counter) >= round(p · 2^32), all in int64."""
-    B, H, Lq, Lk = shape
+    _, H, Lq, Lk = shape
     b, h, i, j = (torch.arange(n)[s] for n, s in zip(shape, idx))
     counter = ((b.view(-1, 1, 1, 1) * H + h.view(1, -1, 1, 1)) * Lq + i.view(1, 1, -1, 1)) * Lk + j.view(1, 1, 1, -1)
     x = mix((counter & M32) ^ (seed & M32))
