@@ -215,8 +215,9 @@ def test_fully_blocked_rows_give_zero_and_zero_gradients() -> None:
     assert torch.equal(torch.isinf(lse[0, 0]), blocked)
     assert (out[:, :, blocked] == 0).all() and not torch.isnan(out).any()
     assert q.grad is not None and (q.grad[:, :, blocked] == 0).all() and not torch.isnan(q.grad).any()
-    want, want_lse = reference.attention(q.detach(), k.detach(), v.detach(), mask=keep, bias=bias, causal=True,
-                                         scale=8**-0.5)
+    want, want_lse = reference.attention(
+        q.detach(), k.detach(), v.detach(), mask=keep, bias=bias, causal=True, scale=8**-0.5
+    )
     assert_close(out.detach(), want, name="out")
     assert_close(lse, want_lse, name="lse")
 
@@ -263,13 +264,76 @@ def test_attention_entry_is_differentiable_and_lse_is_not() -> None:
     assert out2.grad_fn is None and torch.equal(out2, out.detach())
 
 
-def test_auto_picks_reference_for_tiny_and_flash_otherwise(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_picks_flash_on_the_cpu_at_every_size(caplog: pytest.LogCaptureFixture) -> None:
     tiny = torch.randn(1, 1, 8, 8)
     big = torch.randn(1, 1, 512, 8)
     with caplog.at_level(logging.DEBUG, logger="attnzero"):
-        assert functional._auto(tiny, tiny) == "reference"
+        assert functional._auto(tiny, tiny) == "flash"
         assert functional._auto(big, big) == "flash"
-    assert "'flash'" in caplog.text and "'reference'" in caplog.text
+    assert "'flash'" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, causal",
+    [
+        ((1, 1, 1, 16, 16, 64), False),  # the tiny call
+        ((3, 4, 2, 7, 13, 5), False),  # GQA, awkward sizes
+        ((2, 6, 3, 9, 9, 8), True),
+        ((2, 2, 1, 5, 11, 8), True),  # causal with Lq < Lk: bottom-right
+        ((1, 1, 1, 1, 300, 8), True),  # decode-like
+    ],
+)
+def test_single_step_softmax_path_matches_the_reference(shape, causal, dtype) -> None:  # type: ignore[no-untyped-def]
+    """With every row's keys in one block and no row fully blocked, a call takes ``_forward_softmax``
+    (counted), in one task or in many (tiny ``elems``), within the tolerance rule of the float64
+    reference (float64 to 1e-12); the output is the same with and without the lse, and the lse
+    is within a few roundings of the float64 one."""
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = (t.to(dtype) for t in qkv(B, Hq, Hkv, Lq, Lk, D))
+    gold, gold_lse = reference.attention(q.double(), k.double(), v.double(), causal=causal, scale=D**-0.5)
+    ref, _ = reference.attention(q, k, v, causal=causal, scale=D**-0.5)
+    for elems in (1 << 19, 1):  # one task; one (batch, kv head) pair per task
+        before = flash.COUNTS["softmax"]
+        with flash.block_sizes(elems=elems), torch.no_grad():
+            got, lse = flash.attention(q, k, v, causal=causal, scale=D**-0.5, need_lse=False)
+            got2, lse2 = flash.attention(q, k, v, causal=causal, scale=D**-0.5)
+        assert flash.COUNTS["softmax"] == before + 2 and lse is None and lse2 is not None
+        assert torch.equal(got, got2)  # the output does not depend on asking for the lse
+        assert (lse2.double() - gold_lse).abs().max() <= 8 * torch.finfo(lse2.dtype).eps * max(
+            1.0, gold_lse.abs().max()
+        )
+        assert got.dtype == dtype and got.shape == (B, Hq, Lq, D)
+        if dtype == torch.float64:
+            assert_close(got, gold, name="out")
+        else:
+            err, ref_err = (got.double() - gold).abs().max(), (ref.double() - gold).abs().max()
+            assert err <= 2 * ref_err + torch.finfo(dtype).eps, (err, ref_err)
+
+
+def test_single_step_softmax_path_is_not_taken_where_a_row_could_be_fully_blocked() -> None:
+    """A mask, a bias, a window, dropout, causal with Lq > Lk, or keys wider than one block: the
+    online softmax (no plain softmax over a row of −inf)."""
+    q, k, v = qkv(1, 2, 2, 6, 4, 8)
+    cases = [
+        dict(mask=torch.zeros(1, 1, 6, 4, dtype=torch.bool)),
+        dict(bias=torch.full((1, 1, 6, 4), float("-inf"))),
+        dict(window=(0, 0)),
+        dict(causal=True),  # Lq = 6 > Lk = 4: the first two rows see nothing
+    ]
+    for kw in cases:
+        before = flash.COUNTS["softmax"]
+        with torch.no_grad():
+            got, _ = flash.attention(q, k, v, scale=0.3, need_lse=False, **kw)
+        want, _ = reference.attention(q, k, v, scale=0.3, **kw)
+        assert flash.COUNTS["softmax"] == before, kw
+        assert not got.isnan().any()
+        assert_close(got, want, name=str(kw))
+    wide = qkv(1, 1, 1, 2, flash._SOFTMAX_MAX_COLS + 1, 8)
+    before = flash.COUNTS["softmax"]
+    with torch.no_grad():
+        flash.attention(*wide, scale=0.3, need_lse=False)
+    assert flash.COUNTS["softmax"] == before
 
 
 def test_concurrent_calls_from_threads_are_right_and_restore_torch_threads() -> None:
@@ -514,13 +578,15 @@ def test_inference_mode_with_worker_threads() -> None:
     """Serving code runs under torch.inference_mode: the worker threads run under it too (it is
     thread-local), and the result is the same as without it — through flash, auto and the module."""
     q, k, v = (t.float() for t in qkv(1, 8, 8, 300, 300, 16))
-    want = flash.forward(q, k, v, bias=None, **options(causal=True))[0]
-    with flash.block_sizes(threads=2, rows=64), torch.inference_mode():
+    with flash.block_sizes(threads=2, rows=64, elems=1 << 14):
+        want = flash.forward(q, k, v, bias=None, **options(causal=True))[0]
+        want_auto = az.attention(q, k, v, causal=True, scale=0.3, backend="auto")  # the single-step path
+    with flash.block_sizes(threads=2, rows=64, elems=1 << 14), torch.inference_mode():
         out, _ = flash.attention(q, k, v, causal=True, scale=0.3)
         auto = az.attention(q, k, v, causal=True, scale=0.3, backend="auto")
         mha = az.MultiHeadAttention(32, 4, dropout=0.0)
         y = mha(torch.randn(2, 300, 32), causal=True)
-    assert torch.equal(out, want) and torch.equal(auto, want)
+    assert torch.equal(out, want) and torch.equal(auto, want_auto)
     assert y.shape == (2, 300, 32) and torch.isfinite(y).all()
     # and a training step on the same threads afterwards
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]

@@ -52,18 +52,22 @@ NEG_INF = float("-inf")
 # Block sizes, chosen by measuring on a 2-core AVX-512 CPU (docs/benchmarks.md). ``rows``: query rows
 # per head in a block; ``cols``: key columns (0 = as many as make a score block of about ``elems``
 # floats); ``kv``: floats of the per-chunk copy of K and V (bounds the extra memory).
-# ``threads``: worker threads on CPU (0 = torch.get_num_threads(), or 1 below ``_THREADED_MIN``).
+# ``threads``: worker threads on CPU (0 = torch.get_num_threads(); see ``_threads``).
 # ``unshifted``: 1 = try the forward's no-max variant first, 0 = the online softmax only.
-_SIZES: dict[str, int] = {"rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0, "unshifted": 1}
+# ``softmax``: 1 = problems whose keys fit one block take the single-step ``_forward_softmax``.
+_SIZES: dict[str, int] = {
+    "rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0, "unshifted": 1, "softmax": 1,
+}  # fmt: skip
 
-# Below this many scores (B·Hq·Lq·Lk; 8 heads at L ≈ 1450) one thread of ours runs the tasks with
-# torch's intra-op threads inside each op: measured on 2 cores, that is as fast or faster there.
-_THREADED_MIN = 1 << 24
+# The forward's single-step case (``_forward_softmax``) serves keys up to this many columns.
+_SOFTMAX_MAX_COLS = 1024
+_SOFTMAX_MAX_CAUSAL = 128  # and causal ones up to this many (a causal L = 256 is as fast online)
 
-# Counters read by tests: blocks visited by the forward and the backward, and row blocks whose
-# unshifted forward was not exact and went to the online softmax ("fallback"). The worker threads
+# Counters read by tests: blocks visited by the forward and the backward, row blocks whose
+# unshifted forward was not exact and went to the online softmax ("fallback"), and calls that took
+# the single-step softmax ("softmax"). The worker threads
 # count theirs in ``parallel.COUNTS``.
-COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "fallback": 0}
+COUNTS: dict[str, int] = {"forward": 0, "backward": 0, "fallback": 0, "softmax": 0}
 
 # The forward's unshifted variant is exact when every row sum lies below this and above a floor
 # (see ``_forward_rows_unshifted``).
@@ -86,11 +90,15 @@ def block_sizes(
     kv: int | None = None,
     threads: int | None = None,
     unshifted: bool | None = None,
+    softmax: bool | None = None,
 ) -> Iterator[None]:
     """Temporarily force the block sizes, the worker threads, and whether the forward tries its
-    unshifted variant (tests use tiny blocks to hit every boundary)."""
+    unshifted variant or its single-step softmax (tests use tiny blocks to hit every boundary)."""
     old = dict(_SIZES)
-    given = {"rows": rows, "cols": cols, "elems": elems, "kv": kv, "threads": threads, "unshifted": unshifted}
+    given = {
+        "rows": rows, "cols": cols, "elems": elems, "kv": kv, "threads": threads, "unshifted": unshifted,
+        "softmax": softmax,
+    }  # fmt: skip
     for key, value in given.items():
         if value is not None:
             _SIZES[key] = int(value)
@@ -147,10 +155,10 @@ class _Chunk:
         view.copy_(src.reshape(view.shape))
 
 
-def _chunks(B: int, Hkv: int, G: int, per_pair: int) -> list[_Chunk]:
+def _chunks(B: int, Hkv: int, G: int, per_pair: int, at_least: int = 1) -> list[_Chunk]:
     """Split the B·Hkv (batch, kv head) pairs into balanced chunks whose K/V copies (``per_pair``
-    floats each) fit in ``_SIZES["kv"]``."""
-    n = max(1, min(B * Hkv, _SIZES["kv"] // max(1, per_pair)))
+    floats each) fit in ``_SIZES["kv"]``, and into ``at_least`` chunks if there are enough pairs."""
+    n = max(1, min(B * Hkv, _SIZES["kv"] // max(1, per_pair), -(-B * Hkv // at_least)))
     if n >= Hkv:
         nb = max(1, n // Hkv)
         nb = -(-B // -(-B // nb))  # balance: the same number of batches in every chunk
@@ -232,6 +240,18 @@ def _five(t: Tensor, G: int) -> Tensor:
     return t.view(t.shape[0], t.shape[1] // G, G, t.shape[2], t.shape[3])
 
 
+def _threads(device: torch.device) -> int:
+    """Worker threads on CPU: as forced by ``block_sizes(threads=...)``, else torch's thread count
+    (1 on other devices). Even small problems take the workers when there are two or more tasks:
+    each worker's ops then run on one core, and the threads meet once per call — where torch's
+    intra-op threads inside a dozen small ops per block meet after every op, which on a machine
+    whose cores are busy with other work costs a scheduler time slice each (measured 10–20×
+    slower than the workers under load, docs/benchmarks.md)."""
+    if device.type != "cpu":
+        return 1
+    return _SIZES["threads"] or torch.get_num_threads()
+
+
 class _Problem:
     """The trusted arguments of one call, and how to read one block of scores from them.
 
@@ -285,23 +305,18 @@ class _Problem:
         return self._v_tiny
 
     def threads(self, mutex: bool) -> int:
-        """Worker threads for the tasks: 1 on other devices or when blocks add into shared memory
-        (``mutex``: a broadcast bias gradient); else as forced by ``_SIZES["threads"]``; else 1
-        for problems under ``_THREADED_MIN`` scores, where starting the workers costs more than
-        they gain and torch's intra-op threads split each op instead; else torch's thread count."""
-        if mutex or self.q.device.type != "cpu":
-            return 1
-        if _SIZES["threads"]:
-            return _SIZES["threads"]
-        if self.B * self.Hq * self.Lq * self.Lk < _THREADED_MIN:
-            return 1
-        return torch.get_num_threads()
+        """Worker threads for the tasks: 1 when blocks add into shared memory (``mutex``: a
+        broadcast bias gradient), else ``_threads``."""
+        return 1 if mutex else _threads(self.q.device)
 
     def chunks(self, per_pair: int) -> list[_Chunk]:
         """Chunks whose copies of K/V (``per_pair`` floats per position and pair) fit in
         ``_SIZES["kv"]`` and whose score blocks can still be 512 keys wide."""
         wide = _SIZES["elems"] // (self.G * min(_SIZES["rows"], self.Lq) * min(512, self.Lk))
-        return _chunks(self.B, self.Hkv, self.G, max(per_pair * self.Lk, _SIZES["kv"] // max(1, wide)))
+        # and at least two tasks per worker thread, when there are that many pairs
+        row_blocks = -(-self.Lq // _SIZES["rows"])
+        at_least = -(-2 * _threads(self.q.device) // row_blocks)
+        return _chunks(self.B, self.Hkv, self.G, max(per_pair * self.Lk, _SIZES["kv"] // max(1, wide)), at_least)
 
     def col_step(self, c: _Chunk) -> int:
         """Key columns per block: forced, or enough for a score block of about ``elems`` floats."""
@@ -445,6 +460,10 @@ def forward(
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))`` by an online softmax over key blocks.
     A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
+    if _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
+        out1, lse1 = _forward_softmax(q, k, v, causal, scale, with_lse=True)
+        assert lse1 is not None
+        return out1, lse1
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=q.device)
@@ -462,6 +481,82 @@ def forward(
     if pb.row_shift is not None:
         lse.add_(pb.row_shift)  # the constant taken out of the bias (see _huge_bias)
     return out, lse
+
+
+def _softmax_applies(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | Mask | None,
+    bias: Tensor | None,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+    dropout_p: float,
+) -> bool:
+    """Whether ``_forward_softmax`` computes this problem: every row's keys fit one block and
+    every row keeps at least one key (no mask, bias or window; causal only with Lq <= Lk, and only
+    for one query or short keys: it computes every score, where the online softmax skips the
+    blocked blocks)."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    plain = mask is None and bias is None and window is None and dropout_p == 0.0 and _SIZES["softmax"] != 0
+    one_block = Lk <= (_SIZES["cols"] or _SOFTMAX_MAX_COLS)  # (forced narrower blocks: tiles, for tests)
+    return plain and one_block and (not causal or Lq == 1 or Lq <= Lk <= _SOFTMAX_MAX_CAUSAL)
+
+
+def _forward_softmax(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, with_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The online softmax when the keys of every row fit in one block: it takes a single step,
+    ``m`` = the row max, ``p = exp(s − m)``, ``l = Σ p``, ``O = p V / l`` — which is torch's fused
+    softmax followed by P·V. No row is fully blocked here (``_softmax_applies``), so the softmax
+    never sees a row of −inf. The (batch, kv head) pairs run in tasks whose score blocks, about
+    512 KiB, stay in the core's cache. ``with_lse``: also the lse, from the row max of the scores and
+    of P (two more passes; else None) — the output is the same either way."""
+    _count("softmax")
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G, N = Hq // Hkv, B * Hkv
+    acc = accum_dtype(q.dtype)
+    qg = _as(q.reshape(N, G * Lq, D), acc)  # (N, G·Lq, D): the G query heads of a kv head stacked
+    kt = _as(k.reshape(N, Lk, D), acc).transpose(1, 2)  # Kᵀ: (N, D, Lk)
+    vg = _as(v.reshape(N, Lk, Dv), acc)  # (N, Lk, Dv)
+    blocked = None
+    if causal and Lq > 1:  # query i sees keys j <= i + Lk − Lq: the rest is −inf before the softmax
+        keep = keep_block(None, True, None, Lq, Lk, (0, Lq), (0, Lk), q.device)  # (Lq, Lk)
+        blocked = None if keep is None else keep.logical_not().repeat(G, 1)  # (G·Lq, Lk)
+    lse = torch.empty(N, G * Lq, dtype=acc, device=q.device) if with_lse else None  # (N, G·Lq)
+
+    def block(n0: int, n1: int, out: Tensor | None = None) -> Tensor:
+        """O = softmax(scale · Q Kᵀ) V for pairs [n0, n1): (n, G·Lq, Dv) in the accumulator dtype
+        (into ``out`` if given); their lse into ``lse``."""
+        whole = n1 - n0 == N  # one task: no slicing (a tiny call is a few µs per op)
+        qa, ka, va = (qg, kt, vg) if whole else (qg[n0:n1], kt[n0:n1], vg[n0:n1])
+        s = qa.new_empty(n1 - n0, G * Lq, Lk)  # (beta=0: its contents are ignored, NaN included)
+        s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
+        if blocked is not None:
+            s.masked_fill_(blocked, NEG_INF)
+        m = s.amax(dim=-1) if lse is not None else None  # the row max: (n, G·Lq)
+        p = torch.softmax(s, dim=-1)  # P = exp(s − m) / l
+        if m is not None and lse is not None:
+            # the row's largest p is exp(0) / l: lse = m + log l = m − log(max_j p_ij)
+            torch.sub(m, p.amax(dim=-1).log_(), out=lse[n0:n1])
+        return torch.bmm(p, va, out=out)  # O = P V
+
+    per = max(1, _SIZES["elems"] // (4 * G * Lq * Lk))  # pairs per task: 512 KiB of float32 scores
+    lse4 = None if lse is None else lse.view(B, Hq, Lq)
+    if per >= N:
+        return block(0, N).to(q.dtype).view(B, Hq, Lq, Dv), lse4
+    out = torch.empty(B, Hq, Lq, Dv, dtype=q.dtype, device=q.device)
+    og = out.view(N, G * Lq, Dv)  # (N, G·Lq, Dv)
+
+    def task(n0: int, scratch: None, own: bool) -> None:
+        n1 = min(N, n0 + per)
+        if og.dtype == acc:
+            block(n0, n1, og[n0:n1])
+        else:
+            og[n0:n1] = block(n0, n1)
+
+    run_tasks(list(enumerate(range(0, N, per))), task, lambda: None, _threads(q.device), lambda item: None)
+    return out, lse4
 
 
 def _forward_rows(
@@ -672,6 +767,11 @@ def _backward_rows(
     torch.mul(dq_acc.view(g.shape), pb.scale2 * LN2, out=g)  # scale2 · ln 2 = scale
 
 
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype`` (itself when it is already: no dispatch at all)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _in(ar: Arena, name: str, x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x`` in ``dtype``: itself, or converted into the arena's buffer ``name``."""
     return x if x.dtype == dtype else ar.get(name, *x.shape).copy_(x)
@@ -737,9 +837,12 @@ def attention(
     scale: float,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
-) -> tuple[Tensor, Tensor]:
+    need_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """The backend entry used by ``functional.py``: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``,
-    differentiable in q, k, v and bias (lse is not)."""
+    differentiable in q, k, v and bias (lse is not). ``need_lse=False``: lse may be None. A call that
+    needs no gradient and fits one key block takes ``_forward_softmax`` (its output does not depend
+    on ``need_lse``)."""
     options: dict[str, Any] = {
         "mask": mask,
         "causal": causal,
@@ -750,6 +853,8 @@ def attention(
     }
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     if not needs_grad:
+        if _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
+            return _forward_softmax(q, k, v, causal, scale, with_lse=need_lse)
         return forward(q, k, v, bias=bias, **options)
     out, lse = _FlashAttention.apply(q, k, v, bias, options)
     return out, lse

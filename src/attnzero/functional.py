@@ -41,7 +41,7 @@ from .masks import causal as causal_mask
 log = logging.getLogger("attnzero")
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
-Backend = Callable[..., tuple[Tensor, Tensor]]
+Backend = Callable[..., tuple[Tensor, Tensor | None]]
 BackendName = Literal["auto", "reference", "flash", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "flash", "triton")
 
@@ -73,9 +73,9 @@ def _auto(q: Tensor, k: Tensor) -> str:
     """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements).
     Whether gradients are needed does not change the choice: the triton backend itself takes its
     split-KV decode path only when no input requires grad."""
-    # Tiny problems: the materialised reference has the fewest ops (the flash loop's per-block
-    # overhead dominates below ~128 × 128 scores per head). Otherwise flash, on any device.
-    name = "flash" if q.shape[2] * k.shape[2] > 128 * 128 else "reference"
+    # flash, on any device: with one key block (``flash._forward_softmax``) it is three ops per
+    # task, as few as any formula; its worker threads keep a busy machine's cores out of each op.
+    name = "flash"
     if q.is_cuda and q.dtype != torch.float64 and _TRITON_INSTALLED:
         name = "triton"  # the Triton kernels (kernels/), for every size on CUDA
     if not torch.compiler.is_compiling():  # a compiled graph has no logger calls
@@ -213,9 +213,11 @@ def _attention(
         )  # fmt: skip
     else:
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        lse_kw = {"need_lse": want_lse} if name == "flash" else {}
         out, lse = _backend(name)(
-            q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p, dropout_seed=seed
-        )
+            q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p, dropout_seed=seed,
+            **lse_kw,
+        )  # fmt: skip
     return (out, lse) if want_lse else out
 
 
