@@ -157,9 +157,9 @@ def naive_attention(
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of softmax(scale · Q Kᵀ + bias) V with blocked pairs removed, in q's dtype."""
-    Hq, Hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, D)
-    v = v.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, Dv)
+    G = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA; 1 without)
+    k = k.repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): query head h reads kv head h // G
+    v = v.repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
     if bias is not None:

@@ -101,6 +101,15 @@ def alibi_golden(H: int, Lq: int, Lk: int) -> torch.Tensor:
     return out
 
 
+def per_kv_head(t: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(B, Hq, ...) -> (B, Hkv, ...): what the query heads add up to on the key/value head they
+    read (query head h reads kv head h // G, G = Hq // Hkv): a kv head's gradient sums them."""
+    Hq = t.shape[1]
+    G = Hq // Hkv if Hkv > 0 else 1
+    out = torch.zeros(t.shape[0], Hkv, *t.shape[2:], dtype=t.dtype)
+    return out.index_add_(1, torch.arange(Hq) // G, t)  # out[:, h // G] += t[:, h]
+
+
 @dataclass
 class Golden:
     out: torch.Tensor  # (B, Hq, Lq, Dv)
@@ -124,7 +133,7 @@ def golden(
     (B, Hq, Lq, Lk); a pair whose score is -inf (a -inf bias) is not kept either; rows without a
     kept pair give out 0, lse -inf, p 0. Gradients of <out, dout> w.r.t. q, k, v (and bias)."""
     B, Hq, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Lk = k.shape[1], k.shape[2]
     G = Hq // Hkv if Hkv > 0 else 1
     want_grad = dout is not None
     q = q.detach().to(F64).requires_grad_(want_grad)
@@ -168,9 +177,9 @@ def golden(
         t = pd * (dp.abs() + delta.abs())  # |terms of ds|
         mags["q"] = abs(scale) * amax(t @ kk.detach().abs())
         dk_terms = abs(scale) * (t.transpose(-1, -2) @ q.detach().abs())  # (B, Hq, Lk, D)
-        mags["k"] = amax(dk_terms.view(B, Hkv, G, Lk, D).sum(2)) if Hkv else 0.0
+        mags["k"] = amax(per_kv_head(dk_terms, Hkv))  # (B, Hkv, Lk, D)
         dv_terms = pd.transpose(-1, -2) @ do  # (B, Hq, Lk, Dv)
-        mags["v"] = amax(dv_terms.view(B, Hkv, G, Lk, Dv).sum(2)) if Hkv else 0.0
+        mags["v"] = amax(per_kv_head(dv_terms, Hkv))  # (B, Hkv, Lk, Dv)
         if b is not None:
             mags["bias"] = amax(t.sum_to_size(b.shape))
     sz = (scale * torch.einsum("bhid,bhjd->bhij", q.detach().abs(), kk.detach().abs())).abs()
