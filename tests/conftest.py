@@ -1,10 +1,10 @@
-"""Shared test machinery: the backends under test, the tolerance rule of DESIGN.md, input factories
-and an independent, deliberately naive attention used to check the golden itself.
+"""Shared test machinery: the backends under test, input factories, one golden comparison, and an
+independent, deliberately naive attention used to check the golden itself.
 
-The tolerance rule (DESIGN.md, "Numerics and tests"): inputs are drawn, rounded to dtype X, and the
-golden is ``backend="reference"`` on those rounded inputs in float64. A backend run in dtype X passes
-when ``err(backend_X) <= 2 × err(reference_X) + floor`` for outputs (3× for gradients), errors being
-max-abs differences against the golden. NaN never passes.
+The tolerance rule (DESIGN.md, "Numerics and tests") lives in ``attnzero.testing``: inputs are
+drawn, rounded to dtype X, and the golden is ``backend="reference"`` on those rounded inputs in
+float64. A backend run in dtype X passes when ``err(backend_X) <= 2 × err(reference_X) + floor`` for
+outputs (3× for gradients), errors being max-abs differences against the golden. NaN never passes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import attnzero as az
+from attnzero.testing import assert_close_to_golden, assert_reference_sane, magnitude
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the suite may touch the network
 # Without a GPU, backend="triton" runs on CPU tensors under Triton's interpreter, which must be chosen
@@ -33,17 +34,6 @@ BACKENDS: list[str] = ["reference", "flash"]
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPE_IDS = ["f16", "bf16", "f32", "f64"]
-
-# Absolute floor of the tolerance rule, in units of max(1, |golden|): about one rounding of the
-# result in dtype X (a backend may round once differently where the reference happens to be
-# exact). float64's reference *is* the golden (error 0), so its floor is what float64 reordering of
-# the sums costs.
-FLOOR: dict[torch.dtype, float] = {
-    torch.float64: 1e-12,
-    torch.float32: 2 * torch.finfo(torch.float32).eps,
-    torch.float16: torch.finfo(torch.float16).eps,
-    torch.bfloat16: torch.finfo(torch.bfloat16).eps,
-}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -60,7 +50,7 @@ def _seed(request: pytest.FixtureRequest) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The tolerance rule
+# Missing dependencies
 
 
 def absent(message: str) -> None:
@@ -76,60 +66,6 @@ def need(*modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         absent(f"not installed: {', '.join(missing)} (pip install -e '.[hf]')")
-
-
-def max_err(x: torch.Tensor, golden: torch.Tensor) -> float:
-    """Max |x - golden| in float64; equal infinities (lse of a blocked row) count as 0 error."""
-    x64, g64 = x.detach().to(torch.float64), golden.detach().to(torch.float64)
-    same_inf = torch.isinf(g64) & (x64 == g64)
-    d = torch.where(same_inf, torch.zeros_like(g64), (x64 - g64).abs())
-    return float(d.max()) if d.numel() else 0.0
-
-
-def assert_close_to_golden(
-    out_x: torch.Tensor,
-    out_ref_x: torch.Tensor,
-    golden: torch.Tensor,
-    *,
-    grad: bool = False,
-    name: str = "out",
-    floor: float | None = None,
-    scale_of_terms: float = 0.0,
-) -> None:
-    """DESIGN.md's rule: err(out_x) <= 2 × err(out_ref_x) + floor (3× for gradients); NaN fails.
-
-    ``out_x`` is the backend under test in dtype X, ``out_ref_x`` the reference backend in dtype X,
-    ``golden`` the reference in float64 on the same (rounded) inputs. The floor is ``floor``
-    (default ``FLOOR[X]``) times max(1, |golden|, ``scale_of_terms``): a result that is a
-    difference of larger terms (a gradient through the softmax, dP - rowsum(dO·O)) may be 0 in the
-    reference exactly yet carry the rounding of those terms in another correct backend."""
-    assert out_x.shape == golden.shape, f"{name}: shape {tuple(out_x.shape)} != golden {tuple(golden.shape)}"
-    assert not torch.isnan(golden).any(), f"{name}: the golden itself has NaN"
-    assert not torch.isnan(out_x).any(), f"{name}: NaN in the backend's result"
-    assert not torch.isnan(out_ref_x).any(), f"{name}: NaN in the reference's result"
-    assert torch.equal(torch.isinf(out_x), torch.isinf(golden)), f"{name}: infinities differ from the golden"
-    factor = 3.0 if grad else 2.0
-    fin = golden[torch.isfinite(golden)]
-    magnitude = max(1.0, scale_of_terms, float(fin.abs().max()) if fin.numel() else 0.0)
-    fl = (FLOOR[out_x.dtype] if floor is None else floor) * magnitude
-    err, ref_err = max_err(out_x, golden), max_err(out_ref_x, golden)
-    assert err <= factor * ref_err + fl, (
-        f"{name} ({out_x.dtype}): error {err:.3e} > {factor:g} × reference error {ref_err:.3e} + floor {fl:.1e}"
-    )
-
-
-def assert_reference_sane(
-    out_ref_x: torch.Tensor, golden: torch.Tensor, *, grad: bool = False, name: str = "out"
-) -> None:
-    """The reference backend in a low precision stays within a few roundings of the golden (this
-    keeps the baseline of the tolerance rule honest: a sloppy reference would loosen every test)."""
-    assert not torch.isnan(out_ref_x).any(), f"{name}: NaN in the reference's result"
-    fin = golden[torch.isfinite(golden)]
-    magnitude = max(1.0, float(fin.abs().max())) if fin.numel() else 1.0
-    eps = torch.finfo(out_ref_x.dtype).eps
-    bound = (64 if grad else 16) * eps * magnitude
-    err = max_err(out_ref_x, golden)
-    assert err <= bound, f"{name}: reference in {out_ref_x.dtype} is {err:.3e} from the golden (bound {bound:.1e})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,9 +157,9 @@ def naive_attention(
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of softmax(scale · Q Kᵀ + bias) V with blocked pairs removed, in q's dtype."""
-    Hq, Hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, D)
-    v = v.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, Dv)
+    G = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA; 1 without)
+    k = k.repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): query head h reads kv head h // G
+    v = v.repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
     if bias is not None:
@@ -343,13 +279,15 @@ def check_against_golden(
     if dtype != torch.float64:
         assert_reference_sane(ref.out, gold.out)
     assert_close_to_golden(res.out, ref.out, gold.out, name="out")
-    assert_close_to_golden(res.lse, ref.lse, gold.lse, name="lse", floor=FLOOR[torch.float32])
+    assert_close_to_golden(res.lse, ref.lse, gold.lse, kind="lse")
     terms = 0.0 if dout is None else float(dout.abs().max()) * float(vr.abs().max())  # |dP = dO Vᵀ|
     for n, g in gold.grads.items():
         assert res.grads[n].dtype == dtype
         if dtype != torch.float64:
-            assert_reference_sane(ref.grads[n], g, grad=True, name=f"d{n}")
-        assert_close_to_golden(res.grads[n], ref.grads[n], g, grad=True, name=f"d{n}", scale_of_terms=terms)
+            assert_reference_sane(ref.grads[n], g, kind="grad", name=f"d{n}")
+        # A gradient through the softmax is a difference of larger terms (dP - rowsum(dO·O)): it may
+        # be 0 in the reference exactly yet carry the rounding of those terms in another backend.
+        assert_close_to_golden(res.grads[n], ref.grads[n], g, kind="grad", name=f"d{n}", size=magnitude(g, terms))
     return gold, res
 
 

@@ -3,7 +3,7 @@ equal to single-process attention on the whole sequence; faults end in errors, n
 
 Launching processes is the slow part, so each world size is ONE group of processes that runs every
 case (and then the fault scenarios) and saves its results; the tests below read those results and
-apply DESIGN.md's tolerance rule (conftest.py) against ``backend="reference"`` in float64.
+apply DESIGN.md's tolerance rule (attnzero.testing) against ``backend="reference"`` in float64.
 
 This file is also the worker script: ``python tests/test_distributed.py <job dir> <rank>``.
 """
@@ -118,7 +118,9 @@ def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_single_process(group: tuple[int, dict], case: tuple[Any, ...]) -> None:
-    from conftest import assert_close_to_golden, run_attention
+    from conftest import run_attention
+
+    from attnzero.testing import assert_close_to_golden
 
     world, results = group
     res = results[0]["cases"][case_id(case)]
@@ -133,7 +135,7 @@ def test_matches_single_process(group: tuple[int, dict], case: tuple[Any, ...]) 
     assert_close_to_golden(res["out"], ref.out, gold.out, name="out")
     for n in ("q", "k", "v"):
         assert res[f"d{n}"].dtype == dtype
-        assert_close_to_golden(res[f"d{n}"], ref.grads[n], gold.grads[n], grad=True, name=f"d{n}")
+        assert_close_to_golden(res[f"d{n}"], ref.grads[n], gold.grads[n], kind="grad", name=f"d{n}")
     # Every rank computed the same gathered result (they gather one another's slices).
     for r in range(1, world):
         assert torch.equal(results[r]["cases"][case_id(case)]["out"], res["out"])

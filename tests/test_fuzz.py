@@ -10,10 +10,12 @@ reference backend is used only as the same-precision baseline of DESIGN.md's tol
 
     err(backend in dtype X) <= 2 × err(reference in dtype X) + floor      (3× for gradients)
 
-errors being max |x - golden|, NaN never passing. The floor is FLOOR[X] (conftest) times the size of
-the terms the result sums (e.g. max_i Σ_j p_ij |v_j| for the output), so that it stays a rounding of
-the result also when v is 1e-30 or 1e30. The reference itself must stay within a few roundings of the
-golden (else it is reported, and the others are held to that bound instead of its error).
+errors being max |x - golden|, NaN never passing (the rule is ``attnzero.testing``). The floor is
+FLOOR[X] times the size of the terms the result sums (e.g. max_i Σ_j p_ij |v_j| for the output), so
+that it stays a rounding of the result also when v is 1e-30 or 1e30, plus the rule's allowance for
+the one more rounding of the scores a tiled backend makes. The reference itself must stay within a
+few roundings of the golden (else it is reported, and the others are held to that bound instead of
+its error).
 
 A failing case prints every failure of the case and a reproducer::
 
@@ -38,10 +40,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FLOOR, absent
+from conftest import absent
 
 import attnzero as az
 from attnzero.flash import block_sizes
+from attnzero.testing import Kind, accumulator_dtype, magnitude, reference_verdict, sanity_bound, verdict
 
 EXAMPLES = int(os.environ.get("ATTNZERO_FUZZ_EXAMPLES", "160"))
 BASE_SEED = int(os.environ.get("ATTNZERO_FUZZ_SEED", "0"))
@@ -98,6 +101,15 @@ def alibi_golden(H: int, Lq: int, Lk: int) -> torch.Tensor:
     return out
 
 
+def per_kv_head(t: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(B, Hq, ...) -> (B, Hkv, ...): what the query heads add up to on the key/value head they
+    read (query head h reads kv head h // G, G = Hq // Hkv): a kv head's gradient sums them."""
+    Hq = t.shape[1]
+    G = Hq // Hkv if Hkv > 0 else 1
+    out = torch.zeros(t.shape[0], Hkv, *t.shape[2:], dtype=t.dtype)
+    return out.index_add_(1, torch.arange(Hq) // G, t)  # out[:, h // G] += t[:, h]
+
+
 @dataclass
 class Golden:
     out: torch.Tensor  # (B, Hq, Lq, Dv)
@@ -121,7 +133,7 @@ def golden(
     (B, Hq, Lq, Lk); a pair whose score is -inf (a -inf bias) is not kept either; rows without a
     kept pair give out 0, lse -inf, p 0. Gradients of <out, dout> w.r.t. q, k, v (and bias)."""
     B, Hq, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Lk = k.shape[1], k.shape[2]
     G = Hq // Hkv if Hkv > 0 else 1
     want_grad = dout is not None
     q = q.detach().to(F64).requires_grad_(want_grad)
@@ -165,9 +177,9 @@ def golden(
         t = pd * (dp.abs() + delta.abs())  # |terms of ds|
         mags["q"] = abs(scale) * amax(t @ kk.detach().abs())
         dk_terms = abs(scale) * (t.transpose(-1, -2) @ q.detach().abs())  # (B, Hq, Lk, D)
-        mags["k"] = amax(dk_terms.view(B, Hkv, G, Lk, D).sum(2)) if Hkv else 0.0
+        mags["k"] = amax(per_kv_head(dk_terms, Hkv))  # (B, Hkv, Lk, D)
         dv_terms = pd.transpose(-1, -2) @ do  # (B, Hq, Lk, Dv)
-        mags["v"] = amax(dv_terms.view(B, Hkv, G, Lk, Dv).sum(2)) if Hkv else 0.0
+        mags["v"] = amax(per_kv_head(dv_terms, Hkv))  # (B, Hkv, Lk, Dv)
         if b is not None:
             mags["bias"] = amax(t.sum_to_size(b.shape))
     sz = (scale * torch.einsum("bhid,bhjd->bhij", q.detach().abs(), kk.detach().abs())).abs()
@@ -181,111 +193,43 @@ def golden(
 # Judging one result
 
 
-def max_err(x: torch.Tensor, gold: torch.Tensor) -> tuple[float, tuple[int, ...]]:
-    """Max |x - gold| (equal infinities count 0, NaN counts inf) and where it is."""
-    x64 = x.detach().to(F64)
-    same_inf = torch.isinf(gold) & (x64 == gold)
-    d = torch.where(same_inf, 0.0, (x64 - gold).abs())
-    d = torch.where(torch.isnan(d), math.inf, d)
-    if d.numel() == 0:
-        return 0.0, ()
-    i = int(d.argmax())
-    return float(d.reshape(-1)[i]), tuple(int(c) for c in torch.unravel_index(torch.tensor(i), d.shape))
-
-
-def eps(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return F64 if dtype == F64 else F32
-
-
-@dataclass
-class Bounds:
-    """The floor and the reference's sanity bound of one result (out, lse, a gradient)."""
-
-    floor: float
-    sane: float
-
-
-def spacing(dtype: torch.dtype) -> float:
-    """The dtype's smallest subnormal: results below it are not representable at all."""
-    fi = torch.finfo(dtype)
-    return fi.smallest_normal * fi.eps
-
-
-def bounds(name: str, dtype: torch.dtype, gold: Golden, gval: torch.Tensor, rdt: torch.dtype | None = None) -> Bounds:
-    """``floor``: FLOOR[X] × the size of the summed terms (lse: FLOOR of its dtype × max(1, |lse|)),
-    plus one rounding of the scores (2 κ, κ = eps · |s|, below), and never under the dtype's
-    smallest subnormal (a gradient of 1e-49 is 0 in float32).
-    ``sane``: what the reference in dtype X may be off by: 16 roundings of X (64 for gradients) of
-    those terms, plus what rounding the scores in the accumulator dtype costs (a score of size S is
-    off by eps·S; that moves p relatively by as much). ``rdt``: the result's dtype where it differs
-    from X (the gradient of a bias of another dtype): the coarser of the two counts."""
-    if rdt is not None and eps(rdt) > eps(dtype):
-        dtype = rdt
-    kappa = eps(acc_dtype(dtype)) * gold.score_size
-    # A tiled backend rounds each score once more than the reference (base 2: s · log2 e; the
-    # backward's p = exp(s − lse) from a float32 lse), which moves p relatively by about eps · |s|:
-    # the same one-rounding allowance as FLOOR, taken on the scores (2 κ). It is below FLOOR for
-    # scores of ordinary size and matters only for scores in the hundreds and beyond.
-    if name == "lse":
-        ldt = acc_dtype(dtype)
-        fin = gval[torch.isfinite(gval)]
-        mag = max(1.0, float(fin.abs().max()) if fin.numel() else 0.0)
-        return Bounds(FLOOR[ldt] * mag + 2 * kappa, 16 * eps(ldt) * mag + 4 * kappa)
-    if name == "p":
-        return Bounds(FLOOR[dtype] + 2 * kappa, 16 * eps(dtype) + 4 * kappa)
-    mag = gold.mags[name]
-    k = 64 if name != "out" else 16
-    sub = spacing(dtype)
-    return Bounds((FLOOR[dtype] + 2 * kappa) * mag + sub, (k * eps(dtype) + 8 * kappa) * mag + 4 * sub)
-
-
 def judge(
     name: str,
+    kind: Kind,
     got: torch.Tensor,
     gval: torch.Tensor,
     ref: torch.Tensor | None,
-    bd: Bounds,
+    gold: Golden,
     *,
-    grad: bool,
     dtype: torch.dtype,
+    rdt: torch.dtype,
 ) -> str | None:
-    """None when ``got`` passes the tolerance rule, else what is wrong. ``ref`` None: ``got`` *is*
-    the reference (held to the sanity bound)."""
-    if tuple(got.shape) != tuple(gval.shape):
-        return f"{name}: shape {tuple(got.shape)}, expected {tuple(gval.shape)}"
-    if got.dtype != dtype:
-        return f"{name}: dtype {got.dtype}, expected {dtype}"
-    nan = torch.isnan(got)
-    if nan.any():
-        idx = tuple(int(c) for c in nan.nonzero()[0])
-        return f"{name}: NaN in {int(nan.sum())} of {got.numel()} entries (first at {idx})"
-    if not torch.equal(torch.isinf(got), torch.isinf(gval)):
-        bad = (torch.isinf(got) != torch.isinf(gval)).nonzero()[0]
-        idx = tuple(int(c) for c in bad)
-        return f"{name}: infinity mismatch at {idx}: got {got[idx].item()}, golden {gval[idx].item()}"
-    err, where = max_err(got, gval)
+    """None when ``got`` passes the tolerance rule (``attnzero.testing``), else what is wrong.
+    ``dtype`` is the case's dtype X, ``rdt`` the dtype the result must have (X; float32 or float64
+    for an lse; the bias's own dtype for its gradient). ``ref`` None: ``got`` *is* the reference,
+    held to its sanity bound; otherwise the reference's error counts at most that bound (a broken
+    reference must not loosen the rule).
+
+    The options of the rule used here: the floor's unit is the size of the terms the result sums
+    (``gold.mags``; an lse: max(1, |lse|), a weight: 1), so that it stays a rounding of the result
+    also when v is 1e-30 or 1e30, and never under the smallest subnormal (a gradient of 1e-49 is
+    0 in float32); the floor includes one more rounding of the scores (``scores``), which the
+    tiled backends make (base 2, p recomputed from a float32 lse). The roundings allowed are those
+    of the coarser of X and ``rdt``, except for an lse (its own dtype's)."""
+    if got.dtype != rdt:
+        return f"{name}: dtype {got.dtype}, expected {rdt}"
+    coarser = rdt if torch.finfo(rdt).eps > torch.finfo(dtype).eps else dtype
+    fdt = rdt if kind == "lse" else coarser
+    size = None if kind == "lse" else 1.0 if kind == "weights" else gold.mags[name.removeprefix("d")]
+    sums = kind in ("out", "grad")
+    opts: dict[str, Any] = dict(kind=kind, name=name, size=size, scores=gold.score_size, subnormal=sums)
     if ref is None:
-        if err <= bd.sane:
-            return None
-        return (
-            f"{name}: reference error {err:.3e} at {where} (got {got[where].item():.6g}, golden "
-            f"{gval[where].item():.6g}) > sanity bound {bd.sane:.2e}"
-        )
-    ref_err, _ = max_err(ref, gval)
-    base = min(ref_err, bd.sane)  # a broken reference must not loosen the rule
-    factor = 3.0 if grad else 2.0
-    allowed = factor * base + bd.floor
-    if err <= allowed:
-        return None
-    return (
-        f"{name}: error {err:.3e} at {where} (got {got[where].item():.6g}, golden {gval[where].item():.6g}) > "
-        f"{factor:g} × reference error {ref_err:.3e}{' (capped at its sanity bound)' if base < ref_err else ''}"
-        f" + floor {bd.floor:.1e}"
-    )
+        v = reference_verdict(got, gval, bound_dtype=fdt, **opts)
+    else:
+        cap = sanity_bound(fdt, magnitude(gval) if size is None else size, kind=kind, scores=gold.score_size,
+                           subnormal=sums)  # fmt: skip
+        v = verdict(got, ref, gval, floor_dtype=fdt, ref_cap=cap, **opts)
+    return None if v.ok else v.message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,10 +620,10 @@ def exc_line(e: BaseException) -> str:
 def compare(label: str, pb: Problem, gold: Golden, got: Run, ref: Run | None, grads: bool) -> list[str]:
     """Every failure of one run against the golden (``ref`` None: this run is the reference)."""
     fails: list[str] = []
-    ldt = acc_dtype(pb.dtype)
-    items: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, bool, torch.dtype]] = [
-        ("out", got.out, gold.out, None if ref is None else ref.out, False, pb.dtype),
-        ("lse", got.lse, gold.lse, None if ref is None else ref.lse, False, ldt),
+    ldt = accumulator_dtype(pb.dtype)
+    items: list[tuple[str, Kind, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype]] = [
+        ("out", "out", got.out, gold.out, None if ref is None else ref.out, pb.dtype),
+        ("lse", "lse", got.lse, gold.lse, None if ref is None else ref.lse, ldt),
     ]
     if grads:
         for n, g in gold.grads.items():
@@ -687,10 +631,9 @@ def compare(label: str, pb: Problem, gold: Golden, got: Run, ref: Run | None, gr
             if n not in got.grads:
                 fails.append(f"{label}: no gradient for {n}")
                 continue
-            items.append((n, got.grads[n], g, None if ref is None else ref.grads.get(n), True, dt))
-    for name, x, g, r, is_grad, dt in items:
-        bd = bounds(name, pb.dtype, gold, g, dt if is_grad else None)
-        msg = judge(name if name in ("out", "lse") else f"d{name}", x, g, r, bd, grad=is_grad, dtype=dt)
+            items.append((f"d{n}", "grad", got.grads[n], g, None if ref is None else ref.grads.get(n), dt))
+    for name, kind, x, g, r, dt in items:
+        msg = judge(name, kind, x, g, r, gold, dtype=pb.dtype, rdt=dt)
         if msg:
             fails.append(f"{label}: {msg}")
     return fails
@@ -725,7 +668,7 @@ def check_case(pb: Problem, backends: list[str]) -> list[str]:
         want = alibi_golden(*pb.alibi)
         got_alibi = az.masks.alibi(*pb.alibi)
         err = float((got_alibi.to(F64) - want).abs().max())
-        if got_alibi.shape != want.shape or err > 4 * eps(F32) * max(1.0, float(want.abs().max())):
+        if got_alibi.shape != want.shape or err > 4 * torch.finfo(F32).eps * max(1.0, float(want.abs().max())):
             fails.append(f"az.masks.alibi{pb.alibi}: off by {err:.3e} from the ALiBi slopes")
 
     ref: Run | None = None
@@ -763,7 +706,7 @@ def check_case(pb: Problem, backends: list[str]) -> list[str]:
     try:
         w = az.attention_weights(pb.q, pb.k, mask=pb.mask, bias=pb.bias, causal=pb.causal, window=pb.window,
                                  scale=pb.scale)  # fmt: skip
-        msg = judge("p", w, gold.p, None, bounds("p", pb.dtype, gold, gold.p), grad=False, dtype=pb.dtype)
+        msg = judge("p", "weights", w, gold.p, None, gold, dtype=pb.dtype, rdt=pb.dtype)
         if msg:
             fails.append(f"attention_weights: {msg}")
     except Exception as e:
@@ -881,7 +824,7 @@ def test_zero_size(shape: tuple[int, ...], backend: str) -> None:
             if backend == "reference":
                 try:
                     w = az.attention_weights(q, k, mask=mask, causal=causal)
-                    msg = judge("p", w, gold.p, None, bounds("p", dtype, gold, gold.p), grad=False, dtype=dtype)
+                    msg = judge("p", "weights", w, gold.p, None, gold, dtype=dtype, rdt=dtype)
                     if msg:
                         fails.append(f"attention_weights {label}: {msg}")
                 except Exception as e:

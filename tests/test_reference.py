@@ -25,11 +25,12 @@ from conftest import (
     random_keep,
     shapes_id,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attnzero as az
 from attnzero import dropout as az_dropout
+from attnzero import flash
 
 backends = pytest.mark.parametrize("backend", BACKENDS)
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -436,7 +437,10 @@ def test_dropout_backward_uses_forward_entries(backend: str, dtype: torch.dtype,
 
 
 # ---------------------------------------------------------------------------------------------
-# Hypothesis: random shapes and masks, float64, against the naive formula
+# Hypothesis: random shapes and masks, float64, against the naive formula. flash runs with blocks
+# of 3-8 rows and columns (its default is 256 × 128 and up), so that lengths up to 20 span several
+# row and key blocks with a partial last one, and causal, window, mask and bias edges fall inside
+# and across blocks; ``kv`` of 1 float puts every (batch, kv head) pair in a chunk of its own.
 
 
 @st.composite
@@ -444,16 +448,21 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
     B = draw(st.integers(1, 2))
     Hkv = draw(st.integers(1, 2))
     G = draw(st.integers(1, 3))
-    Lq, Lk = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    Lq, Lk = draw(st.integers(1, 20)), draw(st.integers(1, 20))
     D, Dv = draw(st.integers(1, 9)), draw(st.integers(1, 9))
     causal = draw(st.booleans())
-    left = draw(st.none() | st.integers(0, 6))
-    right = draw(st.none() | st.integers(0, 6))
+    left = draw(st.none() | st.integers(0, 8))
+    right = draw(st.none() | st.integers(0, 8))
     window = draw(st.none() | st.just((left, right)))
     mask_kind = draw(st.sampled_from(["none", "full", "rows", "keys"]))
     with_bias = draw(st.booleans())
     scale = draw(st.none() | st.floats(0.0, 2.0))
     seed = draw(st.integers(0, 2**31 - 1))
+    blocks = {
+        "rows": draw(st.integers(3, 8)),
+        "cols": draw(st.integers(3, 8)),
+        "kv": draw(st.sampled_from([1, 1 << 21])),
+    }
     return dict(
         B=B,
         Hkv=Hkv,
@@ -468,12 +477,25 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
         with_bias=with_bias,
         scale=scale,
         seed=seed,
+        blocks=blocks,
     )
+
+
+def crossing(**kw: Any) -> dict[str, Any]:
+    """A fixed problem for ``@example``: every feature on, lengths spanning several blocks."""
+    pb: dict[str, Any] = dict(B=2, Hkv=2, Hq=6, Lq=17, Lk=19, D=5, Dv=3, causal=True, window=None, mask_kind="full",
+                              with_bias=True, scale=None, seed=7, blocks={"rows": 4, "cols": 5, "kv": 1})  # fmt: skip
+    return pb | kw
 
 
 @backends
 @settings(max_examples=40, deadline=None)
 @given(pb=problems())
+@example(pb=crossing())  # causal, GQA (G = 3), a full mask and a bias over 5 × 4 blocks
+@example(pb=crossing(causal=False, window=(2, 3), Lq=20, Lk=20, mask_kind="rows", with_bias=False,
+                     blocks={"rows": 3, "cols": 7, "kv": 1 << 21}))  # fmt: skip
+@example(pb=crossing(Lq=19, Lk=6, window=(5, 0), mask_kind="keys", Hq=2, Hkv=2,
+                     blocks={"rows": 5, "cols": 4, "kv": 1}))  # fmt: skip  # Lq > Lk: rows with no key
 def test_property_matches_naive(backend: str, pb: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(pb["seed"])
     B, Hq, Hkv, Lq, Lk, D, Dv = (pb[n] for n in ("B", "Hq", "Hkv", "Lq", "Lk", "D", "Dv"))
@@ -483,24 +505,25 @@ def test_property_matches_naive(backend: str, pb: dict[str, Any]) -> None:
     mask_shape = {"none": None, "full": (B, Hq, Lq, Lk), "rows": (1, 1, Lq, Lk), "keys": (B, 1, 1, Lk)}[pb["mask_kind"]]
     mask = None if mask_shape is None else torch.rand(*mask_shape, generator=g) < 0.6
     bias = torch.randn(1, Hq, Lq, Lk, dtype=torch.float64, generator=g) if pb["with_bias"] else None
-    out, lse = az.attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=pb["causal"],
-        window=pb["window"],
-        scale=pb["scale"],
-        backend=backend,
-        return_lse=True,
-    )
+    dout = torch.randn(B, Hq, Lq, Dv, dtype=torch.float64, generator=g)
+    with flash.block_sizes(**pb["blocks"]):  # forward and backward both
+        out, lse = az.attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            causal=pb["causal"],
+            window=pb["window"],
+            scale=pb["scale"],
+            backend=backend,
+            return_lse=True,
+        )
+        got = torch.autograd.grad(out, (q, k, v), dout)
     keep = dense_keep(Lq, Lk, mask=mask, causal=pb["causal"], window=pb["window"])
     want, want_lse = naive_attention(q, k, v, keep=keep, bias=bias, scale=pb["scale"])
     torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10)
-    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
-    got = torch.autograd.grad(out, (q, k, v), dout)
     exp = torch.autograd.grad(want, (q, k, v), dout)
     for a, b in zip(got, exp):
         assert not torch.isnan(a).any()

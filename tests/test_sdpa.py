@@ -4,8 +4,10 @@ same results to float32 rounding, except that a row with every key blocked gives
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnzero as az
-from attnzero import functional
+from attnzero import flash, functional
 
 B, H, D, DV = 2, 6, 16, 12
 
@@ -177,17 +179,22 @@ def test_dropout_zero_is_deterministic_and_default() -> None:
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
     Hkv=st.integers(1, 3),
     G=st.integers(1, 2),
-    Lq=st.integers(1, 9),
-    Lk=st.integers(1, 9),
+    Lq=st.integers(1, 16),
+    Lk=st.integers(1, 16),
     E=st.integers(1, 8),
     Ev=st.integers(1, 8),
     mask_kind=st.sampled_from(["none", "bool", "float", "causal"]),
     scale=st.none() | st.floats(0.01, 3.0),
     seed=st.integers(0, 2**31 - 1),
+    blocks=st.none() | st.tuples(st.integers(3, 8), st.integers(3, 8)),
 )
 def test_property_matches_torch(
-    lead: list[int], Hkv: int, G: int, Lq: int, Lk: int, E: int, Ev: int, mask_kind: str, scale: float | None, seed: int
+    lead: list[int], Hkv: int, G: int, Lq: int, Lk: int, E: int, Ev: int, mask_kind: str, scale: float | None,
+    seed: int, blocks: tuple[int, int] | None,
 ) -> None:
+    """The drop-in equals torch's; with ``blocks`` (rows, cols) it runs through flash in blocks
+    that small (at these sizes "auto" would take the reference), so that top-left causal and the
+    masks cross block edges."""
     g = torch.Generator().manual_seed(seed)
     Hq = Hkv * G
     q = torch.randn(*lead, Hq, Lq, E, dtype=torch.float64, generator=g)
@@ -200,7 +207,11 @@ def test_property_matches_torch(
     elif mask_kind == "float":
         mask = torch.randn(Hq, Lq, Lk, dtype=torch.float64, generator=g)
     kw = dict(attn_mask=mask, is_causal=mask_kind == "causal", scale=scale, enable_gqa=G > 1)
-    ours = az.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    with contextlib.ExitStack() as stack:
+        if blocks is not None:
+            stack.enter_context(mock.patch.object(functional, "_auto", lambda q, k: "flash"))
+            stack.enter_context(flash.block_sizes(rows=blocks[0], cols=blocks[1]))
+        ours = az.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
     theirs = F.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
 
