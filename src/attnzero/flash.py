@@ -295,6 +295,11 @@ class _Problem:
         # pair like any other. Otherwise, and with a bias (checking a dense one would cost a pass
         # over all its L² entries), they are masked after the scores.
         self.use_edges = (causal or window is not None) and bias is None and _edges_safe(q, k, scale, self.acc)
+        # Query rows per block: ``_SIZES["rows"]``, but under causal at least two row blocks (half
+        # the rows, 64 at least): one block of all rows would see every key, the blocked half too.
+        self.rows = _SIZES["rows"]
+        if causal and self.Lq < 2 * self.rows:
+            self.rows = max(64, -(-self.Lq // 64) * 32)
 
     def v_tiny(self) -> bool:
         """Whether some column of v (one (batch, head, d)) is nonzero but has no entry of size
@@ -312,15 +317,15 @@ class _Problem:
     def chunks(self, per_pair: int) -> list[_Chunk]:
         """Chunks whose copies of K/V (``per_pair`` floats per position and pair) fit in
         ``_SIZES["kv"]`` and whose score blocks can still be 512 keys wide."""
-        wide = _SIZES["elems"] // (self.G * min(_SIZES["rows"], self.Lq) * min(512, self.Lk))
+        wide = _SIZES["elems"] // (self.G * min(self.rows, self.Lq) * min(512, self.Lk))
         # and at least two tasks per worker thread, when there are that many pairs
-        row_blocks = -(-self.Lq // _SIZES["rows"])
+        row_blocks = -(-self.Lq // self.rows)
         at_least = -(-2 * _threads(self.q.device) // row_blocks)
         return _chunks(self.B, self.Hkv, self.G, max(per_pair * self.Lk, _SIZES["kv"] // max(1, wide)), at_least)
 
     def col_step(self, c: _Chunk) -> int:
         """Key columns per block: forced, or enough for a score block of about ``elems`` floats."""
-        return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * _SIZES["rows"]))
+        return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * self.rows) // 64 * 64)
 
     def col_blocks(self, c: _Chunk, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
         lo, hi = _key_range(rows, self.Lq, self.Lk, self.causal, self.window)
@@ -335,7 +340,7 @@ class _Problem:
     def tasks(self, chunks: list[_Chunk]) -> list[tuple[int, tuple[int, int]]]:
         """Every (chunk, block of query rows), the costliest first (under causal the last rows see
         the most keys), so that the worker threads finish together."""
-        step = _SIZES["rows"]
+        step = self.rows
         blocks = [(i0, min(self.Lq, i0 + step)) for i0 in range(0, self.Lq, step)]
         ranges = [_key_range(r, self.Lq, self.Lk, self.causal, self.window) for r in blocks]
         cost = [hi - lo for lo, hi in ranges]
