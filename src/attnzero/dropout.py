@@ -37,14 +37,15 @@ def draw_seed(device: torch.device) -> int:
     return int(seed_tensor(device).item())
 
 
-def _mix32_(x: Tensor) -> Tensor:
+def _mix32_(x: Tensor, tmp: Tensor) -> Tensor:
     """lowbias32 in place on an int32 tensor holding uint32 bits: int32 products wrap at 32 bits
-    like uint32 ones, and each right shift is made logical by masking off the copied sign bits."""
-    x ^= (x >> 16) & 0xFFFF
-    x *= 0x7FEB352D
-    x ^= (x >> 15) & 0x1FFFF
-    x *= _int32(0x846CA68B)
-    x ^= (x >> 16) & 0xFFFF
+    like uint32 ones, and each right shift is made logical by masking off the copied sign bits.
+    ``tmp``: scratch of x's shape (the blocks are large: fresh temporaries would cost page faults)."""
+    for shift, mult in ((16, 0x7FEB352D), (15, _int32(0x846CA68B)), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=tmp)
+        x ^= tmp.bitwise_and_((1 << (32 - shift)) - 1)  # x ^= x >>> shift
+        if mult is not None:
+            x *= mult
     return x
 
 
@@ -86,9 +87,10 @@ def keep_mask(
     else:
         x = _low32(start) + torch.arange(c1 - c0, dtype=torch.int32, device=device)  # (nb, nh, r, c), wraps
     x ^= _int32(seed & _M32)
-    _mix32_(x)
+    tmp = torch.empty_like(x)
+    _mix32_(x, tmp)
     x ^= _low32(hi ^ ((seed >> 32) & _M32))
-    _mix32_(x)
+    _mix32_(x, tmp)
     # keep iff x >= threshold as uint32: flipping the sign bit maps uint32 order onto int32 order
     threshold = min(round(p * 2.0**32), 2**32)
     x ^= _I32_MIN

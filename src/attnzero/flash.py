@@ -287,6 +287,7 @@ class _Problem:
         self.q_factor = scale if self.natural else scale * LOG2E  # what scaled_q multiplies q by
         self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
+        self.keep_scale = 1.0 / (1.0 - dropout_p)  # what dropout multiplies a kept probability by
         self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
         self.unshifted = _SIZES["unshifted"] != 0  # try the forward's no-max variant first
         self._v_tiny: bool | None = None  # see ``v_tiny``
@@ -437,16 +438,15 @@ class _Problem:
             s.add_(shift)
         return s.transpose(1, 2) if transposed else s
 
-    def dropout_scale(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-        """Z / (1 - p) for one block, (N, G·r, c): the entries ``dropout.keep_mask`` keeps for the
-        full (B, Hq, Lq, Lk) problem, for the chunk's batches and query heads."""
+    def dropout_keep(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+        """Z for one block, (N, G·r, c) bool: the entries ``dropout.keep_mask`` keeps for the full
+        (B, Hq, Lq, Lk) problem, for the chunk's batches and query heads. The factor 1 / (1 - p) of
+        the kept entries is applied to a row block's sums, not to each entry (``keep_scale``)."""
         keep = dropout.keep_mask(
             self.dropout_seed, self.dropout_p, (self.B, self.Hq, self.Lq, self.Lk), rows, cols, self.q.device,
             batches=(c.b0, c.b1), heads=(c.n0 * self.G, c.n1 * self.G),
         )  # (nb, nh·G, r, c)  # fmt: skip
-        kept = torch.full((), 1.0 / (1.0 - self.dropout_p), dtype=self.acc, device=self.q.device)
-        z = torch.where(keep, kept, 0.0)  # (nb, nh·G, r, c) in the accumulator dtype
-        return z.view(c.n, -1, cols[1] - cols[0])  # (N, G·r, c)
+        return keep.view(c.n, -1, cols[1] - cols[0])  # (N, G·r, c)
 
 
 @torch.no_grad()
@@ -549,7 +549,7 @@ def _forward_softmax(
     per = max(1, _SIZES["elems"] // (4 * G * Lq * Lk))  # pairs per task: 512 KiB of float32 scores
     lse4 = None if lse is None else lse.view(B, Hq, Lq)
     if per >= N:
-        return block(0, N).to(q.dtype).view(B, Hq, Lq, Dv), lse4
+        return _as(block(0, N), q.dtype).view(B, Hq, Lq, Dv), lse4
     out = torch.empty(B, Hq, Lq, Dv, dtype=q.dtype, device=q.device)
     og = out.view(N, G * Lq, Dv)  # (N, G·Lq, Dv)
 
@@ -596,9 +596,11 @@ def _forward_rows(
         alpha = torch.exp2(m - m_use)  # alpha = exp2(m − m_new): rescales what was accumulated
         l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l = alpha·l + Σ_j p_ij
         if pb.dropout_p > 0.0:
-            p = p * pb.dropout_scale(c, rows, cols)  # dropped entries leave acc, not the normaliser l
+            p.mul_(pb.dropout_keep(c, rows, cols))  # dropped entries leave acc, not the normaliser l
         acc.mul_(alpha).baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc = alpha·acc + Σ_j p_ij v_j
         m = m_new
+    if pb.dropout_p > 0.0:
+        acc.mul_(pb.keep_scale)  # the kept entries' 1 / (1 - p), once per row
     # O = acc / l and lse = (m + log2 l) · ln 2; a row with l = 0 saw no kept key: O = 0, lse = −inf.
     _finish_rows(c, rows, acc, l, m, out, lse)
 
@@ -632,8 +634,10 @@ def _forward_rows_unshifted(
         p = pb.scores(c, qs, kc, rows, cols, ar).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
         l.add_(p.sum(dim=-1, keepdim=True))
         if pb.dropout_p > 0.0:
-            p = p * pb.dropout_scale(c, rows, cols)  # dropped entries leave acc, not the normaliser l
+            p.mul_(pb.dropout_keep(c, rows, cols))  # dropped entries leave acc, not the normaliser l
         acc.baddbmm_(p, vc[:, cols[0] : cols[1]])  # acc += p · v
+    if pb.dropout_p > 0.0:
+        acc.mul_(pb.keep_scale)  # the kept entries' 1 / (1 - p), once per row
     # One small read-back: the smallest and largest row sum (NaN if any is) and the sum of acc
     # (not finite if any entry is; an overflow of the sum alone just takes the online softmax).
     lo, hi, total = torch.stack((*torch.aminmax(l), acc.sum())).tolist()
@@ -746,7 +750,8 @@ def _backward_rows(
     o = _in(ar, "o", c.rows(out, rows), pb.acc)  # (N, G·r, Dv)
     d_i = torch.mul(do, o, out=ar.get("do_o", N, GR, pb.Dv)).sum(dim=-1, keepdim=True)  # D_i = Σ_d dO_id O_id
     neg_d_t = d_i.transpose(1, 2).neg()  # −Dᵀ: (N, 1, G·r)
-    drop = pb.dropout_p > 0.0
+    # dropout: dO / (1 - p), the factor of every kept entry, applied once per row block
+    do_kept = torch.mul(do, pb.keep_scale, out=ar.get("do_kept", N, GR, pb.Dv)) if pb.dropout_p > 0.0 else None
     dq_acc = ar.get("dq", N, GR, pb.D).zero_()
     # The blocks are computed transposed, (N, c, G·r): then three of the four matmuls that read them
     # (dV, dp, dK) take them as they are laid out, and only dQ reads a transposed operand.
@@ -755,10 +760,10 @@ def _backward_rows(
         j0, j1 = cols
         p_t = pb.scores(c, qs, kc, rows, cols, ar, "p", transposed=True, shift=neg_lse2).exp2_()  # pᵀ: exp(s - lse)
         dp_t = ar.get("dp", *p_t.shape)  # (N, c, G·r)
-        if drop:
-            torch.bmm(vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # dpᵀ = (v_j · dO_i)ᵀ
-            z_t = pb.dropout_scale(c, rows, cols).transpose(1, 2)  # (Z / (1 - p))ᵀ
-            _add_bmm(dv[:, j0:j1], p_t * z_t, do, ar)  # dV_j += Σ_i p̃_ij dO_i
+        if do_kept is not None:  # dropout: p̃ = Z∘p/(1-p), and dp reads v through the same Z/(1-p)
+            z_t = pb.dropout_keep(c, rows, cols).transpose(1, 2)  # Zᵀ: (N, c, G·r) bool
+            torch.bmm(vc[:, j0:j1], do_kept.transpose(1, 2), out=dp_t)  # (v_j · dO_i)ᵀ / (1-p)
+            _add_bmm(dv[:, j0:j1], torch.mul(p_t, z_t, out=ar.get("pz", *p_t.shape)), do_kept, ar)  # dV_j += Σ_i p̃_ij dO_i
             dp_t.mul_(z_t).add_(neg_d_t)  # Z∘dp/(1-p) - D_i
         else:
             torch.baddbmm(neg_d_t, vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ
@@ -848,6 +853,9 @@ def attention(
     differentiable in q, k, v and bias (lse is not). ``need_lse=False``: lse may be None. A call that
     needs no gradient and fits one key block takes ``_forward_softmax`` (its output does not depend
     on ``need_lse``)."""
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    if not needs_grad and _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
+        return _forward_softmax(q, k, v, causal, scale, with_lse=need_lse)
     options: dict[str, Any] = {
         "mask": mask,
         "causal": causal,
@@ -856,10 +864,7 @@ def attention(
         "dropout_p": dropout_p,
         "dropout_seed": dropout_seed,
     }
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     if not needs_grad:
-        if _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
-            return _forward_softmax(q, k, v, causal, scale, with_lse=need_lse)
         return forward(q, k, v, bias=bias, **options)
     out, lse = _FlashAttention.apply(q, k, v, bias, options)
     return out, lse
