@@ -763,7 +763,8 @@ def _backward_rows(
         if do_kept is not None:  # dropout: p̃ = Z∘p/(1-p), and dp reads v through the same Z/(1-p)
             z_t = pb.dropout_keep(c, rows, cols).transpose(1, 2)  # Zᵀ: (N, c, G·r) bool
             torch.bmm(vc[:, j0:j1], do_kept.transpose(1, 2), out=dp_t)  # (v_j · dO_i)ᵀ / (1-p)
-            _add_bmm(dv[:, j0:j1], torch.mul(p_t, z_t, out=ar.get("pz", *p_t.shape)), do_kept, ar)  # dV_j += Σ_i p̃_ij dO_i
+            pz_t = torch.mul(p_t, z_t, out=ar.get("pz", *p_t.shape))  # (Z∘p)ᵀ
+            _add_bmm(dv[:, j0:j1], pz_t, do_kept, ar)  # dV_j += Σ_i p̃_ij dO_i
             dp_t.mul_(z_t).add_(neg_d_t)  # Z∘dp/(1-p) - D_i
         else:
             torch.baddbmm(neg_d_t, vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ
