@@ -19,8 +19,8 @@ interface (``BACKENDS``): ``attention``, the eager differentiable entry that ``f
 calls; ``forward(q, k, v, *, mask, bias, causal, window, scale, dropout_p, dropout_seed) -> (out,
 lse)``, a plain function; and ``backward(dout, q, k, v, out, lse, *, <the same>, bias_grad) ->
 (dq, dk, dv, dbias)``, a plain function that recomputes P = exp(s − lse) from the ``out`` and
-``lse`` it is given — any ``out`` and ``lse`` whose rows extend these keys, such as the global ones
-of the ring (``distributed.py``), which then gets exactly this block's share of the gradients.
+``lse`` it is given — also those of the same queries over more keys than these, such as the ring's
+global ones (``distributed.py``), which then get exactly these keys' share of the gradients.
 Which implementation runs is decided once, in ``functional.choose`` (``"triton_decode"`` is the
 triton backend's split-KV path, taken only without gradients; float64 on ``backend="triton"``
 runs ``"flash"``); nothing here re-dispatches.
