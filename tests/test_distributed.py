@@ -10,6 +10,7 @@ This file is also the worker script: ``python tests/test_distributed.py <job dir
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -49,6 +50,31 @@ def case_id(c: tuple[Any, ...]) -> str:
     return f"{dtype}-{layout}-{'causal' if causal else 'full'}-B{B}H{Hq}:{Hkv}L{L}D{D}:{Dv}-{mem}"
 
 
+# Every case runs with the backend that functional.choose picks ("auto": the reference or flash
+# backend on the CPU) and with the choice patched to say "flash" / "triton" (functional._auto
+# replaced in the worker): the ring must run what the one choice says, float64 routing included.
+CHOICES = ["auto", "flash", "triton"]
+TRITON_OK = importlib.util.find_spec("triton") is not None and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+)
+
+
+def result_key(c: tuple[Any, ...], choice: str) -> str:
+    return f"{case_id(c)}@{choice}"
+
+
+def expected_backend(c: tuple[Any, ...], choice: str, world: int) -> str:
+    """What functional.choose says for one rank's inputs of case ``c`` (requires grad)."""
+    from attnzero import functional
+
+    dtype, _, _, B, Hq, Hkv, L, D, _, _ = c
+    q = torch.empty(B, Hq, L, D, dtype=getattr(torch, dtype))
+    k = torch.empty(B, Hkv, L, D, dtype=getattr(torch, dtype))
+    if choice == "auto":
+        return functional.choose("auto", q, k, needs_grad=True)
+    return "flash" if dtype == "float64" else choice  # float64: functional routes triton to flash
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -78,7 +104,8 @@ def launch(world: int, tmp: Path) -> dict[int, dict[str, Any]]:
         q, k, v = (torch.randn(B, H, n, d).to(x).double() for H, d in ((Hq, D), (Hkv, D), (Hkv, Dv)))
         dout = torch.randn(B, Hq, n, Dv).to(x).double()
         inputs.append({"id": case_id(c), "case": list(c), "q": q, "k": k, "v": v, "dout": dout})
-    torch.save({"world": world, "port": _free_port(), "cases": inputs}, tmp / "job.pt")
+    choices = [c for c in CHOICES if c != "triton" or TRITON_OK]
+    torch.save({"world": world, "port": _free_port(), "cases": inputs, "choices": choices}, tmp / "job.pt")
     cmd = [sys.executable, __file__, str(tmp)]
     procs = [
         subprocess.Popen([*cmd, str(r)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -116,15 +143,22 @@ def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return world, results
 
 
+@pytest.mark.parametrize("choice", CHOICES)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_matches_single_process(group: tuple[int, dict], case: tuple[Any, ...]) -> None:
-    from conftest import run_attention
+def test_matches_single_process(group: tuple[int, dict], case: tuple[Any, ...], choice: str) -> None:
+    from conftest import absent, run_attention
 
     from attnzero.testing import assert_close_to_golden
 
     world, results = group
-    res = results[0]["cases"][case_id(case)]
+    if choice == "triton" and not TRITON_OK:
+        absent("backend='triton' needs `pip install triton` and CUDA or TRITON_INTERPRET=1")
+    res = results[0]["cases"][result_key(case, choice)]
     assert "error" not in res, res.get("error")
+    # The ring ran the backend of the one choice (functional.choose), on every rank.
+    for r in range(world):
+        used = results[r]["cases"][result_key(case, choice)]["traffic"]["backends"]
+        assert used == [expected_backend(case, choice, world)], (r, used)
     job = torch.load(res["job"], weights_only=False)["cases"]
     inp = next(c for c in job if c["id"] == case_id(case))
     dtype, causal = getattr(torch, case[0]), case[2]
@@ -138,7 +172,7 @@ def test_matches_single_process(group: tuple[int, dict], case: tuple[Any, ...]) 
         assert_close_to_golden(res[f"d{n}"], ref.grads[n], gold.grads[n], kind="grad", name=f"d{n}")
     # Every rank computed the same gathered result (they gather one another's slices).
     for r in range(1, world):
-        assert torch.equal(results[r]["cases"][case_id(case)]["out"], res["out"])
+        assert torch.equal(results[r]["cases"][result_key(case, choice)]["out"], res["out"])
 
 
 def test_only_point_to_point_carries_keys_and_values(group: tuple[int, dict]) -> None:
@@ -164,8 +198,8 @@ def test_transfers_are_posted_before_the_computation_they_overlap(group: tuple[i
     forward = ["post", "forward"] * (world - 1) + ["forward"]
     backward = [e for s in range(world) for e in (["post"] if s < world - 1 else []) + ["backward", "post"]]
     for r in range(world):
-        for c in CASES:
-            order = results[r]["cases"][case_id(c)]["traffic"]["order"]
+        for c, choice in ((c, choice) for c in CASES for choice in CHOICES if choice != "triton" or TRITON_OK):
+            order = results[r]["cases"][result_key(c, choice)]["traffic"]["order"]
             if not c[2]:
                 assert order == forward + backward, (case_id(c), order)
             else:  # causal: some blocks are skipped, never the first exchange
@@ -266,6 +300,56 @@ def test_single_process_group(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_ring_runs_the_backend_of_the_one_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one process (W = 1): each ring call asks functional.choose once, as az.attention would
+    ("auto"), and runs that backend's forward and backward — the reference for a tiny slice and the
+    flash backend for a longer one on the CPU; a patched choice is honoured."""
+    import torch.distributed as dist
+
+    import attnzero as az
+    from attnzero import functional, ops
+
+    chosen: list[str] = []
+    used: list[str] = []
+    real_choose = functional.choose
+
+    def choose(name: str, q: torch.Tensor, k: torch.Tensor, *, needs_grad: bool) -> str:
+        chosen.append(real_choose(name, q, k, needs_grad=needs_grad))
+        return chosen[-1]
+
+    def spy(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            used.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(functional, "choose", choose)
+    for name, be in list(ops.BACKENDS.items()):
+        wrapped = be._replace(forward=spy(name, be.forward), backward=spy(name, be.backward))
+        monkeypatch.setitem(ops.BACKENDS, name, wrapped)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for L, want in ((9, "reference"), (200, "flash")):
+            q, k, v = (torch.randn(1, 2, L, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+            chosen.clear()
+            used.clear()
+            out = az.distributed.ring_attention(q, k, v, causal=True)
+            g = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            assert chosen == [want] and set(used) == {want}, (L, chosen, used)
+            ref = az.attention(q, k, v, causal=True, backend="reference")
+            torch.testing.assert_close(out, ref)
+            for a, b in zip(g, torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))):
+                torch.testing.assert_close(a, b)
+        monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad: "flash")
+        used.clear()
+        q = torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True)
+        az.distributed.ring_attention(q, q, q, causal=True).sum().backward()
+        assert set(used) == {"flash"}
+    finally:
+        dist.destroy_process_group()
+
+
 def test_example_runs_under_torchrun() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
@@ -297,7 +381,7 @@ class Traffic:
                    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "gather")  # fmt: skip
 
     def __init__(self) -> None:
-        self.log: dict[str, list[Any]] = {"collective": [], "p2p": [], "order": []}
+        self.log: dict[str, list[Any]] = {"collective": [], "p2p": [], "order": [], "backends": []}
         self.saved: dict[str, Any] = {}
 
     def __enter__(self) -> Traffic:
@@ -317,18 +401,22 @@ class Traffic:
             self.log["order"].append("post")
             return self.saved["batch_isend_irecv"](ops)
 
-        from attnzero import flash
+        from attnzero import ops
 
-        def compute(name: str, real: Any) -> Any:
+        def compute(step: str, backend: str, real: Any) -> Any:
             def call(*args: Any, **kwargs: Any) -> Any:
-                self.log["order"].append(name)
+                self.log["order"].append(step)
+                if backend not in self.log["backends"]:
+                    self.log["backends"].append(backend)
                 return real(*args, **kwargs)
 
             return call
 
-        self.flash = {name: getattr(flash, name) for name in ("forward", "backward")}
-        for name, real in self.flash.items():
-            setattr(flash, name, compute(name, real))
+        self.backends = dict(ops.BACKENDS)
+        for name, be in self.backends.items():
+            ops.BACKENDS[name] = be._replace(
+                forward=compute("forward", name, be.forward), backward=compute("backward", name, be.backward)
+            )
 
         for name in (*self.COLLECTIVES, "batch_isend_irecv", "send", "recv", "isend", "irecv"):
             self.saved[name] = getattr(dist, name)
@@ -342,19 +430,18 @@ class Traffic:
     def __exit__(self, *exc: Any) -> None:
         import torch.distributed as dist
 
-        from attnzero import flash
+        from attnzero import ops
 
         for name, real in self.saved.items():
             setattr(dist, name, real)
-        for name, real in self.flash.items():
-            setattr(flash, name, real)
+        ops.BACKENDS.update(self.backends)
 
 
 def worker(tmp: Path, rank: int) -> None:
     import torch.distributed as dist
 
     import attnzero as az
-    from attnzero import flash
+    from attnzero import functional, ops
 
     torch.set_num_threads(1)
     job = torch.load(tmp / "job.pt", weights_only=False)
@@ -366,8 +453,11 @@ def worker(tmp: Path, rank: int) -> None:
     D = az.distributed
     saved: dict[str, Any] = {"cases": {}}
 
-    # 1. Every case: shard the whole-sequence inputs, run the ring forward and backward, gather.
-    for inp in job["cases"]:
+    # 1. Every case and choice: shard the whole-sequence inputs, run the ring forward and backward,
+    #    gather. A choice other than "auto" patches what functional._auto answers.
+    real_auto = functional._auto
+    for inp, choice in ((inp, choice) for inp in job["cases"] for choice in job["choices"]):
+        functional._auto = real_auto if choice == "auto" else (lambda q, k, choice=choice: choice)  # type: ignore[misc]
         dtype_name, layout, causal, *_, mem = inp["case"]
         dtype = getattr(torch, dtype_name)
 
@@ -384,7 +474,7 @@ def worker(tmp: Path, rank: int) -> None:
                 out = D.ring_attention(q, k, v, causal=causal, layout=layout)
                 out.backward(dout)
             assert q.grad is not None and k.grad is not None and v.grad is not None
-            saved["cases"][inp["id"]] = {
+            saved["cases"][f"{inp['id']}@{choice}"] = {
                 "job": str(tmp / "job.pt"),
                 "out": D.gather(out.detach(), layout=layout),
                 "dq": D.gather(q.grad, layout=layout),
@@ -394,7 +484,8 @@ def worker(tmp: Path, rank: int) -> None:
                 "kv_numel": max(k.numel(), v.numel()),
             }
         except Exception as e:  # recorded, and the test of this case shows it
-            saved["cases"][inp["id"]] = {"error": repr(e)}
+            saved["cases"][f"{inp['id']}@{choice}"] = {"error": repr(e)}
+    functional._auto = real_auto
 
     # 2. shard / gather are inverses; zigzag puts chunks r and 2W-1-r on rank r.
     pos = torch.arange(2 * world * 3).view(1, 1, -1, 1).expand(2, 1, -1, 2)  # (2, 1, 6W, 2)
@@ -425,7 +516,8 @@ def worker(tmp: Path, rank: int) -> None:
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise InjectedFault("this rank fails in the middle of the backward")
 
-        flash.backward = broken  # type: ignore[assignment]
+        for name, be in ops.BACKENDS.items():  # whichever backend the ring was given
+            ops.BACKENDS[name] = be._replace(backward=broken)
     z = torch.randn(1, 2, 6, 8, requires_grad=True)
     start = time.monotonic()
     try:
@@ -444,7 +536,8 @@ def worker(tmp: Path, rank: int) -> None:
         def dying(*args: Any, **kwargs: Any) -> Any:
             os._exit(17)
 
-        flash.backward = dying  # type: ignore[assignment]
+        for name, be in ops.BACKENDS.items():
+            ops.BACKENDS[name] = be._replace(backward=dying)
     start = time.monotonic()
     try:
         D.ring_attention(z, z, z, causal=True, group=death_group).sum().backward()

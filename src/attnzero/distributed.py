@@ -8,13 +8,17 @@ after W steps every rank has seen every block, and no rank ever holds more than 
     step 1:  rank 0 holds K/V 2   rank 1 holds K/V 0   rank 2 holds K/V 1
     step 2:  rank 0 holds K/V 1   rank 1 holds K/V 2   rank 2 holds K/V 0
 
-At each step a rank attends its queries to the block it holds with the flash backend, which returns
-the block's output and log-sum-exp; the partial results merge by log-sum-exp (docs/MATH.md, "Merging
-partial results"), in float32 (float64 for float64 inputs). The send/receive of the next block is
-posted before the current block is computed, so communication overlaps computation.
+At each step a rank attends its queries to the block it holds with the backend that
+``functional.choose`` picks for this rank's inputs, as ``az.attention(backend="auto")`` would (the
+Triton kernels on CUDA, the flash or reference backend on the CPU, flash for float64), whose plain
+forward returns the block's output and log-sum-exp; the partial results merge by log-sum-exp
+(docs/MATH.md, "Merging partial results"), in float32 (float64 for float64 inputs). The
+send/receive of the next block is posted before the current block is computed, so communication
+overlaps computation.
 
 The backward walks the same ring. Each rank recomputes, block by block, its contribution to dQ (kept
-at home) and to the dK/dV of the block it holds; those dK/dV partial sums travel with the block and
+at home) and to the dK/dV of the block it holds — the backend's backward, given the GLOBAL output and
+log-sum-exp, gives exactly the block's share; those dK/dV partial sums travel with the block and
 one last hop brings each block's finished dK/dV back to its owner.
 
 Layouts (the sequence is cut into equal chunks; W = world size)::
@@ -23,10 +27,10 @@ Layouts (the sequence is cut into equal chunks; W = world size)::
     "zigzag"      2W chunks, rank r holds chunks r, 2W-1-r:     r0 | r1 | r2 | r2 | r1 | r0
 
 With ``causal=True`` a block is either full, diagonal (causal inside) or skipped entirely, decided
-from the global chunk positions. Contiguous is simple but unbalanced (rank W-1 does W times the work
-of rank 0); zigzag gives every rank the same work: against a block from an earlier rank all of its
-queries see only that rank's early chunk, against a block from a later rank only its own late chunk
-of queries sees anything (and it sees both chunks).
+from the global chunk positions by ``geometry.classify``. Contiguous is simple but unbalanced (rank
+W-1 does W times the work of rank 0); zigzag gives every rank the same work: against a block from
+an earlier rank all of its queries see only that rank's early chunk, against a block from a later
+rank only its own late chunk of queries sees anything (and it sees both chunks).
 
 Letters: B batch, Hq / Hkv query / key-value heads, L this rank's slice length, D head dim of q and
 k, Dv head dim of v. Set the timeout of every wait with ``torch.distributed.init_process_group(...,
@@ -35,6 +39,7 @@ timeout=...)``: a rank that raises or dies makes the others fail with a clear er
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import checks
+from . import checks, functional, geometry, ops
 from .reference import accum_dtype
 
 __all__ = ["gather", "ring_attention", "shard"]
@@ -183,25 +188,57 @@ def _comm_device(ring: _Ring, x: Tensor) -> torch.device:
 _Block = tuple[slice, slice, bool]  # (query rows, key columns, causal inside the block)
 
 
-def _blocks(rank: int, src: int, L: int, causal: bool, layout: str) -> list[_Block]:
+def _chunks_of(rank: int, L: int, world: int, layout: str) -> list[tuple[slice, int]]:
+    """Rank ``rank``'s chunks of the sequence, in local order: (local slice, global start)."""
+    if layout == "contiguous":
+        return [(slice(0, L), rank * L)]
+    half = L // 2  # zigzag: chunks rank and 2W-1-rank of 2W
+    return [(slice(0, half), rank * half), (slice(half, L), (2 * world - 1 - rank) * half)]
+
+
+def _span(parts: list[slice]) -> slice | None:
+    """The slices as one, when they follow one another (None when they leave a gap)."""
+    for a, b in itertools.pairwise(parts):
+        if a.stop != b.start:
+            return None
+    return slice(parts[0].start, parts[-1].stop)
+
+
+def _blocks(rank: int, src: int, L: int, causal: bool, layout: str, world: int) -> list[_Block]:
     """The pieces of (this rank's queries) × (rank ``src``'s keys) that may attend; L = slice length.
 
-    Positions are global chunk indices; "full" means every pair is kept, "diagonal" that the slice
-    is one sequence against itself (so local causal = global causal), "skip" that no pair is kept."""
+    Each (query chunk, key chunk) pair is classified on the global positions of the whole sequence
+    (``geometry.classify``: SKIP, FULL or PARTIAL). Pieces:
+
+    * the rank's own block: one call, causal inside whenever some pair is not FULL. Its queries and
+      keys sit at the same positions in the same increasing order, so the block's own causal
+      (Lq == Lk) is the global one — in both layouts;
+    * another rank's block: chunks of equal length on one grid never straddle the diagonal (no
+      PARTIAL), so it is the FULL pairs, as one call when they form a rectangle of neighbouring
+      chunks (always, for both layouts), else one call per pair."""
+    total = world * L
+    mine, theirs = _chunks_of(rank, L, world, layout), _chunks_of(src, L, world, layout)
+    kind = {
+        (a, b): geometry.classify(
+            (qa, qa + rows.stop - rows.start), (kb, kb + cols.stop - cols.start), total, total, causal, None
+        )
+        for a, (rows, qa) in enumerate(mine)
+        for b, (cols, kb) in enumerate(theirs)
+    }
+    if all(k is geometry.SKIP for k in kind.values()):
+        return []
     every = slice(0, L)
-    if not causal:
-        return [(every, every, False)]  # full
     if src == rank:
-        return [(every, every, True)]  # diagonal: both layouts keep positions increasing in a slice
-    if layout == "contiguous":
-        return [(every, every, False)] if src < rank else []  # earlier chunk: full; later: skip
-    # zigzag: this rank holds chunks (r, 2W-1-r), src holds (s, 2W-1-s), each L/2 long.
-    half = L // 2
-    if src < rank:
-        # s < r and 2W-1-s > 2W-1-r >= r: every query sees src's early chunk s, none its late one.
-        return [(every, slice(0, half), False)]
-    # s > r: chunk r sees neither s nor 2W-1-s; the late chunk 2W-1-r sees both (s, 2W-1-s < 2W-1-r).
-    return [(slice(half, L), every, False)]
+        return [(every, every, any(k is not geometry.FULL for k in kind.values()))]
+    assert geometry.PARTIAL not in kind.values(), "a block of another rank straddles the diagonal"
+    full = [(a, b) for (a, b), k in kind.items() if k is geometry.FULL]
+    rows_in = sorted({a for a, _ in full})
+    cols_in = sorted({b for _, b in full})
+    row_span = _span([mine[a][0] for a in rows_in])
+    col_span = _span([theirs[b][0] for b in cols_in])
+    if len(full) == len(rows_in) * len(cols_in) and row_span is not None and col_span is not None:
+        return [(row_span, col_span, False)]  # the FULL pairs form one rectangle
+    return [(mine[a][0], theirs[b][0], False) for a, b in full]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,11 +263,9 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 
 
 def _ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str, backend: ops.Backend
 ) -> tuple[Tensor, Tensor]:
     """This rank's (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) in the accumulator dtype)."""
-    from . import flash
-
     B, Hq, L, _ = q.shape
     acc = accum_dtype(q.dtype)
     out = torch.zeros(B, Hq, L, v.shape[-1], dtype=acc, device=q.device)  # (B, Hq, L, Dv)
@@ -240,8 +275,8 @@ def _ring_forward(
         # Post the exchange of the block for step + 1 first, then compute with the one we hold.
         nxt = ring.start(kv, _TAG_KV, "key/value blocks") if step + 1 < ring.world else None
         src = (ring.rank - step) % ring.world  # whose keys/values we hold now
-        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout):
-            out_b, lse_b = flash.forward(
+        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout, ring.world):
+            out_b, lse_b = backend.forward(
                 _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
                 mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
             )  # fmt: skip
@@ -253,12 +288,10 @@ def _ring_forward(
 
 def _ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    causal: bool, scale: float, ring: _Ring, layout: str,
+    causal: bool, scale: float, ring: _Ring, layout: str, backend: ops.Backend,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of this rank's slices. Blocks travel as in the forward; each block's dK/dV
     partial sum travels one hop behind it and reaches its owner after W hops."""
-    from . import flash
-
     L = q.shape[2]
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, Hq, L, D)
@@ -269,10 +302,10 @@ def _ring_backward(
         src = (ring.rank - step) % ring.world
         dk_b = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, Hkv, L, D) of src's block
         dv_b = torch.zeros(v.shape, dtype=acc, device=v.device)  # (B, Hkv, L, Dv)
-        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout):
-            # flash.backward recomputes P = exp(s - lse) with the GLOBAL out and lse, which gives
+        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout, ring.world):
+            # The backward recomputes P = exp(s - lse) with the GLOBAL out and lse, which gives
             # exactly this block's share of dq, dk, dv.
-            dq_p, dk_p, dv_p, _ = flash.backward(
+            dq_p, dk_p, dv_p, _ = backend.backward(
                 _part(dout, rows), _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
                 _part(out, rows), _part(lse, rows),
                 mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
@@ -295,11 +328,12 @@ def _ring_backward(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str,
+        backend: ops.Backend,
     ) -> Tensor:
-        out, lse = _ring_forward(q, k, v, causal, scale, ring, layout)
+        out, lse = _ring_forward(q, k, v, causal, scale, ring, layout, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, ring, layout)
+        ctx.args = (causal, scale, ring, layout, backend)
         return out
 
     @staticmethod
@@ -307,7 +341,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +394,9 @@ def ring_attention(
         "dtype": _DTYPES.index(q.dtype), "causal": int(is_causal), "layout": LAYOUTS.index(lay),
         "scale": struct.unpack("<q", struct.pack("<d", sc))[0], "requires_grad": int(grad),
     })  # fmt: skip
-    out = _RingAttention.apply(q, k, v, is_causal, sc, ring, lay)
+    # The backend, chosen as az.attention(backend="auto") chooses it (once, in functional.choose)
+    backend = ops.backend(functional.choose("auto", q, k, needs_grad=grad))
+    out = _RingAttention.apply(q, k, v, is_causal, sc, ring, lay, backend)
     assert isinstance(out, Tensor)
     return out
 

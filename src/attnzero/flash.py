@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dropout, reference
+from . import dropout, geometry, reference
 from .masks import Mask, block_of, keep_block
 from .parallel import Arena, arena, run_tasks
 from .reference import accum_dtype
@@ -165,41 +165,6 @@ def _chunks(B: int, Hkv: int, G: int, per_pair: int, at_least: int = 1) -> list[
         return [_Chunk(b, min(B, b + nb), 0, Hkv, G) for b in range(0, B, nb)]
     n = -(-Hkv // -(-Hkv // n))
     return [_Chunk(b, b + 1, h, min(Hkv, h + n), G) for b in range(B) for h in range(0, Hkv, n)]
-
-
-def _key_range(
-    rows: tuple[int, int], Lq: int, Lk: int, causal: bool, window: tuple[int | None, int | None] | None
-) -> tuple[int, int]:
-    """The key columns ``[lo, hi)`` that any query row in ``rows`` may see under causal / window
-    (bottom-right aligned: query ``i`` sits at ``i + Lk - Lq``)."""
-    first, last = rows[0] + Lk - Lq, rows[1] - 1 + Lk - Lq  # positions of the block's first and last row
-    lo, hi = 0, Lk
-    if causal:
-        hi = min(hi, last + 1)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = max(lo, first - left)
-        if right is not None:
-            hi = min(hi, last + right + 1)
-    return lo, hi
-
-
-def _all_kept(
-    rows: tuple[int, int],
-    cols: tuple[int, int],
-    Lq: int,
-    Lk: int,
-    causal: bool,
-    window: tuple[int | None, int | None] | None,
-) -> bool:
-    """True when causal / window keep every pair of the block (so it needs no masking from them)."""
-    first, last = rows[0] + Lk - Lq, rows[1] - 1 + Lk - Lq
-    ok = not causal or cols[1] - 1 <= first
-    if window is not None:
-        left, right = window
-        ok = ok and (left is None or cols[0] >= last - left) and (right is None or cols[1] - 1 <= first + right)
-    return ok
 
 
 def _edges_safe(q: Tensor, k: Tensor, scale: float, acc: torch.dtype) -> bool:
@@ -329,10 +294,14 @@ class _Problem:
         return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * self.rows) // 64 * 64)
 
     def col_blocks(self, c: _Chunk, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
-        lo, hi = _key_range(rows, self.Lq, self.Lk, self.causal, self.window)
+        lo, hi = geometry.key_range(rows, self.Lq, self.Lk, self.causal, self.window)
         step = self.col_step(c)
         for j0 in range(lo, hi, step):
             yield j0, min(hi, j0 + step)
+
+    def kind(self, rows: tuple[int, int], cols: tuple[int, int]) -> geometry.Kind:
+        """What causal / window leave of one block (``geometry.classify``)."""
+        return geometry.classify(rows, cols, self.Lq, self.Lk, self.causal, self.window)
 
     def arena(self) -> Arena:
         """A worker's scratch memory (see ``parallel.arena``)."""
@@ -343,7 +312,7 @@ class _Problem:
         the most keys), so that the worker threads finish together."""
         step = self.rows
         blocks = [(i0, min(self.Lq, i0 + step)) for i0 in range(0, self.Lq, step)]
-        ranges = [_key_range(r, self.Lq, self.Lk, self.causal, self.window) for r in blocks]
+        ranges = [geometry.key_range(r, self.Lq, self.Lk, self.causal, self.window) for r in blocks]
         cost = [hi - lo for lo, hi in ranges]
         todo = [(cost[i] * c.n, ci, b) for ci, c in enumerate(chunks) for i, b in enumerate(blocks)]
         return [(ci, b) for _, ci, b in sorted(todo, key=lambda t: -t[0])]
@@ -370,10 +339,10 @@ class _Problem:
         block. It enters the score matmul as ``baddbmm``'s input, so masking costs no pass of its
         own. Whether pair (i, j) is kept depends only on ``j - i`` and the block's offset
         ``delta = c0 - (r0 + Lk - Lq)``, so blocks with the same (r, c, delta) share one tile."""
-        if _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window):
+        if self.kind(rows, cols) is geometry.FULL:
             return None
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
-        delta = cols[0] - rows[0] - (self.Lk - self.Lq)
+        delta = cols[0] - rows[0] - geometry.offset(self.Lq, self.Lk)
         key = (r, nc, delta, transposed)
         tile = self._edges.get(key)
         if tile is None:
@@ -419,7 +388,7 @@ class _Problem:
             torch.bmm(x, y, out=buf)
         s = buf.transpose(1, 2) if transposed else buf  # (N, G·r, c)
         # causal / window still to mask here: when they could not enter as an edge tile
-        late = not self.use_edges and not _all_kept(rows, cols, self.Lq, self.Lk, self.causal, self.window)
+        late = not self.use_edges and self.kind(rows, cols) is not geometry.FULL
         if self.bias is not None or self.mask is not None or late:
             s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
             if self.bias is not None:

@@ -10,10 +10,15 @@ A backend is a function with one signature::
 
 where ``mask`` is a 4-D bool tensor or an ``az.masks.Mask`` (True = may attend), ``bias`` a 4-D
 float tensor (both broadcastable to (B, Hq, Lq, Lk)), ``window`` a ``(left, right)`` pair, ``scale``
-a float and ``dropout_seed`` the seed of ``dropout.keep_mask``.
+a float and ``dropout_seed`` the seed of ``dropout.keep_mask`` — with a plain forward and backward
+beside it (``ops.Backend``).
 
-Three things are settled here, once, so that every backend behaves the same:
+Four things are settled here, once, so that every backend behaves the same:
 
+* which implementation runs (``choose``): "auto", float64 on ``backend="triton"`` (the flash
+  backend computes it), the triton backend's split-KV decode kernel (only without gradients) and
+  whether the device can run it — for ``attention`` and the drop-in, and for the ring
+  (``distributed.py``), which calls the chosen backend's forward and backward;
 * autocast: inside ``torch.autocast`` the inputs are cast as autocast casts those of torch's
   ``scaled_dot_product_attention``, and the backend then runs with autocast off (``_autocast``);
 * zero sizes, and ``torch.compile`` / ``torch.export``: the call goes through the backend's custom
@@ -47,16 +52,9 @@ BACKENDS: tuple[str, ...] = ("auto", "reference", "flash", "triton")
 
 
 def _backend(name: str) -> Backend:
-    """The backend function for a concrete name (imported on first use)."""
-    if name == "reference":
-        return reference.attention
-    if name == "flash":
-        from . import flash
-
-        return flash.attention
-    from .kernels import triton_backend  # raises a clear ImportError when triton is missing
-
-    return triton_backend.attention
+    """The eager, differentiable function of an implementation that ``choose`` returned (imported
+    on first use)."""
+    return ops.backend(name).attention
 
 
 def _check_triton(device: torch.device) -> None:
@@ -71,7 +69,7 @@ def _check_triton(device: torch.device) -> None:
 
 def _auto(q: Tensor, k: Tensor) -> str:
     """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements).
-    Whether gradients are needed does not change the choice: the triton backend itself takes its
+    Whether gradients are needed does not change it: ``choose`` then takes the triton backend's
     split-KV decode path only when no input requires grad."""
     # flash, on any device: with one key block (``flash._forward_softmax``) it is three ops per
     # task, as few as any formula; its worker threads keep a busy machine's cores out of each op.
@@ -81,6 +79,46 @@ def _auto(q: Tensor, k: Tensor) -> str:
     if not torch.compiler.is_compiling():  # a compiled graph has no logger calls
         log.debug("backend='auto' chose %r for q %s, k %s on %s", name, tuple(q.shape), tuple(k.shape), q.device)
     return name
+
+
+def _takes_decode(q: Tensor, k: Tensor) -> bool:
+    """Whether the triton backend's split-KV decode kernel serves these shapes: few queries (G·Lq
+    rows per key/value head, at most ``DECODE_MAX_ROWS``) against many keys. Decided only where the
+    sizes are known (a symbolic size that depends on data takes the forward kernel)."""
+    from .kernels import triton_backend as tb
+
+    Hq, Lq, Hkv, Lk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    return (
+        checks.known(Lq <= tb.DECODE_MAX_LQ)
+        and checks.known(Lk >= tb.DECODE_MIN_LK)
+        and checks.known(Hq * Lq <= tb.DECODE_MAX_ROWS * Hkv)  # G·Lq <= DECODE_MAX_ROWS, G = Hq / Hkv
+    )
+
+
+def choose(name: str, q: Tensor, k: Tensor, *, needs_grad: bool) -> str:
+    """The implementation that runs (one of ``ops.NAMES``) for backend ``name`` — the one place where
+    it is decided, for ``attention`` and the ring alike:
+
+    * "auto" → the fastest correct backend for the inputs and device (``_auto``);
+    * "triton" → checked to run on q's device (a clear ImportError / ValueError otherwise); then
+      float64 → "flash" (float64 is not a GPU-kernel dtype: the plain-PyTorch tiled backend computes
+      it in float64 on the same device, with gradients), and the split-KV decode kernel
+      ("triton_decode") when no input requires grad and the shapes suit it (``_takes_decode``).
+    """
+    if name == "auto":
+        name = _auto(q, k)
+    if name == "triton":
+        _check_triton(q.device)
+        if q.dtype == torch.float64:
+            name = "flash"
+        elif not needs_grad and _takes_decode(q, k):
+            name = "triton_decode"
+    return name
+
+
+def _needs_grad(*xs: Tensor | None) -> bool:
+    """Whether autograd will ask for a gradient of any of ``xs``."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,10 +236,8 @@ def _attention(
     name = checks.choice("backend", backend, BACKENDS)
     want_lse = checks.flag("return_lse", return_lse)
 
-    if name == "auto":
-        name = _auto(q, k)
-    if name == "triton":
-        _check_triton(q.device)
+    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add))
+    lse: Tensor | None
     if torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
         # One opaque op per call: dynamo never traces a backend's Python, and zero sizes (some only
         # known when a compiled program runs) are answered there. The seed stays a tensor.
@@ -213,12 +249,14 @@ def _attention(
         )  # fmt: skip
     else:
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
-        lse_kw = {"need_lse": want_lse} if name == "flash" else {}
         out, lse = _backend(name)(
             q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p, dropout_seed=seed,
-            **lse_kw,
+            need_lse=want_lse,
         )  # fmt: skip
-    return (out, lse) if want_lse else out
+    if want_lse:
+        assert lse is not None  # asked for: every backend gives it
+        return out, lse
+    return out
 
 
 def attention_weights(

@@ -33,6 +33,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from . import geometry
+
 __all__ = [
     "Mask",
     "alibi",
@@ -146,10 +148,10 @@ def causal(
     Lk = Lq if kv_len is None else _check_len("kv_len", kv_len)
     if align not in ("bottom_right", "top_left"):
         raise ValueError(f"align: expected 'bottom_right' or 'top_left', got {align!r}")
-    offset = Lk - Lq if align == "bottom_right" else 0
+    placed = Lq if align == "bottom_right" else Lk  # top-left: placed as if Lq were Lk (offset 0)
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        return kv <= q + offset
+        return geometry.kept(q, kv, placed, Lk, True, None)
 
     return Mask(keep, (1, 1, Lq, Lk), f"causal ({align.replace('_', '-')})")
 
@@ -171,23 +173,12 @@ def window(q_len: int, kv_len: int | None = None, left: int | None = None, right
             raise ValueError(f"{name}: expected None or an int >= 0, got {side!r}")
         if side is not None and side > MAX_INT:
             raise ValueError(f"{name}: expected at most 2**62 (None = unbounded), got {side}")
-    offset = Lk - Lq
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        return window_keep(q + offset, kv, (left, right))
+        kept = geometry.kept(q, kv, Lq, Lk, False, (left, right))
+        return kept if isinstance(kept, Tensor) else torch.ones((), dtype=torch.bool, device=kv.device)
 
     return Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})")
-
-
-def window_keep(pos: Tensor, kv: Tensor, win: tuple[int | None, int | None]) -> Tensor:
-    """``p - left <= j <= p + right`` for query positions ``pos`` and key indices ``kv``."""
-    left, right = win
-    ok = torch.ones((), dtype=torch.bool, device=kv.device)
-    if left is not None:
-        ok = ok & (kv >= pos - left)
-    if right is not None:
-        ok = ok & (kv <= pos + right)
-    return ok
 
 
 def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
@@ -351,14 +342,14 @@ def keep_block(
 ) -> Tensor | None:
     """The combined keep-mask (mask ∧ causal ∧ window) of one block, broadcastable to
     (B, H, r1 - r0, c1 - c0); ``None`` when nothing is blocked. Causal and window are bottom-right
-    aligned: query ``i`` sits at position ``i + Lk - Lq``."""
+    aligned (``geometry``): query ``i`` sits at position ``i + Lk - Lq``; a block that they keep
+    whole (``geometry.FULL``) costs no position mask."""
     keep: Tensor | None = None
-    if causal or win is not None:
-        pos = torch.arange(rows[0], rows[1], device=device).view(-1, 1) + (kv_len - q_len)  # (r, 1)
-        kv = torch.arange(cols[0], cols[1], device=device).view(1, -1)  # (1, c)
-        keep = kv <= pos if causal else torch.ones((), dtype=torch.bool, device=device)
-        if win is not None:
-            keep = keep & window_keep(pos, kv, win)  # (r, c)
+    by_position = geometry.band(causal, win) != (None, None)
+    if by_position and geometry.classify(rows, cols, q_len, kv_len, causal, win) is not geometry.FULL:
+        i = torch.arange(rows[0], rows[1], device=device).view(-1, 1)  # (r, 1)
+        j = torch.arange(cols[0], cols[1], device=device).view(1, -1)  # (1, c)
+        keep = geometry.kept(i, j, q_len, kv_len, causal, win)  # (r, c)
     if mask is not None:
         m = mask.block(rows, cols, device) if isinstance(mask, Mask) else block_of(mask, rows, cols)
         keep = m if keep is None else keep & m

@@ -14,11 +14,22 @@ a bool tensor (``functional.py`` densifies an ``az.masks.Mask``), the window sid
 unbounded, the dropout seed a 0-d int64 tensor — drawn in the graph from torch's RNG exactly as
 eager calls draw it, and read only here.
 
-The backward ops: ``flash`` has its own (``flash.backward``, from the saved output and lse); the
-reference's is MATH.md's backward with every matrix materialised (``reference_backward`` below; the
-reference's eager backward is autograd through the formula, which cannot run inside an op); the
-triton backend's is its backward kernel op, ``attnzero::triton_bwd`` (float64, which triton
-computes with the flash backend, takes ``flash.backward``).
+The backends. Each implementation (``NAMES``) is a ``Backend`` of three functions with one
+interface (``BACKENDS``): ``attention``, the eager differentiable entry that ``functional.py``
+calls (it takes ``need_lse``: with False the lse may come back as None, which lets flash take its
+single-step softmax); ``forward(q, k, v, *, mask, bias, causal, window, scale, dropout_p, dropout_seed) -> (out,
+lse)``, a plain function; and ``backward(dout, q, k, v, out, lse, *, <the same>, bias_grad) ->
+(dq, dk, dv, dbias)``, a plain function that recomputes P = exp(s − lse) from the ``out`` and
+``lse`` it is given — also those of the same queries over more keys than these, such as the ring's
+global ones (``distributed.py``), which then get exactly these keys' share of the gradients.
+Which implementation runs is decided once, in ``functional.choose`` (``"triton_decode"`` is the
+triton backend's split-KV path, taken only without gradients; float64 on ``backend="triton"``
+runs ``"flash"``); nothing here re-dispatches.
+
+The backward ops: ``flash`` and ``triton`` use their backend's ``backward`` (``flash.backward``; the
+kernel op ``attnzero::triton_bwd``); the reference's is MATH.md's backward with every matrix
+materialised (``reference_backward`` below, from the P and Z its forward op kept; the reference's
+eager backward is autograd through the formula, which cannot run inside an op).
 
 Zero sizes (DESIGN.md). B, Hq or Lq = 0: empty output. Lk = 0: every row is fully blocked (output
 0, lse −inf). D = 0: every score is 0 (uniform weights over the kept keys, plus any bias).
@@ -33,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,7 +53,7 @@ from . import dropout, reference
 from .masks import Mask
 from .reference import accum_dtype
 
-NAMES = ("reference", "flash", "triton")
+NAMES = ("reference", "flash", "triton", "triton_decode")
 UNBOUNDED = -1  # a window side without a bound, in an op's int arguments
 
 Window = tuple[int | None, int | None] | None
@@ -103,18 +114,9 @@ def _reference_forward(
     return out, lse, (p, z)
 
 
-def _flash_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
-    from . import flash
-
-    return (*flash.forward(q, k, v, **kw), _nothing(q))
 
 
-def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
-    from .kernels import triton_backend
-
-    return (*triton_backend.attention(q, k, v, **kw), _nothing(q))
-
-
+@torch.no_grad()
 def reference_backward(
     dout: Tensor,
     q: Tensor,
@@ -123,21 +125,40 @@ def reference_backward(
     out: Tensor,
     lse: Tensor,
     *,
-    kept: Kept,
+    mask: Tensor | Mask | None,
     bias: Tensor | None,
+    causal: bool,
+    window: Window,
     scale: float,
     dropout_p: float,
+    dropout_seed: int,
     bias_grad: bool = True,
-    **unused: Any,
+    kept: Kept | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` of ``reference.attention``: MATH.md's backward with every matrix
-    materialised, in the accumulator dtype, from the forward's P and Z (``kept``)."""
-    del out, lse, unused  # rowsum(P ∘ dP) below is rowsum(dO ∘ O); mask & co. are in P already
-    p, z = kept  # (B, Hq, Lq, Lk) each
+    materialised, in the accumulator dtype. From the forward's P and Z (``kept``, what the
+    reference's op keeps; then rowsum(P ∘ dP) is rowsum(dO ∘ O)); without them P = exp(s − lse) is
+    recomputed for the ``lse`` given, Z drawn again from ``dropout_seed``, and Δ = rowsum(dO ∘ O)
+    taken from the ``out`` given (the backend interface: a ring passes its global out and lse)."""
+    acc = accum_dtype(q.dtype)
+    delta: Tensor | None = None  # Δ = rowsum(dO ∘ O): (B, Hq, Lq, 1)
+    if kept is None:
+        p_own, lse_own = reference.probabilities(
+            q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale
+        )  # (B, Hq, Lq, Lk), (B, Hq, Lq)
+        # exp(s − lse) = P_own · exp(lse_own − lse); a row with no kept key here has P_own = 0
+        ratio = torch.where(lse_own == float("-inf"), 0.0, torch.exp(lse_own - lse.to(acc)))  # (B, Hq, Lq)
+        p = p_own * ratio.unsqueeze(-1)
+        z = _nothing(q)[1]
+        if dropout_p > 0.0:
+            B, Hq, Lq, Lk = p.shape
+            z = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device)  # (B, Hq, Lq, Lk)
+        delta = (dout.to(acc) * out.to(acc)).sum(dim=-1, keepdim=True)
+    else:
+        p, z = kept  # (B, Hq, Lq, Lk) each; mask & co. are in P already
     B, Hq, _, Lk = p.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
-    acc = p.dtype
     k_h = k.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): the key/value head of each query head
     v_h = v.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
     do = dout.to(acc)  # (B, Hq, Lq, Dv)
@@ -147,7 +168,9 @@ def reference_backward(
         z_scaled = z.to(acc) / (1.0 - dropout_p)
         p_kept, dp = p * z_scaled, dp * z_scaled
     dv_h = p_kept.transpose(-2, -1) @ do  # dV = P̃ᵀ dO: (B, Hq, Lk, Dv)
-    ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))  # dS = P ∘ (dP − rowsum(P ∘ dP)): (B, Hq, Lq, Lk)
+    if delta is None:
+        delta = (p * dp).sum(dim=-1, keepdim=True)  # rowsum(P ∘ dP) = rowsum(dO ∘ O)
+    ds = p * (dp - delta)  # dS = P ∘ (dP − Δ): (B, Hq, Lq, Lk)
     dq = (ds @ k_h) * scale  # (B, Hq, Lq, D)
     dk_h = (ds.transpose(-2, -1) @ q.to(acc)) * scale  # (B, Hq, Lk, D)
     # The G query heads of a group add into their key/value head.
@@ -157,39 +180,100 @@ def reference_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
-def _flash_backward(*args: Any, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    from . import flash
+# ---------------------------------------------------------------------------------------------
+# The backends behind one interface. The modules of flash and triton are imported on first use
+# (triton may be missing), and their functions are looked up at each call.
 
-    return flash.backward(*args, **kw)
-
-
-def _triton_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, kept: Kept, **kw: Any
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The triton backend's backward kernels from (out, lse). Δ = rowsum(dO·O) comes from the output
-    in its own dtype, as in the flash backend (the eager triton path keeps a float32 copy of a 16-bit
-    output for it)."""
-    from . import flash
-    from .kernels import triton_backend
-
-    if q.dtype == torch.float64:  # the triton backend computes float64 with the flash backend
-        return flash.backward(dout, q, k, v, out, lse, **kw)
-    deterministic = triton_backend.DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-    left, right = sides(kw["window"])
-    dq, dk, dv, dbias = torch.ops.attnzero.triton_bwd(
-        dout, q, k, v, out, lse, kw["mask"], kw["bias"], kw["causal"], left, right, kw["scale"],
-        kw["dropout_p"], kw["dropout_seed"], kw["bias_grad"], deterministic,
-    )  # fmt: skip
-    return dq, dk, dv, (dbias if kw["bias_grad"] else None)
-
-
-Forward = Callable[..., tuple[Tensor, Tensor, Kept]]
+Attention = Callable[..., tuple[Tensor, Tensor | None]]
+Forward = Callable[..., tuple[Tensor, Tensor]]
 Backward = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor | None]]
-_FUNCTIONS: dict[str, tuple[Forward, Backward]] = {
-    "reference": (_reference_forward, reference_backward),
-    "flash": (_flash_forward, _flash_backward),
-    "triton": (_triton_forward, _triton_backward),
+
+
+class Backend(NamedTuple):
+    """One implementation: its eager differentiable entry, and its plain forward and backward (see
+    the module docstring for their arguments)."""
+
+    attention: Attention
+    forward: Forward
+    backward: Backward
+
+
+def _reference_attention(q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, **kw: Any) -> tuple[Tensor, Tensor]:
+    return reference.attention(q, k, v, **kw)  # the lse comes with the probabilities anyway
+
+
+def _reference_plain(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return reference.attention(q, k, v, **kw)
+
+
+def _flash() -> Any:
+    from . import flash
+
+    return flash
+
+
+def _triton() -> Any:
+    from .kernels import triton_backend  # raises a clear ImportError when triton is missing
+
+    return triton_backend
+
+
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor | None]:
+    return _flash().attention(q, k, v, **kw)  # type: ignore[no-any-return]
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    return _flash().forward(q, k, v, **kw)  # type: ignore[no-any-return]
+
+
+def _flash_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    return _flash().backward(*args, **kw)  # type: ignore[no-any-return]
+
+
+def _triton_attention(q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, **kw: Any) -> tuple[Tensor, Tensor]:
+    return _triton().attention(q, k, v, **kw)  # type: ignore[no-any-return]
+
+
+def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    return _triton().forward(q, k, v, **kw)  # type: ignore[no-any-return]
+
+
+def _triton_decode(q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, **kw: Any) -> tuple[Tensor, Tensor]:
+    return _triton().decode(q, k, v, **kw)  # type: ignore[no-any-return]
+
+
+def _triton_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    return _triton().backward(*args, **kw)  # type: ignore[no-any-return]
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend(_reference_attention, _reference_plain, reference_backward),
+    "flash": Backend(_flash_attention, _flash_forward, _flash_backward),
+    "triton": Backend(_triton_attention, _triton_forward, _triton_backward),
+    # split-KV decode: no backward of its own (chosen only without gradients); its (out, lse) are the
+    # forward kernel's, so the triton backward would apply
+    "triton_decode": Backend(_triton_decode, _triton_decode, _triton_backward),
 }
+
+
+def backend(name: str) -> Backend:
+    """The implementation ``name`` (one of ``NAMES``, as ``functional.choose`` returns it)."""
+    return BACKENDS[name]
+
+
+def _forward_kept(name: str, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
+    """A backend's forward inside an op: the reference keeps P and Z for its backward op."""
+    if name == "reference":
+        return _reference_forward(q, k, v, **kw)
+    return (*backend(name).forward(q, k, v, **kw), _nothing(q))
+
+
+def _backward_kept(name: str, *args: Tensor, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """A backend's backward inside an op, from what ``_forward_kept`` kept."""
+    if name == "reference":
+        return reference_backward(*args, kept=kept, **kw)
+    return backend(name).backward(*args, **kw)
 
 
 def _kept_shapes(name: str, q: Tensor, Lk: Any, dropout_p: float) -> Kept:
@@ -223,7 +307,7 @@ def forward(name: str, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tens
         return out, lse, _kept_shapes(name, q, Lk, kw["dropout_p"])
     if D == 0:  # every score is 0 (+ bias)
         q, k = _zero_column(q), _zero_column(k)
-    out, lse, kept = _FUNCTIONS[name][0](q, k, v if Dv else _zero_column(v), **kw)
+    out, lse, kept = _forward_kept(name, q, k, v if Dv else _zero_column(v), **kw)
     return (out if Dv else q.new_zeros(B, Hq, Lq, 0)), lse, kept
 
 
@@ -239,9 +323,9 @@ def backward(
         dbias = torch.zeros_like(bias) if bias is not None and kw["bias_grad"] else None
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
     if D == 0:  # the scores do not depend on q and k (empty): only v and bias get gradients
-        _, _, dv, dbias = _FUNCTIONS[name][1](dout, _zero_column(q), _zero_column(k), v, out, lse, **kw)
+        _, _, dv, dbias = _backward_kept(name, dout, _zero_column(q), _zero_column(k), v, out, lse, **kw)
         return torch.zeros_like(q), torch.zeros_like(k), dv, dbias
-    return _FUNCTIONS[name][1](dout, q, k, v, out, lse, **kw)
+    return _backward_kept(name, dout, q, k, v, out, lse, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,18 +10,24 @@ trusted inputs (``functional.py`` validated them). Under the hood:
 * ``attnzero::triton_fwd`` (forward.py) and ``attnzero::triton_bwd`` (backward.py) — registered
   with ``torch.library.custom_op``, fake implementations and ``register_autograd``, so that
   ``torch.compile`` traces through them without graph breaks;
-* ``attnzero::triton_decode`` (decode.py), the split-KV kernel, taken when ``Lq <= 16``,
-  ``Lk >= DECODE_MIN_LK``, a GQA group has at most ``DECODE_MAX_ROWS`` query rows (G·Lq) and no
-  input requires grad (it has no backward).
+* ``attnzero::triton_decode`` (decode.py), the split-KV kernel, for ``Lq <= 16``,
+  ``Lk >= DECODE_MIN_LK`` and at most ``DECODE_MAX_ROWS`` query rows (G·Lq) in a GQA group;
+  ``functional.choose`` takes it (``decode``) only when no input requires grad (it has no
+  backward).
+
+The backend interface (``ops.Backend``): ``attention`` (eager, differentiable), ``forward`` and
+``backward`` (plain functions; the backward from any ``out`` and ``lse``, a ring's global ones too).
+This module runs what it is given: which backend runs — float64, the decode path — is decided
+in ``functional.choose``.
 
 Inputs: float16, bfloat16 and float32 (float32 accumulation always; float32 products are IEEE
 unless ``torch.backends.cuda.matmul.allow_tf32`` is set). As in FlashAttention, P is rounded to
 the input dtype before P·V and dS before dS·K / dSᵀ·Q; when a 16-bit input requires grad the
 forward also keeps O in float32 for the backward's Δ = rowsum(dO·O).
 
-float64 is not a GPU-kernel dtype: it is computed by the plain-PyTorch ``flash`` backend (or
-``reference`` where flash is absent), in float64, on the same device — the same answer, with
-gradients, just not by a Triton kernel.
+float64 is not a GPU-kernel dtype: ``backend="triton"`` computes it with the plain-PyTorch ``flash``
+backend, in float64, on the same device — the same answer, with gradients, just not by a Triton
+kernel (``functional.choose`` routes it; it never reaches this module).
 
 A mask given as an ``az.masks.Mask`` is materialised here to a dense bool tensor (broadcast dims kept
 at size 1) and read per block; causal and window are never materialised — they drive block skipping.
@@ -53,7 +59,7 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
         "(on a CUDA machine it comes with torch; for CPU tests install it and set TRITON_INTERPRET=1)"
     ) from e
 
-from .. import reference
+from .. import geometry, reference
 from ..masks import Mask
 from . import backward as bwd_k
 from . import decode as dec_k
@@ -136,10 +142,10 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def _window(causal: bool, left: int, right: int) -> tuple[int, int]:
-    """Fold causal into the window: causal means ``right = 0``; -1 stands for unbounded."""
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
+    """The kernels' band ``p - left <= j <= p + right``: causal folded into the window
+    (``geometry.band``); -1 stands for unbounded, in and out."""
+    wl, wr = geometry.band(causal, (None if left < 0 else left, None if right < 0 else right))
+    return (-1 if wl is None else wl), (-1 if wr is None else wr)
 
 
 def _dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
@@ -383,6 +389,18 @@ torch.library.register_autograd("attnzero::triton_fwd", _backward_rule, setup_co
 # The backend function
 
 
+def _args(
+    q: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, dropout_seed: int,
+) -> tuple[Any, ...]:
+    """The backend's keyword arguments as the ops take them: a dense mask (an ``az.masks.Mask`` is
+    materialised, broadcast dims kept at size 1) and the window sides as ints, -1 for unbounded."""
+    dense = mask.to_tensor(q.device) if isinstance(mask, Mask) else mask  # (B|1, H|1, Lq|1, Lk|1) bool
+    left, right = (-1, -1) if window is None else (-1 if window[0] is None else window[0],
+                                                   -1 if window[1] is None else window[1])
+    return dense, bias, causal, left, right, float(scale), float(dropout_p), int(dropout_seed)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -396,42 +414,50 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V by Triton kernels.
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V by Triton kernels,
+    differentiable in q, k, v and bias (the forward kernel op and its autograd rule).
 
     Same contract as ``reference.attention``: ``mask`` (bool, or an ``az.masks.Mask`` — materialised
     here to a dense bool tensor) and ``bias`` broadcastable to (B, Hq, Lq, Lk); causal bottom-right;
     ``window=(left, right)``; dropout drops exactly ``dropout.keep_mask(dropout_seed, ...)``'s
-    entries, in the forward and the backward. float64 inputs go to the flash/reference backend.
+    entries, in the forward and the backward. Inputs are float16, bfloat16 or float32 on a device
+    this backend runs on: ``functional.choose`` sends float64 to the flash backend and short
+    queries without gradients to ``decode``.
     """
-    if q.dtype == torch.float64:
-        return _float64(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
-    dense = mask.to_tensor(q.device) if isinstance(mask, Mask) else mask  # (B|1, H|1, Lq|1, Lk|1) bool
-    left, right = (-1, -1) if window is None else (-1 if window[0] is None else window[0],
-                                                   -1 if window[1] is None else window[1])
-    args = (dense, bias, causal, left, right, float(scale), float(dropout_p), int(dropout_seed))
-    Lq, Lk = q.shape[2], k.shape[2]
+    args = _args(q, mask, bias, causal, window, scale, dropout_p, dropout_seed)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    rows = (q.shape[1] // k.shape[1]) * Lq
-    if Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK and rows <= DECODE_MAX_ROWS and not needs_grad:
-        out, lse = triton_decode(q, k, v, *args)
-    else:
-        # 16-bit outputs: keep the float32 output for the backward's Δ = rowsum(dO·O) when training
-        keep_f32 = needs_grad and q.dtype != torch.float32
-        out, lse, _ = triton_fwd(q, k, v, *args, keep_f32)
+    # 16-bit outputs: keep the float32 output for the backward's Δ = rowsum(dO·O) when training
+    keep_f32 = needs_grad and q.dtype != torch.float32
+    out, lse, _ = triton_fwd(q, k, v, *args, keep_f32)
     return out, lse
 
 
-def _float64(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
-    window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, seed: int,
-) -> tuple[Tensor, Tensor]:
-    try:
-        from .. import flash
+def forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    """``attention`` as a plain function (the backend interface's forward): the forward kernel, no
+    autograd."""
+    with torch.no_grad():
+        out, lse, _ = triton_fwd(q, k, v, *_args(q, **kw), False)
+    return out, lse
 
-        fn = flash.attention
-    except ImportError:
-        from .. import reference
 
-        fn = reference.attention
-    return fn(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-              dropout_seed=seed)
+def decode(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    """The split-KV decode kernel (``attnzero::triton_decode``), the same ``(out, lse)`` as
+    ``forward``; no backward (``functional.choose`` takes it only when no input requires grad, for
+    the shapes it serves: ``DECODE_MAX_LQ``, ``DECODE_MIN_LK``, ``DECODE_MAX_ROWS``)."""
+    return triton_decode(q, k, v, *_args(q, **kw))  # type: ignore[no-any-return]
+
+
+def backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+    mask: Tensor | Mask | None, bias: Tensor | None, causal: bool, window: tuple[int | None, int | None] | None,
+    scale: float, dropout_p: float, dropout_seed: int, bias_grad: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """The backend interface's backward: ``(dq, dk, dv, dbias)`` by the backward kernels, from the
+    ``out`` and ``lse`` given (a ring's global ones work: P = exp(s − lse) and Δ = rowsum(dO·O) are
+    recomputed from them). Δ comes from the output in its own dtype, as in the flash backend (the
+    eager path keeps a float32 copy of a 16-bit output for it). dbias None unless ``bias_grad``."""
+    deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+    args = _args(q, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    grad_b = bias_grad and bias is not None
+    dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
+    return dq, dk, dv, (dbias if grad_b else None)

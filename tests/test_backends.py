@@ -1,0 +1,195 @@
+"""One backend interface (ops.Backend) and one choice of backend (functional.choose).
+
+Every backend has a plain ``forward -> (out, lse)`` and a ``backward(dout, q, k, v, out, lse, ...)``
+that recomputes P from the ``out`` and ``lse`` it is given — so a caller that splits the keys (the
+ring of ``distributed.py``) gets each part's share of the gradients from the GLOBAL out and lse.
+Which implementation runs is decided once, in ``functional.choose``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import qkv
+
+import attnzero as az
+from attnzero import functional, ops, reference
+from attnzero.distributed import _merge
+
+NAMES = ["reference", "flash", "triton"]
+
+
+def _runnable(name: str) -> None:
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("backend='triton' needs `pip install triton`")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("backend='triton' runs on CUDA or under TRITON_INTERPRET=1")
+
+
+def _device(name: str) -> torch.device:
+    return torch.device("cuda" if name == "triton" and torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_from_a_global_out_and_lse(name: str, causal: bool) -> None:
+    """Keys split in two parts: each part's forward, merged by lse, is the whole forward; each
+    part's backward from the merged (global) out and lse adds up to the whole backward."""
+    _runnable(name)
+    dev = _device(name)
+    dtype = torch.float64 if name != "triton" else torch.float32
+    q, k, v = (t.to(dev, dtype) for t in qkv(2, 4, 2, 19, 19, 16))
+    dout = torch.randn(2, 4, 19, 16, dtype=dtype, device=dev)
+    be = ops.backend(name)
+    kw: dict[str, Any] = {"mask": None, "bias": None, "window": None, "scale": 0.3, "dropout_p": 0.0, "dropout_seed": 0}
+    whole_out, whole_lse = be.forward(q, k, v, causal=causal, **kw)
+    whole = be.backward(dout, q, k, v, whole_out, whole_lse, causal=causal, **kw)
+
+    # keys [0, 11) and [11, 19); under causal each part's keep-mask is the global one's columns
+    # (query i sees key j <= i), so rows that see no key of a part occur too
+    def part_mask(cols: slice) -> torch.Tensor | None:
+        if not causal:
+            return None
+        j = torch.arange(cols.start, cols.stop, device=dev)
+        return (j <= torch.arange(19, device=dev).unsqueeze(1)).view(1, 1, 19, -1)
+
+    parts = [slice(0, 11), slice(11, 19)]
+    acc = whole_lse.dtype
+    out = torch.zeros(2, 4, 19, 16, dtype=acc, device=dev)
+    lse = torch.full((2, 4, 19), float("-inf"), dtype=acc, device=dev)
+    for cols in parts:
+        o, s = be.forward(q, k[:, :, cols], v[:, :, cols], causal=False, **{**kw, "mask": part_mask(cols)})
+        _merge(out, lse, o, s)
+    torch.testing.assert_close(out.to(dtype), whole_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+
+    out_g = out.to(dtype)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for cols in parts:
+        dq_p, dk_p, dv_p, db = be.backward(
+            dout, q, k[:, :, cols].contiguous(), v[:, :, cols].contiguous(), out_g, lse, causal=False,
+            **{**kw, "mask": part_mask(cols)},
+        )  # fmt: skip
+        assert db is None
+        dq += dq_p
+        dk[:, :, cols] += dk_p
+        dv[:, :, cols] += dv_p
+    tol = 1e-9 if dtype == torch.float64 else 2e-4
+    for got, want in zip((dq, dk, dv), whole[:3]):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_reference_backward_with_dropout_from_out_and_lse() -> None:
+    """The reference's interface backward (no kept P/Z) draws the forward's dropout entries again
+    and equals autograd through the formula."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 1, 9, 13, 8))
+    kw: dict[str, Any] = {"mask": None, "bias": None, "causal": True, "window": (4, None), "scale": 0.4,
+                          "dropout_p": 0.3, "dropout_seed": 1234}
+    out, lse = reference.attention(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    got = ops.backend("reference").backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, **kw)
+    for a, b in zip(got[:3], want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The choice, made once
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the implementations that functional.py runs (eager calls)."""
+    names: list[str] = []
+    real = functional._backend
+
+    def spy(name: str):  # type: ignore[no-untyped-def]
+        names.append(name)
+        return real(name)
+
+    monkeypatch.setattr(functional, "_backend", spy)
+    return names
+
+
+def test_choose_names_what_runs_on_cpu() -> None:
+    tiny, big = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 200, 8)
+    assert functional.choose("auto", tiny, tiny, needs_grad=True) == "reference"
+    assert functional.choose("auto", big, big, needs_grad=False) == "flash"
+    assert functional.choose("auto", big.double(), big.double(), needs_grad=True) == "flash"
+    for name in ("reference", "flash"):
+        assert functional.choose(name, big, big, needs_grad=True) == name
+    assert set(ops.NAMES) == set(ops.BACKENDS)
+
+
+def test_attention_runs_the_chosen_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = _spy(monkeypatch)
+    q = torch.randn(1, 2, 9, 8, dtype=torch.float64)
+    az.attention(q, q, q)
+    az.attention(q, q, q, backend="flash")
+    assert names == ["reference", "flash"]
+    monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad: "flash")
+    az.attention(q, q, q, backend="reference")
+    assert names[-1] == "flash"  # a patched choice is honoured
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_float64_on_triton_is_routed_by_functional(monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend="triton" with float64: functional.choose picks the flash backend (same answer, with
+    gradients); the triton backend never sees float64, in eager and in compiled calls."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("backend='triton' runs on CUDA or under TRITON_INTERPRET=1")
+    from attnzero.kernels import triton_backend as tb
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q, k, v = (t.to(dev).requires_grad_(True) for t in qkv(1, 2, 1, 9, 12, 8))
+    assert functional.choose("triton", q, k, needs_grad=True) == "flash"
+    assert functional.choose("triton", q.float(), k.float(), needs_grad=True) == "triton"
+    assert not hasattr(tb, "_float64")
+
+    names = _spy(monkeypatch)
+    seen: list[torch.dtype] = []
+    for fn in ("attention", "forward", "backward", "decode"):
+        real = getattr(tb, fn)
+
+        def record(*args: Any, _real: Any = real, **kw: Any) -> Any:
+            seen.extend(a.dtype for a in args if isinstance(a, torch.Tensor))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(tb, fn, record)
+    out = az.attention(q, k, v, causal=True, backend="triton")
+    assert names == ["flash"]
+    want = az.attention(q, k, v, causal=True, backend="reference")
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    g_ref = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # compiled: the op of the flash backend
+    compiled = torch.compile(lambda a, b, c: az.attention(a, b, c, causal=True, backend="triton"), fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-12, atol=1e-12)
+    assert torch.float64 not in seen
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_choose_takes_decode_only_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("backend='triton' runs on CUDA or under TRITON_INTERPRET=1")
+    from attnzero.kernels import triton_backend as tb
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q, k = torch.randn(1, 4, 2, 16, device=dev), torch.randn(1, 2, 2048, 16, device=dev)
+    assert functional.choose("triton", q, k, needs_grad=False) == "triton_decode"
+    assert functional.choose("triton", q, k, needs_grad=True) == "triton"
+    assert functional.choose("triton", q, k[:, :, :100], needs_grad=False) == "triton"
+    monkeypatch.setattr(tb, "DECODE_MIN_LK", 64)  # the kernel's limits are read at each choice
+    assert functional.choose("triton", q, k[:, :, :100], needs_grad=False) == "triton_decode"
+    wide = torch.randn(1, 4, 16, 16, device=dev)  # G·Lq = 32 rows per key/value head: still served
+    assert functional.choose("triton", wide, k, needs_grad=False) == "triton_decode"
+    monkeypatch.setattr(tb, "DECODE_MAX_ROWS", 16)
+    assert functional.choose("triton", wide, k, needs_grad=False) == "triton"
