@@ -3,11 +3,12 @@
 1. ``delta_kernel``: ``Δ_i = Σ_d dO_id · O_id`` (one pass before the main loops).
 2. ``dkdv_kernel``: one program per (key block, batch·key/value head). It holds K_j, V_j and the
    accumulators dK_j, dV_j, and walks the query blocks of every query head of its GQA group that can
-   see the key block (whole blocks outside the causal/window band are skipped; range checks only
-   on the band's edges). With ``ATOMIC_DQ`` it also adds each block's ``dS K`` into a float32 dQ
+   see the key block (``dkdv_queries``, one call per head: whole blocks outside the causal/window
+   band are skipped; range checks only on the band's edges, the parts of forward.py).
+   With ``ATOMIC_DQ`` it also adds each block's ``dS K`` into a float32 dQ
    with atomics (one pass, fast, but the summation order — hence the last bits — varies run to run).
 3. ``dq_kernel``: the deterministic alternative for dQ, one program per (query block, batch·query
-   head) walking the key blocks like the forward.
+   head) walking the key blocks like the forward (``dq_keys``).
 
 Everything is computed "transposed" in dkdv (rows = keys, columns = queries), so that
 ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` are plain products. In base 2: ``P = exp2(s₂ - lse₂)`` with
