@@ -303,42 +303,74 @@ def tables(result: dict[str, Any]) -> str:
 # Compile check (no GPU needed): every kernel variant compiled for sm_90, with its resource use
 
 
-def compile_check(dims: list[int], quick: bool = False) -> int:
-    """Compile the kernels for compute capability 9.0 without a device and print each variant's
-    shared memory; returns the number of variants that failed. ``quick``: bfloat16 only, every
-    feature switched on (mask, bias and its gradient, dropout, window, atomic dQ), no decode."""
+SM90_SHARED_MAX = 232448  # bytes of shared memory one block may use on compute capability 9.0 (227 KiB)
+
+# Feature sets for the compile check: the kernels' constexpr switches. "plain" is non-causal attention
+# without extras (the deterministic dQ kernel); "causal" a causal band; "all" everything at once.
+FEATURE_SETS: dict[str, dict[str, bool]] = {
+    "plain": {"HAS_LEFT": False, "HAS_RIGHT": False, "HAS_MASK": False, "HAS_BIAS": False, "HAS_DROPOUT": False,
+              "STORE_F32": False, "BIAS_GRAD": False, "ATOMIC_DQ": False},
+    "causal": {"HAS_LEFT": False, "HAS_RIGHT": True, "HAS_MASK": False, "HAS_BIAS": False, "HAS_DROPOUT": False,
+               "STORE_F32": True, "BIAS_GRAD": False, "ATOMIC_DQ": True},
+    "all": {"HAS_LEFT": True, "HAS_RIGHT": True, "HAS_MASK": True, "HAS_BIAS": True, "HAS_DROPOUT": True,
+            "STORE_F32": True, "BIAS_GRAD": True, "ATOMIC_DQ": True},
+}
+
+
+def compile_for_sm90(
+    fn: Any, ptrs: dict[str, str], consts: dict[str, Any], warps: int, stages: int
+) -> tuple[bool, str]:
+    """Compile one @triton.jit kernel for compute capability 9.0 without a device (through ptxas):
+    (True, its shared memory) when it compiled and fits sm_90's shared memory, else (False, why
+    not). ``ptrs``: the pointer arguments' types; the others are int64 (seeds, threshold), fp32
+    (scales) or int32."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    i64 = {"seed_lo", "seed_hi", "threshold"}
+    floats = {"qk_scale", "keep_scale", "scale"}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n) or ("fp32" if n in floats else "i64" if n in i64 else "i32")
+           for n in fn.arg_names}
+    try:
+        k = triton.compile(ASTSource(fn, sig, {n: consts[n] for n in fn.arg_names if n in consts}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    except Exception as e:  # the caller reports every failing variant
+        lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+        return False, f"{type(e).__name__} {lines[0]} {lines[-1][:200]}"  # where (source line:column), what
+    shared = k.metadata.shared
+    if shared > SM90_SHARED_MAX:
+        return False, f"needs {shared} B of shared memory, sm_90 has {SM90_SHARED_MAX}"
+    return True, f"shared={shared}B"
+
+
+def compile_check(dims: list[int], quick: bool = False) -> int:
+    """Compile every kernel (forward, decode split and merge, backward Δ, dK/dV and dQ) for compute
+    capability 9.0 without a device, in each feature set of FEATURE_SETS, and print one line per
+    variant ("  ok   " or "  FAIL "); returns the number of variants that failed. ``quick``:
+    bfloat16 only, the "plain" and "all" feature sets."""
     from attnzero.kernels import backward as bwd_k
     from attnzero.kernels import decode as dec_k
     from attnzero.kernels import forward as fwd_k
     from attnzero.kernels import triton_backend as tb
 
-    target = GPUTarget("cuda", 90, 32)
-    i64 = {"seed_lo", "seed_hi", "threshold"}
-    floats = {"qk_scale", "keep_scale", "scale"}
     failures = 0
 
-    def one(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], warps: int, stages: int) -> None:
+    def one(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], warps: int, stages: int, label: str = "") -> None:
         nonlocal failures
-        sig = {n: "constexpr" if n in consts else ptrs.get(n) or ("fp32" if n in floats else "i64" if n in i64
-               else "i32") for n in fn.arg_names}
-        label = f"{fn.__name__} " + " ".join(f"{k}={v}" for k, v in consts.items() if v not in (False,))
-        try:
-            k = triton.compile(ASTSource(fn, sig, consts), target=target,
-                               options={"num_warps": warps, "num_stages": stages})
-            print(f"  ok   {label}  shared={k.metadata.shared}B", flush=True)
-        except Exception as e:  # report every failing variant
-            failures += 1
-            print(f"  FAIL {label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        used = {n: consts[n] for n in fn.arg_names if n in consts}
+        label = label or " ".join(f"{k}={v}" for k, v in used.items())
+        ok, note = compile_for_sm90(fn, ptrs, used, warps, stages)
+        failures += not ok
+        print(f"  {'ok  ' if ok else 'FAIL'} {fn.__name__} {label}  {note}", flush=True)
 
     cuda = torch.device("cuda")
-    for dtype, ty in ((torch.bfloat16, "*bf16"),) if quick else ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+    dtypes = ((torch.bfloat16, "*bf16"),) if quick else ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32"))
+    sets = ("plain", "all") if quick else tuple(FEATURE_SETS)
+    for dtype, ty in dtypes:
         for D in dims:
-            for full in (True,) if quick else (False, True):
-                flags = {"HAS_LEFT": full, "HAS_RIGHT": True, "HAS_MASK": full, "HAS_BIAS": full,
-                         "HAS_DROPOUT": full, "PRECISION": tb._precision(dtype)}
+            for name in sets:
+                flags = {**FEATURE_SETS[name], "PRECISION": tb._precision(dtype)}
+                label = f"{str(dtype)[6:]} D={D} {name}"
 
                 def blocks(kind: str, D: int = D, dtype: torch.dtype = dtype) -> tuple[dict[str, int], int, int]:
                     cfg = tb._blocks(kind, D, D, dtype, cuda)
@@ -347,24 +379,22 @@ def compile_check(dims: list[int], quick: bool = False) -> int:
                 common = {"Mask": "*u8", "Bias": ty, "Lse": "*fp32"}
                 b, w, s = blocks("fwd")
                 ptrs = {"Q": ty, "K": ty, "V": ty, "Out": ty, "Out32": "*fp32", **common}
-                one(fwd_k.fwd_kernel, ptrs, {**flags, **b, "STORE_F32": full}, w, s)
+                one(fwd_k.fwd_kernel, ptrs, {**flags, **b}, w, s, label)
+                b, w, s = blocks("decode")
+                ptrs = {"Q": ty, "K": ty, "V": ty, "Opart": "*fp32", "Lpart": "*fp32", **common}
+                rows = 16 if name == "all" else tb.DECODE_MAX_ROWS // 2  # G·Lq query rows, padded
+                one(dec_k.split_kernel, ptrs, {**flags, **b, "BLOCK_M": rows}, w, s, f"{label} rows={rows}")
                 b, w, s = blocks("dkdv")
                 ptrs = {"Q": ty, "K": ty, "V": ty, "dO": ty, "dK": ty, "dV": ty, "Delta": "*fp32", "dQacc": "*fp32",
                         "dBias": "*fp32", **common}
-                one(bwd_k.dkdv_kernel, ptrs, {**flags, **b, "BIAS_GRAD": full, "ATOMIC_DQ": quick or not full}, w, s)
+                one(bwd_k.dkdv_kernel, ptrs, {**flags, **b}, w, s, label)
                 b, w, s = blocks("dq")
                 ptrs = {"Q": ty, "K": ty, "V": ty, "dO": ty, "dQ": ty, "Delta": "*fp32", **common}
-                one(bwd_k.dq_kernel, ptrs, {**flags, **b}, w, s)
-                if quick:  # the decode kernel shares its inner loop with fwd_kernel
-                    continue
-                b, w, s = blocks("decode")
-                ptrs = {"Q": ty, "K": ty, "V": ty, "Opart": "*fp32", "Lpart": "*fp32", **common}
-                one(dec_k.split_kernel, ptrs, {**flags, **b, "BLOCK_M": 16 if full else 64}, w, s)
-        if quick:
-            continue
+                one(bwd_k.dq_kernel, ptrs, {**flags, **b}, w, s, label)
         one(dec_k.merge_kernel, {"Opart": "*fp32", "Lpart": "*fp32", "Out": ty, "Lse": "*fp32"},
-            {"BLOCK_S": 64, "BLOCK_DV": 128}, 4, 1)
-        one(bwd_k.delta_kernel, {"O": ty, "dO": ty, "Delta": "*fp32"}, {"BLOCK_M": 64, "BLOCK_DV": 128}, 4, 1)
+            {"BLOCK_S": 64, "BLOCK_DV": 128}, 4, 1, str(dtype)[6:])
+        one(bwd_k.delta_kernel, {"O": ty, "dO": ty, "Delta": "*fp32"}, {"BLOCK_M": 64, "BLOCK_DV": 128}, 4, 1,
+            str(dtype)[6:])
     return failures
 
 
@@ -376,7 +406,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--compile-check", action="store_true", help="compile the kernels for sm_90 (no GPU needed)")
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256], help="head dims for --compile-check")
-    parser.add_argument("--quick", action="store_true", help="--compile-check: bf16, all features on, fwd/dkdv/dq only")
+    parser.add_argument("--quick", action="store_true", help="--compile-check: bf16, plain and all features")
     parser.add_argument("--out", type=Path, default=Path("out/gpu.json"), help="JSON results")
     args = parser.parse_args()
     if args.compile_check:

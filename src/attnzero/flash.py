@@ -41,12 +41,11 @@ import torch
 from torch import Tensor
 
 from . import dropout, geometry, reference
+from .constants import LN2, LOG2E
 from .masks import Mask, block_of, keep_block
 from .parallel import Arena, arena, run_tasks
 from .reference import accum_dtype
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · LOG2E)
-LN2 = 0.6931471805599453  # ln(2):    ln(x) = log2(x) · LN2
 NEG_INF = float("-inf")
 
 # Block sizes, chosen by measuring on a 2-core AVX-512 CPU (docs/benchmarks.md). ``rows``: query rows

@@ -14,7 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import attend_block, finish_rows
+from .forward import NEG_INF, attend_keys, finish_rows
+
+WAVES = 2  # split the keys until about this many programs per multiprocessor run
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
@@ -43,39 +45,20 @@ def split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D
     dv_ok = offs_dv < Dv
-    off = Lk - Lq
-    pos = i + off
+    pos = i + Lk - Lq  # key position of each row's query
 
     q_rows = Q + b * sqb + h * sqh + i * sqm  # (BLOCK_M,) pointers
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
-    k_rows = K + b * skb + hk * skh
-    v_rows = V + b * svb + hk * svh
-    mask_rows = Mask + b * smb + h * smh + i * smm
-    bias_rows = Bias + b * sbb + h * sbh + i * sbm
-    drop_rows = (b * Hq + h) * Lq + i  # int64 dropout counters / Lk
-
-    # This split's keys, cut to what any row can see (query positions off .. Lq - 1 + off).
-    lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, Lk)
-    if HAS_LEFT:
-        lo = tl.maximum(lo, off - left)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, Lq - 1 + off + right + 1)
-    lo = tl.maximum(lo, 0)
-    start = lo // BLOCK_N
-    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    split_hi = tl.minimum(pid_s * chunk + chunk, Lk)
-    for nb in range(start, end):
-        # every block checks ranges; keys past this split's end (split_hi) are blocked
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k_rows, v_rows, skn, svn, nb * BLOCK_N, split_hi, Lk, offs_d, offs_dv, d_ok, dv_ok,
-            pos, rows_ok, left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold,
-            qk_scale, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
-        )
+    # This split's keys [k_lo, k_hi) (whole blocks: chunk is a multiple of BLOCK_N), walked as the
+    # forward walks them; every row sits at a query position in [0, Lq) (m0 = 0, BLOCK_M >= Lq).
+    k_lo = pid_s * chunk
+    acc, m_i, l_i = attend_keys(
+        q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, 0, Lq, Lk, k_lo, tl.minimum(k_lo + chunk, Lk),
+        offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
+        Mask + b * smb + h * smh + i * smm, smn, Bias + b * sbb + h * sbh + i * sbm, sbn,
+        (b * Hq + h) * Lq + i, seed_lo, seed_hi, threshold, qk_scale,  # dropout counters / Lk: (BLOCK_M,) int64
+        BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
+    )
     out, lse = finish_rows(acc, m_i, l_i, keep_scale)
     part = ((b * Hq + h) * S + pid_s) * Lq + i  # (BLOCK_M,) row index into (B, Hq, S, Lq)
     tl.store(Opart + part[:, None] * Dv + offs_dv[None, :], out, mask=rows_ok[:, None] & dv_ok[None, :])
@@ -94,17 +77,17 @@ def merge_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < S
     part = (bh * S + offs_s) * Lq + i  # (BLOCK_S,)
-    lse_s = tl.load(Lpart + part, mask=s_ok, other=float("-inf"))
+    lse_s = tl.load(Lpart + part, mask=s_ok, other=NEG_INF)
     o_s = tl.load(Opart + part[:, None] * Dv + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < Dv),
                   other=0.0)  # (BLOCK_S, BLOCK_DV)
     # lse = m + log Σ exp(lse_s - m); w_s = exp(lse_s - lse) — guarded for all -inf
     m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    m_safe = tl.where(m == NEG_INF, 0.0, m)
     w = tl.exp(lse_s - m_safe)
     total = tl.sum(w, 0)
     total_safe = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(o_s * (w / total_safe)[:, None], 0)  # (BLOCK_DV,)
-    lse = tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe))
+    lse = tl.where(total == 0.0, NEG_INF, m_safe + tl.log(total_safe))
     b = bh // Hq
     h = bh % Hq
     tl.store(Out + b * sob + h * soh + i * som + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < Dv)
@@ -112,8 +95,8 @@ def merge_kernel(
 
 
 def splits_for(batch_kv_heads: int, Lk: int, block_n: int, num_sms: int) -> tuple[int, int]:
-    """(S, chunk): about two waves of programs over the multiprocessors, chunks of whole blocks."""
+    """(S, chunk): about ``WAVES`` waves of programs over the multiprocessors, chunks of whole blocks."""
     blocks = triton.cdiv(Lk, block_n)
-    want = max(1, min(blocks, triton.cdiv(2 * num_sms, batch_kv_heads)))
+    want = max(1, min(blocks, triton.cdiv(WAVES * num_sms, batch_kv_heads)))
     chunk = triton.cdiv(blocks, want) * block_n
     return triton.cdiv(Lk, chunk), chunk

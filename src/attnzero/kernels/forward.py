@@ -8,11 +8,14 @@ Which key blocks are visited, for query rows ``[m0, m0 + BLOCK_M)`` at positions
 with the (causal-folded) window ``p - left <= j <= p + right``::
 
       start        f_lo                f_hi        end
-        |  masked   |   interior, no    |  masked   |      blocks outside [start, end) are skipped;
-        |  (left    |   range checks    |  (diagonal |      masked blocks check the window and
-        |   edge)   |                   |   and Lk)  |      j < Lk element by element
+        |  LEADING  |     INTERIOR:     | TRAILING  |      blocks outside [start, end) are skipped;
+        |  (left    |   no range checks |  (diagonal |      LEADING / TRAILING blocks check the window
+        |   edge)   |                   |   and Lk)  |      and j < Lk element by element
 
-A dense mask, a bias and dropout are applied in every visited block (they are data, not ranges).
+``key_blocks`` computes these bounds and ``attend_keys`` walks them: one loop per part, unrolled at
+compile time from a constexpr part number, so that every kernel calls its block loop once and only
+the edge parts carry the range checks. A dense mask, a bias and dropout are applied in every visited
+block (they are data, not ranges).
 Letters: B batch, Hq / Hkv query / key-value heads, G = Hq // Hkv, Lq / Lk lengths, D / Dv head dims
 (padded to the powers of two BLOCK_D / BLOCK_DV with masked loads).
 """
@@ -22,8 +25,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x · log2 e)
-LN2 = 0.6931471805599453  # ln(2): natural lse = base-2 lse · ln 2
+from ..constants import LN2, LOG2E  # plain floats for the host side (triton_backend reads LOG2E here)
+
+# ---------------------------------------------------------------------------------------------
+# Constants of the kernels (a @triton.jit function reads only module globals that are constexpr)
+
+TO_BASE2: tl.constexpr = tl.constexpr(LOG2E)  # natural-log quantity → base 2 (bias, lse)
+TO_NATURAL: tl.constexpr = tl.constexpr(LN2)  # base-2 lse → natural log
+NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))  # a blocked score; the max / lse of a row that saw no key
+POS_INF: tl.constexpr = tl.constexpr(float("inf"))
+
+# lowbias32 (dropout.py's ``_mix32``): xor-shift, multiply, xor-shift, multiply, xor-shift
+MIX_SHIFT_1: tl.constexpr = tl.constexpr(16)
+MIX_MUL_1: tl.constexpr = tl.constexpr(0x7FEB352D)
+MIX_SHIFT_2: tl.constexpr = tl.constexpr(15)
+MIX_MUL_2: tl.constexpr = tl.constexpr(0x846CA68B)
+MIX_SHIFT_3: tl.constexpr = tl.constexpr(16)
+WORD_BITS: tl.constexpr = tl.constexpr(32)  # a 64-bit dropout counter is hashed as two 32-bit words
+WORD_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
+
+# The parts of a band of blocks (see the module docstring), visited in this order by every block loop
+LEADING: tl.constexpr = tl.constexpr(0)  # before the interior: range checks
+INTERIOR: tl.constexpr = tl.constexpr(1)  # every pair kept by position: no range checks
+TRAILING: tl.constexpr = tl.constexpr(2)  # after the interior (causal diagonal, ragged last block): range checks
+NUM_PARTS: tl.constexpr = tl.constexpr(3)
+
+MIN_DOT_DIM = 16  # tl.dot needs every block dim >= 16 (host side: tile sizes)
 
 
 @triton.jit
@@ -39,11 +66,11 @@ def mm(a, b, PRECISION: tl.constexpr):
 @triton.jit
 def mix32(x):
     """lowbias32 (dropout.py's ``_mix32``) on uint32 values: products wrap at 32 bits."""
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
+    x = x ^ (x >> MIX_SHIFT_1)
+    x = x * MIX_MUL_1
+    x = x ^ (x >> MIX_SHIFT_2)
+    x = x * MIX_MUL_2
+    return x ^ (x >> MIX_SHIFT_3)
 
 
 @triton.jit
@@ -51,8 +78,8 @@ def dropout_keep(row_counter, cols, Lk, seed_lo, seed_hi, threshold):
     """dropout.keep_mask bit for bit: keep entry (b, h, i, j) iff hash(seed, counter) >= threshold,
     counter = ((b·Hq + h)·Lq + i)·Lk + j in 64 bits (``row_counter`` = (b·Hq + h)·Lq + i, int64)."""
     c = row_counter * Lk + cols  # int64, broadcast to the block
-    lo = (c & 0xFFFFFFFF).to(tl.uint32)
-    hi = (c >> 32).to(tl.uint32)
+    lo = (c & WORD_MASK).to(tl.uint32)
+    hi = (c >> WORD_BITS).to(tl.uint32)
     x = mix32(lo ^ seed_lo.to(tl.uint32))
     x = mix32(x ^ hi ^ seed_hi.to(tl.uint32))
     return x.to(tl.int64) >= threshold
@@ -81,54 +108,107 @@ def scores_mod(
     ``mask_rows`` / ``bias_rows`` are pointers to each row's start (broadcastable to the block)."""
     if HAS_BIAS:
         b = tl.load(bias_rows + cols * sbn, mask=load_ok, other=0.0).to(tl.float32)
-        s = s + b * 1.4426950408889634
+        s = s + b * TO_BASE2
     if HAS_MASK:
         keep = tl.load(mask_rows + cols * smn, mask=load_ok, other=0) != 0
         if MASKED:
             keep = keep & range_keep(pos, cols, rows_ok, Lk, left, right, HAS_LEFT, HAS_RIGHT)
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(keep, s, NEG_INF)
     elif MASKED:
         keep = range_keep(pos, cols, rows_ok, Lk, left, right, HAS_LEFT, HAS_RIGHT)
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(keep, s, NEG_INF)
     return s
 
 
 @triton.jit
-def attend_block(
-    acc, m_i, l_i, q, k_rows, v_rows, skn, svn, n0, n_end, Lk,
-    offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
-    mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+def part_range(PART: tl.constexpr, start, f_lo, f_hi, end):
+    """The blocks ``[lo, hi)`` of one part of a band ``start <= f_lo <= f_hi <= end``."""
+    if PART == LEADING:
+        lo, hi = start, f_lo
+    elif PART == INTERIOR:
+        lo, hi = f_lo, f_hi
+    else:
+        lo, hi = f_hi, end
+    return lo, hi
+
+
+@triton.jit
+def key_blocks(
+    m0, Lq, k_lo, k_hi, off, left, right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
 ):
-    """One step of the online softmax over keys ``[n0, n0 + BLOCK_N)`` ∩ ``[0, n_end)``; returns
-    (acc, m, l). ``k_rows`` / ``v_rows`` point at key/value row 0 of this head (d strides are 1);
-    ``Lk`` is the full key length (dropout counters)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n_end
-    # K block, transposed: (BLOCK_D, BLOCK_N)
-    kT = tl.load(k_rows + offs_n[None, :] * skn + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    # s = q kᵀ · scale · log2 e                                               (BLOCK_M, BLOCK_N)
-    s = mm(q, kT, PRECISION) * qk_scale
-    load_ok = rows_ok[:, None] & n_ok[None, :]
-    s = scores_mod(
-        s, pos[:, None], rows_ok[:, None], offs_n[None, :], n_end, left, right,
-        mask_rows[:, None], smn, bias_rows[:, None], sbn, load_ok,
-        MASKED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
-    )
-    # m_new = max(m, rowmax s); the -inf of an all-blocked row becomes 0 only inside exp2
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if HAS_DROPOUT:
-        # the softmax sum l counts every probability; only the kept ones reach P·V (÷ (1 - p) at the end)
-        p = tl.where(dropout_keep(drop_rows[:, None], offs_n[None, :], Lk, seed_lo, seed_hi, threshold), p, 0.0)
-    v = tl.load(v_rows + offs_n[:, None] * svn + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-    # acc = alpha · acc + p v                                                  (BLOCK_M, BLOCK_DV)
-    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)
-    return acc, m_new, l_i
+    """Key blocks ``[start, end)`` that query rows ``[m0, m0 + BLOCK_M)`` (at positions ``+ off``)
+    can see among the keys ``[k_lo, k_hi)`` (``k_lo`` a multiple of BLOCK_N), and within them
+    ``[f_lo, f_hi)``, the blocks that need no range checks."""
+    p_min = m0 + off
+    p_max = tl.minimum(m0 + BLOCK_M, Lq) - 1 + off
+    lo = k_lo
+    hi = k_hi
+    if HAS_LEFT:
+        lo = tl.maximum(p_min - left, lo)
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(p_max + right + 1, 0), hi)
+    start = lo // BLOCK_N
+    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
+    f_lo = start
+    if HAS_LEFT:
+        f_lo = tl.maximum(start, (tl.maximum(p_max - left, 0) + BLOCK_N - 1) // BLOCK_N)
+    f_hi = tl.minimum(end, k_hi // BLOCK_N)
+    if HAS_RIGHT:
+        f_hi = tl.minimum(f_hi, tl.maximum(p_min + right + 1, 0) // BLOCK_N)
+    f_lo = tl.minimum(f_lo, end)
+    f_hi = tl.maximum(f_hi, f_lo)
+    return start, f_lo, f_hi, end
+
+
+@triton.jit
+def attend_keys(
+    q, k_rows, v_rows, skn, svn, m0, Lq, Lk, k_lo, k_hi, offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
+    mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The online softmax of query rows ``[m0, m0 + BLOCK_M)`` over every key block of
+    ``[k_lo, k_hi)`` they can see; returns (acc, m, l) in base 2. ``k_rows`` / ``v_rows`` point at
+    key/value row 0 of this head (d strides are 1); ``Lk`` is the full key length (dropout counters);
+    ``pos`` / ``rows_ok`` are the rows' key positions and validity (BLOCK_M,)."""
+    start, f_lo, f_hi, end = key_blocks(m0, Lq, k_lo, k_hi, Lk - Lq, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                        HAS_RIGHT)
+    m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for part in tl.static_range(NUM_PARTS):  # unrolled: each part is its own loop
+        lo, hi = part_range(part, start, f_lo, f_hi, end)
+        for nb in range(lo, hi):
+            offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < k_hi
+            # K block, transposed: (BLOCK_D, BLOCK_N)
+            kT = tl.load(k_rows + offs_n[None, :] * skn + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                         other=0.0)
+            # s = q kᵀ · scale · log2 e                                       (BLOCK_M, BLOCK_N)
+            s = mm(q, kT, PRECISION) * qk_scale
+            s = scores_mod(
+                s, pos[:, None], rows_ok[:, None], offs_n[None, :], k_hi, left, right,
+                mask_rows[:, None], smn, bias_rows[:, None], sbn, rows_ok[:, None] & n_ok[None, :],
+                part != INTERIOR, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+            )
+            # m_new = max(m, rowmax s); the -inf of an all-blocked row becomes 0 only inside exp2
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if HAS_DROPOUT:
+                # the softmax sum l counts every probability; only the kept ones reach P·V (÷ (1 - p) at the end)
+                keep = dropout_keep(drop_rows[:, None], offs_n[None, :], Lk, seed_lo, seed_hi, threshold)
+                p = tl.where(keep, p, 0.0)
+            v = tl.load(v_rows + offs_n[:, None] * svn + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :],
+                        other=0.0)
+            # acc = alpha · acc + p v                                          (BLOCK_M, BLOCK_DV)
+            acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)
+            m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -137,36 +217,8 @@ def finish_rows(acc, m_i, l_i, keep_scale):
     rows that saw no key: O = 0, lse = -inf."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (keep_scale / l_safe)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    lse = tl.where(l_i == 0.0, NEG_INF, (m_i + tl.log2(l_safe)) * TO_NATURAL)
     return out, lse
-
-
-@triton.jit
-def key_blocks(
-    m0, Lq, Lk, off, left, right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-):
-    """Key blocks ``[start, end)`` that query rows ``[m0, m0 + BLOCK_M)`` (at positions ``+ off``)
-    can see, and within them ``[f_lo, f_hi)``, the blocks that need no range checks."""
-    p_min = m0 + off
-    p_max = tl.minimum(m0 + BLOCK_M, Lq) - 1 + off
-    lo = 0
-    hi = Lk
-    if HAS_LEFT:
-        lo = tl.maximum(p_min - left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(tl.maximum(p_max + right + 1, 0), Lk)
-    start = lo // BLOCK_N
-    end = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, start)
-    f_lo = start
-    if HAS_LEFT:
-        f_lo = tl.maximum(start, (tl.maximum(p_max - left, 0) + BLOCK_N - 1) // BLOCK_N)
-    f_hi = tl.minimum(end, Lk // BLOCK_N)
-    if HAS_RIGHT:
-        f_hi = tl.minimum(f_hi, tl.maximum(p_min + right + 1, 0) // BLOCK_N)
-    f_lo = tl.minimum(f_lo, end)
-    f_hi = tl.maximum(f_hi, f_lo)
-    return start, f_lo, f_hi, end
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
@@ -199,42 +251,17 @@ def fwd_kernel(
     rows_ok = offs_m < Lq
     d_ok = offs_d < D
     dv_ok = offs_dv < Dv
-    off = Lk - Lq  # bottom-right alignment: query i sits at key position i + off
-    pos = offs_m + off
+    pos = offs_m + Lk - Lq  # bottom-right alignment: query i sits at key position i + Lk - Lq
 
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=rows_ok[:, None] & d_ok[None, :],
                 other=0.0)  # (BLOCK_M, BLOCK_D)
-    k_rows = K + b * skb + hk * skh
-    v_rows = V + b * svb + hk * svh
-    mask_rows = Mask + b * smb + h * smh + offs_m * smm  # (BLOCK_M,) pointers
-    bias_rows = Bias + b * sbb + h * sbh + offs_m * sbm
-    drop_rows = pid_bh * Lq + offs_m  # (BLOCK_M,) int64 dropout counters / Lk
-
-    # The key range this block can see, and the part of it that needs no range checks.
-    start, f_lo, f_hi, end = key_blocks(m0, Lq, Lk, off, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for nb in range(start, f_lo):  # left edge of the window
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k_rows, v_rows, skn, svn, nb * BLOCK_N, Lk, Lk, offs_d, offs_dv, d_ok, dv_ok,
-            pos, rows_ok, left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold,
-            qk_scale, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
-        )
-    for nb in range(f_lo, f_hi):  # interior: every pair kept by position
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k_rows, v_rows, skn, svn, nb * BLOCK_N, Lk, Lk, offs_d, offs_dv, d_ok, dv_ok,
-            pos, rows_ok, left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold,
-            qk_scale, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
-        )
-    for nb in range(f_hi, end):  # causal diagonal / right edge, and the ragged last key block
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k_rows, v_rows, skn, svn, nb * BLOCK_N, Lk, Lk, offs_d, offs_dv, d_ok, dv_ok,
-            pos, rows_ok, left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold,
-            qk_scale, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
-        )
-
+    acc, m_i, l_i = attend_keys(
+        q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk, 0, Lk,
+        offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
+        Mask + b * smb + h * smh + offs_m * smm, smn, Bias + b * sbb + h * sbh + offs_m * sbm, sbn,
+        pid_bh * Lq + offs_m, seed_lo, seed_hi, threshold, qk_scale,  # dropout counters / Lk: (BLOCK_M,) int64
+        BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
+    )
     out, lse = finish_rows(acc, m_i, l_i, keep_scale)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=rows_ok[:, None] & dv_ok[None, :])
@@ -244,6 +271,6 @@ def fwd_kernel(
                  mask=rows_ok[:, None] & dv_ok[None, :])
 
 
-def next_pow2(n: int, floor: int = 16) -> int:
+def next_pow2(n: int, floor: int = MIN_DOT_DIM) -> int:
     """Smallest power of two >= max(n, floor) (tl.dot needs every block dim >= 16)."""
     return max(floor, triton.next_power_of_2(n))
