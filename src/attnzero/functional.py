@@ -76,7 +76,7 @@ def _auto(q: Tensor, k: Tensor) -> str:
     name = "flash"
     if q.is_cuda and q.dtype != torch.float64 and _TRITON_INSTALLED:
         name = "triton"  # the Triton kernels (kernels/), for every size on CUDA
-    if not torch.compiler.is_compiling():  # a compiled graph has no logger calls
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # a compiled graph has no logger calls
         log.debug("backend='auto' chose %r for q %s, k %s on %s", name, tuple(q.shape), tuple(k.shape), q.device)
     return name
 
@@ -138,6 +138,8 @@ def _autocast(*xs: Any) -> list[Any]:
     inside ``torch.autocast(device_type, dtype)``, every floating tensor on that device type
     except float64 is cast to ``dtype``; float64, bool masks and other devices' tensors stay as
     they are. Anything else (None, a wrong argument for the checks to name) passes through."""
+    if not _autocasting():
+        return list(xs)
     out = []
     for x in xs:
         castable = isinstance(x, Tensor) and not _causal_bias(x) and x.is_floating_point()
@@ -153,7 +155,14 @@ def _as_given(x: Any) -> contextlib.AbstractContextManager[None]:
     """Autocast off on ``x``'s device while attnzero computes: after ``_autocast``, every backend
     runs in the dtypes it was given (its float32 internals for 16-bit inputs are deliberate), so
     all backends give the same dtype and the same numbers."""
-    return ops.without_autocast(x.device) if isinstance(x, Tensor) else contextlib.nullcontext()
+    if not _autocasting() or not isinstance(x, Tensor):
+        return contextlib.nullcontext()
+    return ops.without_autocast(x.device)
+
+
+# Whether autocast is on for any device type: one call, where asking per tensor and device costs
+# several µs — most of a tiny call's budget (torch's private helper; where it is missing, assume yes).
+_autocasting: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 # ---------------------------------------------------------------------------------------------
