@@ -313,8 +313,8 @@ def test_single_step_softmax_path_matches_the_reference(shape, causal, dtype) ->
 
 
 def test_single_step_softmax_path_is_not_taken_where_a_row_could_be_fully_blocked() -> None:
-    """A mask, a bias, a window, dropout, causal with Lq > Lk, or keys wider than one block: the
-    online softmax (no plain softmax over a row of −inf)."""
+    """A mask, a bias, a window, dropout, causal with Lq > Lk, or a pair's scores beyond one block:
+    the online softmax (no plain softmax over a row of −inf)."""
     q, k, v = qkv(1, 2, 2, 6, 4, 8)
     cases = [
         dict(mask=torch.zeros(1, 1, 6, 4, dtype=torch.bool)),
@@ -330,7 +330,7 @@ def test_single_step_softmax_path_is_not_taken_where_a_row_could_be_fully_blocke
         assert flash.COUNTS["softmax"] == before, kw
         assert not got.isnan().any()
         assert_close(got, want, name=str(kw))
-    wide = qkv(1, 1, 1, 2, flash._SOFTMAX_MAX_COLS + 1, 8)
+    wide = qkv(1, 1, 1, 2, flash._SOFTMAX_MAX_SCORES // 2 + 1, 8)  # one pair's scores beyond one block
     before = flash.COUNTS["softmax"]
     with torch.no_grad():
         flash.attention(*wide, scale=0.3, need_lse=False)

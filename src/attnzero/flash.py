@@ -58,9 +58,12 @@ _SIZES: dict[str, int] = {
     "rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0, "unshifted": 1, "softmax": 1,
 }  # fmt: skip
 
-# The forward's single-step case (``_forward_softmax``) serves keys up to this many columns.
-_SOFTMAX_MAX_COLS = 1024
-_SOFTMAX_MAX_CAUSAL = 128  # and causal ones up to this many (a causal L = 256 is as fast online)
+# The forward's single-step case (``_forward_softmax``) serves problems with at most this many
+# scores per (batch, kv head) pair (a 2 MiB block: BERT's L = 512, a decode step over 100k keys);
+# causal ones only up to this many keys (it computes every score, where the online softmax skips
+# the blocked blocks: a causal L = 256 is as fast online).
+_SOFTMAX_MAX_SCORES = 1 << 19
+_SOFTMAX_MAX_CAUSAL = 128
 
 # Counters read by tests: blocks visited by the forward and the backward, row blocks whose
 # unshifted forward was not exact and went to the online softmax ("fallback"), and calls that took
@@ -290,7 +293,7 @@ class _Problem:
 
     def col_step(self, c: _Chunk) -> int:
         """Key columns per block: forced, or enough for a score block of about ``elems`` floats."""
-        return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * self.rows) // 64 * 64)
+        return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * min(self.rows, self.Lq)) // 64 * 64)
 
     def col_blocks(self, c: _Chunk, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
         lo, hi = geometry.key_range(rows, self.Lq, self.Lk, self.causal, self.window)
@@ -469,9 +472,10 @@ def _softmax_applies(
     every row keeps at least one key (no mask, bias or window; causal only with Lq <= Lk, and only
     for one query or short keys: it computes every score, where the online softmax skips the
     blocked blocks)."""
-    Lq, Lk = q.shape[2], k.shape[2]
+    Hq, Lq, Hkv, Lk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     plain = mask is None and bias is None and window is None and dropout_p == 0.0 and _SIZES["softmax"] != 0
-    one_block = Lk <= (_SIZES["cols"] or _SOFTMAX_MAX_COLS)  # (forced narrower blocks: tiles, for tests)
+    # one (batch, kv head) pair's scores fit a block (forced narrower blocks: tiles, for tests)
+    one_block = Hq // Hkv * Lq * Lk <= _SOFTMAX_MAX_SCORES and Lk <= (_SIZES["cols"] or Lk)
     return plain and one_block and (not causal or Lq == 1 or Lq <= Lk <= _SOFTMAX_MAX_CAUSAL)
 
 
