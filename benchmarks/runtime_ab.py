@@ -23,22 +23,22 @@ from collections.abc import Callable, Iterator
 import torch
 from shapes import CASES, runs
 
-from attnzero import parallel
+from attnzero import flash, parallel
 from attnzero.bench import machine
 
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """The runtime with one piece off (``name``), or as it is ("default")."""
-    saved = parallel._quiet_openmp, parallel.arena
+    saved = parallel._quiet_openmp, flash.arena
     if name == "no pause":
         parallel._quiet_openmp = lambda: None
     elif name == "fresh scratch":
-        parallel.arena = lambda dtype, device: parallel.Arena(dtype, device)  # type: ignore[assignment]
+        flash.arena = lambda dtype, device: parallel.Arena(dtype, device)  # type: ignore[assignment]
     try:
         yield
     finally:
-        parallel._quiet_openmp, parallel.arena = saved
+        parallel._quiet_openmp, flash.arena = saved
 
 
 def main() -> None:

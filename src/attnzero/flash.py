@@ -23,9 +23,12 @@ visited, so causal does about half the work; a block is masked only where some p
 blocked, and the causal / window edge enters the score matmul as an additive 0 / −inf tile (no
 pass of its own). ``COUNTS`` counts the blocks visited (for tests and curious readers).
 
-Cores: on CPU, large problems run on Python worker threads, one per core, each taking whole
-(chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``); small ones run
-on one thread with torch's intra-op threads inside each op.
+Cores: on CPU, every problem of two or more tasks runs on Python worker threads, one per core,
+each taking whole (chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``).
+
+One key block: when a row's keys fit one block and no row can be fully blocked, the online softmax
+takes a single step, which is torch's fused softmax between two matmuls (``_forward_softmax``):
+the tiny calls, sentence embeddings, BERT's L = 512, a decode step.
 """
 
 from __future__ import annotations

@@ -63,9 +63,11 @@ class Arena:
 
 def arena(dtype: torch.dtype, device: torch.device) -> Arena:
     """A worker's scratch memory. On CPU it is the calling thread's own and is kept between calls:
-    a fresh one would fault its pages in again (~0.5 ms a call). It holds about three score blocks
-    and a few row blocks of the largest problem the thread has run (~10–40 MB in float32);
-    elsewhere a new one (the device's caching allocator reuses memory)."""
+    a fresh one would fault its pages in again (same-run A/B, benchmarks/runtime_ab.py: nanoGPT
+    training 17% slower with fresh scratch, with dropout 9%; within noise at the longer shapes).
+    It holds about three score blocks and a few row blocks of the largest problem the thread has
+    run (~10–40 MB in float32); elsewhere a new one (the device's caching allocator reuses
+    memory)."""
     if device.type != "cpu":
         return Arena(dtype, device)
     arenas: dict[torch.dtype, Arena] = _SCRATCH.__dict__.setdefault("arenas", {})
@@ -222,9 +224,11 @@ def _on_threads(
 def _quiet_openmp() -> None:
     """Let torch's OpenMP threads go before our workers start (OpenMP 5.0's
     ``omp_pause_resource_all``). After each parallel torch op they spin for a few milliseconds,
-    waiting for the next one, on a core one of our workers needs: measured here, the helper's
-    first block started up to 5 ms late (2-5% of a call at L = 2048). torch's next parallel op
-    starts them again (~0.1 ms). Linux only; nothing happens where the runtime is not found."""
+    waiting for the next one, on a core one of our workers needs. Same-run A/B
+    (benchmarks/runtime_ab.py): without the pause nanoGPT training is 19–25% slower, with dropout
+    8–17% (short calls, where a late helper is a large share); within noise (±2%) at GPT-2
+    training, BERT and Llama prefill. torch's next parallel op starts them again (~0.1 ms). Linux
+    only; nothing happens where the runtime is not found."""
     pause = _omp_pause()
     if pause is not None:
         pause(1)  # omp_pause_soft
