@@ -489,8 +489,9 @@ def _forward_softmax(
     ``m`` = the row max, ``p = exp(s − m)``, ``l = Σ p``, ``O = p V / l`` — which is torch's fused
     softmax followed by P·V. No row is fully blocked here (``_softmax_applies``), so the softmax
     never sees a row of −inf. The (batch, kv head) pairs run in tasks whose score blocks, about
-    512 KiB, stay in the core's cache. ``with_lse``: also the lse, from the row max of the scores and
-    of P (two more passes; else None) — the output is the same either way."""
+    2 MiB, stay in the core's cache, at least one per worker thread. ``with_lse``: also the lse,
+    from the row max of the scores and of P (two more passes; else None) — the output is the same
+    either way."""
     _count("softmax")
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -514,6 +515,17 @@ def _forward_softmax(
         s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
         if blocked is not None:
             s.masked_fill_(blocked, NEG_INF)
+        if torch.get_num_threads() > 1:
+            # On the calling thread with torch's intra-op threads (a single task): torch's softmax
+            # kernel splits even a tiny row block over them, and on a busy machine each such split
+            # waits a scheduler time slice (7 ms for a 16 × 16 call, benchmarks/shapes.py --busy);
+            # these ops stay on this thread below ~32k elements.
+            m_row = s.amax(dim=-1, keepdim=True)  # the row max m: (n, G·Lq, 1)
+            e = s.sub_(m_row).exp_()  # exp(s − m), in place
+            l = e.sum(dim=-1, keepdim=True)  # (n, G·Lq, 1), >= 1
+            if lse is not None:
+                torch.add(m_row, l.log(), out=lse[n0:n1].unsqueeze(-1))  # lse = m + log l
+            return torch.bmm(e, va, out=out).div_(l)  # O = exp(s − m) V / l
         m = s.amax(dim=-1) if lse is not None else None  # the row max: (n, G·Lq)
         p = torch.softmax(s, dim=-1)  # P = exp(s − m) / l
         if m is not None and lse is not None:
@@ -521,7 +533,9 @@ def _forward_softmax(
             torch.sub(m, p.amax(dim=-1).log_(), out=lse[n0:n1])
         return torch.bmm(p, va, out=out)  # O = P V
 
-    per = max(1, _SIZES["elems"] // (4 * G * Lq * Lk))  # pairs per task: 512 KiB of float32 scores
+    # pairs per task: a block of about ``elems`` scores, and a share for every worker thread (a
+    # single task would run its ops on torch's intra-op threads, which stall on a busy machine)
+    per = max(1, min(_SIZES["elems"] // (G * Lq * Lk), -(-N // _threads(q.device))))
     lse4 = None if lse is None else lse.view(B, Hq, Lq)
     if per >= N:
         return _as(block(0, N), q.dtype).view(B, Hq, Lq, Dv), lse4
