@@ -294,11 +294,18 @@ def test_single_step_softmax_path_matches_the_reference(shape, causal, dtype) ->
     q, k, v = (t.to(dtype) for t in qkv(B, Hq, Hkv, Lq, Lk, D))
     gold, gold_lse = reference.attention(q.double(), k.double(), v.double(), causal=causal, scale=D**-0.5)
     ref, _ = reference.attention(q, k, v, causal=causal, scale=D**-0.5)
-    for elems in (1 << 19, 1):  # one task; one (batch, kv head) pair per task
+    # few tasks or one pair per task; 1 or 2 torch threads (a single task on the calling thread with
+    # intra-op threads takes max/exp/sum instead of torch's softmax kernel)
+    before_threads = torch.get_num_threads()
+    for elems, threads in ((1 << 19, 1), (1 << 19, 2), (1, 2)):
         before = flash.COUNTS["softmax"]
-        with flash.block_sizes(elems=elems), torch.no_grad():
-            got, lse = flash.attention(q, k, v, causal=causal, scale=D**-0.5, need_lse=False)
-            got2, lse2 = flash.attention(q, k, v, causal=causal, scale=D**-0.5)
+        torch.set_num_threads(threads)
+        try:
+            with flash.block_sizes(elems=elems), torch.no_grad():
+                got, lse = flash.attention(q, k, v, causal=causal, scale=D**-0.5, need_lse=False)
+                got2, lse2 = flash.attention(q, k, v, causal=causal, scale=D**-0.5)
+        finally:
+            torch.set_num_threads(before_threads)
         assert flash.COUNTS["softmax"] == before + 2 and lse is None and lse2 is not None
         assert torch.equal(got, got2)  # the output does not depend on asking for the lse
         assert (lse2.double() - gold_lse).abs().max() <= 8 * torch.finfo(lse2.dtype).eps * max(
