@@ -319,6 +319,26 @@ def test_single_step_softmax_path_matches_the_reference(shape, causal, dtype) ->
             assert err <= 2 * ref_err + torch.finfo(dtype).eps, (err, ref_err)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("factor", [1e-30, 1e18, 1e19])
+def test_single_step_softmax_path_at_the_edges_of_float32(factor: float, threads: int) -> None:
+    """Scores near float32's largest and smallest values (q × 1e19: |s| ~ 1e38; q × 1e-30: every
+    score ~0) in one task: no overflow in either softmax form, the reference's result."""
+    for heads in (1, 2):  # one task on the calling thread; a task per worker
+        q, k, v = (t.float() for t in qkv(1, heads, heads, 16, 16, 64))
+        q = q * factor
+        want, _ = reference.attention(q.double(), k.double(), v.double(), scale=0.125)
+        before_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                got, lse = flash.attention(q, k, v, scale=0.125)
+        finally:
+            torch.set_num_threads(before_threads)
+        assert got.isfinite().all() and lse is not None and lse.isfinite().all()
+        assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
 def test_single_step_softmax_path_is_not_taken_where_a_row_could_be_fully_blocked() -> None:
     """A mask, a bias, a window, dropout, causal with Lq > Lk, or a pair's scores beyond one block:
     the online softmax (no plain softmax over a row of −inf)."""

@@ -511,20 +511,20 @@ def _forward_softmax(
         (into ``out`` if given); their lse into ``lse``."""
         whole = n1 - n0 == N  # one task: no slicing (a tiny call is a few µs per op)
         qa, ka, va = (qg, kt, vg) if whole else (qg[n0:n1], kt[n0:n1], vg[n0:n1])
+        # On the calling thread with torch's intra-op threads (a single task), torch's softmax and
+        # exp reach for the OpenMP / MKL threads even on a 16 × 16 block, and on a busy machine
+        # each such call can wait a scheduler time slice (7 ms, benchmarks/shapes.py --busy):
+        # there exp(s − m) is exp2((s − m) · log2 e), and exp2, max and sum stay on this thread.
         s = qa.new_empty(n1 - n0, G * Lq, Lk)  # (beta=0: its contents are ignored, NaN included)
         s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
         if blocked is not None:
             s.masked_fill_(blocked, NEG_INF)
         if torch.get_num_threads() > 1:
-            # On the calling thread with torch's intra-op threads (a single task): torch's softmax
-            # kernel splits even a tiny row block over them, and on a busy machine each such split
-            # waits a scheduler time slice (7 ms for a 16 × 16 call, benchmarks/shapes.py --busy);
-            # these ops stay on this thread below ~32k elements.
             m_row = s.amax(dim=-1, keepdim=True)  # the row max m: (n, G·Lq, 1)
-            e = s.sub_(m_row).exp_()  # exp(s − m), in place
+            e = s.sub_(m_row).mul_(LOG2E).exp2_()  # exp(s − m), in place (s − m <= 0: no overflow)
             l = e.sum(dim=-1, keepdim=True)  # (n, G·Lq, 1), >= 1
             if lse is not None:
-                torch.add(m_row, l.log(), out=lse[n0:n1].unsqueeze(-1))  # lse = m + log l
+                torch.add(m_row, l.log2().mul_(LN2), out=lse[n0:n1].unsqueeze(-1))  # lse = m + log l
             return torch.bmm(e, va, out=out).div_(l)  # O = exp(s − m) V / l
         m = s.amax(dim=-1) if lse is not None else None  # the row max: (n, G·Lq)
         p = torch.softmax(s, dim=-1)  # P = exp(s − m) / l
