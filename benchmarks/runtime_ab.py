@@ -1,13 +1,16 @@
-"""Same-run A/B of the CPU runtime's two optional pieces (``attnzero.parallel``), at the shapes of
+"""Same-run A/B of the CPU runtime's optional pieces (``attnzero.parallel``), at the shapes of
 benchmarks/shapes.py where the flash backend runs on its worker threads:
 
-* ``pause``: before the workers start, torch's OpenMP threads are told to stop spinning
-  (``omp_pause_resource_all``); B = without it;
-* ``kept``: each thread keeps its scratch buffers between calls; B = fresh buffers every call.
+* ``kept``: each thread keeps its scratch buffers between calls; B = fresh buffers every call;
+* ``one thread``: while the workers run, torch is set to 1 intra-op thread (process-wide, restored
+  afterwards); B = each worker's ops on torch's intra-op threads.
 
-Each variant runs interleaved with the default (both pieces on), float32, ``backend="auto"``, the
-machine's torch threads; the table gives variant time / default time (> 1: the variant is slower,
-so the piece pays). Results: docs/benchmarks.md (a piece stays only where it gains >= 3%).
+Each variant runs interleaved with the default (every piece on), float32, ``backend="auto"``, the
+machine's torch threads, each call after a little untimed model work on torch's threads; the table
+gives variant time / default time (> 1: the variant is slower, so the piece pays). Results:
+docs/benchmarks.md (a piece stays only where it gains >= 3%). A third piece, releasing torch's
+spinning OpenMP threads before the workers start (``omp_pause_resource_all``), was measured here too
+and removed: with model work between calls it gained nothing (0.94–1.01×).
 
     .venv/bin/python benchmarks/runtime_ab.py [--repeats 15] [--cases gpt2 nanogpt]
 """
@@ -30,15 +33,25 @@ from attnzero.bench import machine
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """The runtime with one piece off (``name``), or as it is ("default")."""
-    saved = parallel._quiet_openmp, flash.arena
-    if name == "no pause":
-        parallel._quiet_openmp = lambda: None
-    elif name == "fresh scratch":
+    saved = flash.arena, parallel.ONE_THREAD_OPS
+    if name == "fresh scratch":
         flash.arena = lambda dtype, device: parallel.Arena(dtype, device)  # type: ignore[assignment]
+    elif name == "ops on torch's threads":
+        parallel.ONE_THREAD_OPS = False
     try:
         yield
     finally:
-        parallel._quiet_openmp, flash.arena = saved
+        flash.arena, parallel.ONE_THREAD_OPS = saved
+
+
+_W = torch.randn(512, 512)
+
+
+def model_work() -> None:
+    """A projection's worth of torch work on the intra-op threads (a 512 × 512 matmul and a GELU),
+    as a model runs between two attention calls: it leaves torch's OpenMP threads as a real call
+    finds them, whichever variant ran before."""
+    torch.nn.functional.gelu(_W @ _W)
 
 
 def main() -> None:
@@ -49,8 +62,8 @@ def main() -> None:
     torch.manual_seed(0)
     info = machine()
     print(f"{info['date']} · {info['cpu']} · {info['cores']} · torch {info['torch']}")
-    names = ("default", "no pause", "fresh scratch")
-    print("| case | default | no pause | fresh scratch |\n|---|---|---|---|")
+    names = ("default", "fresh scratch", "ops on torch's threads")
+    print("| case | default | fresh scratch | ops on torch's threads |\n|---|---|---|---|")
     for key in args.cases:
         fn: Callable[[], None] = runs(CASES[key])["attnzero"]
         for name in names:  # warm-up
@@ -60,6 +73,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in names:
                 with variant(name):
+                    model_work()  # untimed: what a model runs between two attention calls
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)

@@ -10,11 +10,8 @@ single-threaded ops, and the threads meet once per call.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import os
-import re
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -64,7 +61,8 @@ class Arena:
 def arena(dtype: torch.dtype, device: torch.device) -> Arena:
     """A worker's scratch memory. On CPU it is the calling thread's own and is kept between calls:
     a fresh one would fault its pages in again (same-run A/B, benchmarks/runtime_ab.py: nanoGPT
-    training 17% slower with fresh scratch, with dropout 9%; within noise at the longer shapes).
+    training 4–18% slower with fresh scratch, with dropout 3–10%; within noise at the longer
+    shapes).
     It holds about three score blocks and a few row blocks of the largest problem the thread has
     run (~10–40 MB in float32); elsewhere a new one (the device's caching allocator reuses
     memory)."""
@@ -127,6 +125,12 @@ def _work(worker: int, take: Callable[[int], tuple[Any, bool] | None], fn: Calla
 
 
 _THREADED = threading.Lock()  # held while a call runs on worker threads
+
+# While the workers run, torch is set to 1 intra-op thread (process-wide; restored afterwards), so
+# that each worker's ops stay on its own core. Same-run A/B (benchmarks/runtime_ab.py, "ops on
+# torch's threads" = False here): without it every case of benchmarks/shapes.py on the workers is
+# 11–31% slower (docs/benchmarks.md).
+ONE_THREAD_OPS = True
 
 
 class Queue:
@@ -205,59 +209,20 @@ def _on_threads(
 ) -> list[T]:
     before = torch.get_num_threads()
     inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: the caller's holds
+    ops_threads = 1 if ONE_THREAD_OPS else before
 
     def work(worker: int) -> T:
-        torch.set_num_threads(1)  # this worker's ops run on its own core
+        torch.set_num_threads(ops_threads)  # this worker's ops run on its own core
         with torch.inference_mode(inference), torch.no_grad():  # (inference_mode(False) turns grad on)
             return _work(worker, take, fn, scratch)
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(ops_threads)
     try:
-        _quiet_openmp()
         helpers = [pool.submit(work, w) for w in range(1, workers)]
         mine = work(0)  # the calling thread is one of the workers
         return [mine] + [f.result() for f in helpers]
     finally:
         torch.set_num_threads(before)
-
-
-def _quiet_openmp() -> None:
-    """Let torch's OpenMP threads go before our workers start (OpenMP 5.0's
-    ``omp_pause_resource_all``). After each parallel torch op they spin for a few milliseconds,
-    waiting for the next one, on a core one of our workers needs. Same-run A/B
-    (benchmarks/runtime_ab.py): without the pause nanoGPT training is 19–25% slower, with dropout
-    8–17% (short calls, where a late helper is a large share); within noise (±2%) at GPT-2
-    training, BERT and Llama prefill. torch's next parallel op starts them again (~0.1 ms). Linux
-    only; nothing happens where the runtime is not found."""
-    pause = _omp_pause()
-    if pause is not None:
-        pause(1)  # omp_pause_soft
-
-
-@functools.cache
-def _omp_pause() -> Callable[[int], int] | None:
-    """``omp_pause_resource_all`` of the OpenMP runtime torch loaded (libgomp, libiomp5 or libomp,
-    from the process's memory map; one in torch's own folder first), or None."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            paths = set()
-            for line in maps:
-                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-                path = fields[5].strip().decode(errors="surrogateescape") if len(fields) == 6 else ""
-                if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", path) and not path.endswith("(deleted)"):
-                    paths.add(path)
-    except OSError:
-        return None
-    here = os.path.dirname(torch.__file__)
-    for path in sorted(paths, key=lambda p: (not p.startswith(here), p)):
-        try:
-            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-        except OSError:
-            continue
-        if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            return fn  # type: ignore[no-any-return]
-    return None
 
 
 _POOL: dict[int, ThreadPoolExecutor] = {}
