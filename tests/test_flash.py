@@ -6,6 +6,7 @@ max rebase, and what backend="auto" picks."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import qkv
+from conftest import absent, qkv
 
 import attnzero as az
 from attnzero import flash, functional, parallel, reference
@@ -468,6 +469,26 @@ def test_backward_is_bitwise_reproducible_under_use_deterministic_algorithms() -
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+def test_openmp_threads_are_let_go_and_torch_still_runs_in_parallel() -> None:
+    """Before our workers start, torch's spinning OpenMP threads are released (see _quiet_openmp);
+    torch's next parallel op starts them again and computes the same."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the OpenMP runtime is looked up through /proc/self/maps (Linux)")
+    if parallel._omp_pause() is None:
+        absent("no omp_pause_resource_all in the OpenMP runtime torch loaded")
+    a, b = torch.randn(512, 256), torch.randn(256, 384)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = (a.double() @ b.double()).float()
+        for _ in range(3):
+            torch.mm(a, b)  # leaves OpenMP threads spinning
+            parallel._quiet_openmp()
+            assert torch.allclose(torch.mm(a, b), want, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("case", ["nan_key", "inf_bias"])

@@ -10,8 +10,11 @@ single-threaded ops, and the threads meet once per call.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
+import re
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -129,8 +132,11 @@ _THREADED = threading.Lock()  # held while a call runs on worker threads
 # While the workers run, torch is set to 1 intra-op thread (process-wide; restored afterwards), so
 # that each worker's ops stay on its own core. Same-run A/B (benchmarks/runtime_ab.py, "ops on
 # torch's threads" = False here): without it every case of benchmarks/shapes.py on the workers is
-# 11–31% slower (docs/benchmarks.md).
+# 9–48% slower, a whole nanoGPT training step 9% (docs/benchmarks.md).
 ONE_THREAD_OPS = True
+# Before the workers start, torch's spinning OpenMP threads are let go (``_quiet_openmp``; switchable
+# for the A/B).
+QUIET_OPENMP = True
 
 
 class Queue:
@@ -218,11 +224,51 @@ def _on_threads(
 
     torch.set_num_threads(ops_threads)
     try:
+        if QUIET_OPENMP:
+            _quiet_openmp()
         helpers = [pool.submit(work, w) for w in range(1, workers)]
         mine = work(0)  # the calling thread is one of the workers
         return [mine] + [f.result() for f in helpers]
     finally:
         torch.set_num_threads(before)
+
+
+def _quiet_openmp() -> None:
+    """Let torch's OpenMP threads go before our workers start (OpenMP 5.0's
+    ``omp_pause_resource_all``). After each parallel torch op they spin for a while, waiting for
+    the next one, on a core one of our workers needs; torch's next parallel op starts them again.
+    Whole runs of benchmarks/shapes.py with and without it: sentence embedding 0.90–1.07× torch
+    against 0.68–0.70×, decode 1.85–1.96× against 1.09–1.24×, nanoGPT training 0.68–0.71× against
+    0.53–0.57× (docs/benchmarks.md). Linux only; nothing happens where the runtime is not found."""
+    pause = _omp_pause()
+    if pause is not None:
+        pause(1)  # omp_pause_soft
+
+
+@functools.cache
+def _omp_pause() -> Callable[[int], int] | None:
+    """``omp_pause_resource_all`` of the OpenMP runtime torch loaded (libgomp, libiomp5 or libomp,
+    from the process's memory map; one in torch's own folder first), or None."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            paths = set()
+            for line in maps:
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                path = fields[5].strip().decode(errors="surrogateescape") if len(fields) == 6 else ""
+                if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", path) and not path.endswith("(deleted)"):
+                    paths.add(path)
+    except OSError:
+        return None
+    here = os.path.dirname(torch.__file__)
+    for path in sorted(paths, key=lambda p: (not p.startswith(here), p)):
+        try:
+            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        except OSError:
+            continue
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            return fn  # type: ignore[no-any-return]
+    return None
 
 
 _POOL: dict[int, ThreadPoolExecutor] = {}
