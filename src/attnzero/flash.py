@@ -479,7 +479,8 @@ def _softmax_applies(
     plain = mask is None and bias is None and window is None and dropout_p == 0.0 and _SIZES["softmax"] != 0
     # one (batch, kv head) pair's scores fit a block (forced narrower blocks: tiles, for tests)
     one_block = Hq // Hkv * Lq * Lk <= _SOFTMAX_MAX_SCORES and Lk <= (_SIZES["cols"] or Lk)
-    return plain and one_block and (not causal or Lq == 1 or Lq <= Lk <= _SOFTMAX_MAX_CAUSAL)
+    keys = Lk > 0 and (not causal or Lq == 1 or Lq <= Lk <= _SOFTMAX_MAX_CAUSAL)  # every row has a key
+    return plain and one_block and keys
 
 
 def _forward_softmax(
