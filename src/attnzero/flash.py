@@ -841,12 +841,12 @@ def attention(
     need_lse: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """The backend entry used by ``functional.py``: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``,
-    differentiable in q, k, v and bias (lse is not). ``need_lse=False``: lse may be None. A call that
-    needs no gradient and fits one key block takes ``_forward_softmax`` (its output does not depend
-    on ``need_lse``)."""
+    differentiable in q, k, v and bias (lse is not). ``need_lse=False``: lse may be None (a call
+    that fits one key block then skips computing it; ``forward`` takes that path too, with the lse,
+    so the output is the same either way)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    if not needs_grad and _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
-        return _forward_softmax(q, k, v, causal, scale, with_lse=need_lse)
+    if not needs_grad and not need_lse and _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
+        return _forward_softmax(q, k, v, causal, scale, with_lse=False)
     options: dict[str, Any] = {
         "mask": mask,
         "causal": causal,
