@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import attnzero as az
 from attnzero import dropout as az_dropout
-from attnzero import masks
+from attnzero import masks, ops
 
 if os.environ.get("CI") == "true":
     import triton  # CI installs triton: its absence must fail, not skip
@@ -293,10 +293,15 @@ def test_custom_ops_pass_opcheck() -> None:
     q, k, v = (torch.randn(1, n, 2, 16, device=DEVICE).transpose(1, 2).requires_grad_() for n in (17, 20, 20))
     bias = torch.randn(1, 2, 17, 20, device=DEVICE, requires_grad=True)
     keep = random_keep(1, 1, 17, 20).to(DEVICE)
-    args = (q, k, v, keep, bias, True, 5, -1, 0.25, 0.0, 0, True)
+    free = ops.UNBOUNDED
+    args = (q, k, v, keep, bias, None, None, True, 5, free, 0.25, 0.0, 0.0, 0, True)
     torch.library.opcheck(tb.triton_fwd, args)
+    ids = torch.tensor([[0] * 9 + [1] * 11], dtype=torch.int32, device=DEVICE)  # (1, 20): segments, softcap
+    torch.library.opcheck(tb.triton_fwd, (q, k, v, None, None, ids[:, :17], ids, False, free, free, 0.25, 3.0, 0.0, 0,
+                                          False))
     with torch.no_grad():
-        dargs = (q.detach()[:, :, :2], k.detach(), v.detach(), None, None, False, -1, -1, 0.25, 0.0, 0)
+        dargs = (q.detach()[:, :, :2], k.detach(), v.detach(), None, None, None, None, False, free, free, 0.25, 0.0,
+                 0.0, 0)
         torch.library.opcheck(tb.triton_decode, dargs, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -15,6 +15,11 @@ Everything is computed "transposed" in dkdv (rows = keys, columns = queries), so
 ``s₂ = (scale·q·k + bias)·log2 e``, ``lse₂ = lse·log2 e``; ``dS = P ∘ (dP - Δ)`` is the gradient
 with respect to the natural-scale score, so ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q`` and a
 bias receives ``dS``. Dropout (mask Z, keep 1-p): ``dV`` uses ``P∘Z/(1-p)``, ``dS = P(Z∘dP/(1-p) - Δ)``.
+Softcap: the score is ``softcap·t`` with ``t = tanh(scale·q·k / softcap)`` (recomputed in each
+kernel, before bias and masking); the bias still receives ``dS``, while q and k receive
+``dS_raw = dS ∘ (1 - t²)`` (``uncap``). Segment ids: as in the forward, compared in the block, and
+each program visits only the blocks that meet its range (the dK/dV kernel: the query range of its
+key block).
 """
 
 from __future__ import annotations
@@ -25,14 +30,19 @@ import triton.language as tl
 from .forward import (
     INTERIOR,
     NEG_INF,
+    NO_KEY_ID,
+    NO_QUERY_ID,
     NUM_PARTS,
     POS_INF,
     TO_BASE2,
+    cap_scores,
+    clip_blocks,
     dropout_keep,
     key_blocks,
     mm,
     part_range,
     scores_mod,
+    segment_rows,
 )
 
 
@@ -54,16 +64,17 @@ def delta_kernel(O, dO, Delta, soh, som, sdh, sdm, Lq, Dv, BLOCK_M: tl.constexpr
 @triton.jit
 def probs_and_dscores(
     s, lse2, delta, dp, pos, rows_ok, cols, Lk, left, right,
-    mask_rows, smn, bias_rows, sbn, load_ok, drop_rows, seed_lo, seed_hi, threshold, keep_scale,
+    mask_rows, smn, bias_rows, sbn, load_ok, drop_rows, seed_lo, seed_hi, threshold, keep_scale, q_ids, k_ids,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
-    """From base-2 scores ``s`` and ``dP = dO·Vᵀ`` of one block (either orientation: the query
-    quantities ``lse2``, ``delta``, ``pos``, ``rows_ok``, ``*_rows`` and the key indices ``cols``
-    are already broadcastable to it), return ``(P as it multiplied V, dS)``."""
+    """From base-2 (capped) scores ``s`` and ``dP = dO·Vᵀ`` of one block (either orientation: the
+    query quantities ``lse2``, ``delta``, ``pos``, ``rows_ok``, ``*_rows``, ``q_ids`` and the key
+    indices ``cols`` and ``k_ids`` are already broadcastable to it), return ``(P as it multiplied V,
+    dS)``, dS with respect to the (capped) score."""
     s = scores_mod(
-        s, pos, rows_ok, cols, Lk, left, right, mask_rows, smn, bias_rows, sbn, load_ok,
-        MASKED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+        s, pos, rows_ok, cols, Lk, left, right, mask_rows, smn, bias_rows, sbn, load_ok, q_ids, k_ids,
+        MASKED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS,
     )
     # p = exp2(s₂ - lse₂); a fully blocked row (lse = -inf) gets +inf here so that p = 0
     p = tl.exp2(s - tl.where(lse2 == NEG_INF, POS_INF, lse2))
@@ -75,6 +86,15 @@ def probs_and_dscores(
         p_used = p
         ds = p * (dp - delta)
     return p_used, ds
+
+
+@triton.jit
+def uncap(ds, t, HAS_SOFTCAP: tl.constexpr):
+    """dS with respect to the raw score ``scale·q·k``: ``dS ∘ (1 - t²)`` under softcap (d/dx of
+    softcap·tanh(x / softcap)), else dS."""
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
 
 
 @triton.jit
@@ -111,18 +131,21 @@ def query_blocks(
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
 def dkdv_kernel(
-    Q, K, V, dO, Lse, Delta, dQacc, dK, dV, dBias, Mask, Bias,
+    Q, K, V, dO, Lse, Delta, dQacc, dK, dV, dBias, Mask, Bias, QIds, KIds, Ranges,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     sdqb, sdqh, sdqm, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    Hq, G, Lq, Lk, D, Dv, qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (cdiv(Lk, BLOCK_N)·B·Hkv,). dK, dV get their final values; dQacc (float32, B, Hq, Lq,
     D) receives atomic adds when ATOMIC_DQ; dBias (float32, B, Hq, Lq, Lk) receives dS when
-    BIAS_GRAD (the caller sums it over the bias's broadcast dims)."""
+    BIAS_GRAD (the caller sums it over the bias's broadcast dims). With HAS_SEGMENTS: QIds (B, Lq),
+    KIds (B, Lk) int32 segment ids and Ranges (B, cdiv(Lk, BLOCK_N), 2) int32, the query range
+    [lo, hi) of each key block."""
     num_n = tl.cdiv(Lk, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % num_n  # under causal the first key blocks have the most work
@@ -143,6 +166,9 @@ def dkdv_kernel(
                 mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # the key block's segment ids (keys past Lk: an id no query has) and its query range
+    k_ids, seg_lo, seg_hi = segment_rows(KIds + b * Lk, offs_n, n_ok, Ranges + (b * num_n + pid_n) * 2,
+                                         HAS_SEGMENTS, BLOCK_N)
     for g in range(0, G):
         h = hk * G + g  # query head g of this key/value head's group
         bh = b * Hq + h
@@ -150,8 +176,10 @@ def dkdv_kernel(
             dk, dv, k, v, Q + b * sqb + h * sqh, dO + b * sdob + h * sdoh, dQacc + b * sdqb + h * sdqh,
             Lse + bh * Lq, Delta + bh * Lq, dBias + bh * Lq * Lk, Mask + b * smb + h * smh, Bias + b * sbb + h * sbh,
             sqm, sdom, sdqm, smm, smn, sbm, sbn, bh * Lq, n0, offs_d, offs_dv, d_ok, dv_ok, Lq, Lk,
-            qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
-            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, ATOMIC_DQ, PRECISION,
+            qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
+            QIds + b * Lq, k_ids, seg_lo, seg_hi,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, BIAS_GRAD,
+            HAS_DROPOUT, ATOMIC_DQ, PRECISION,
         )
 
     # dK = scale · Σ dSᵀ Q; dV = Σ Pᵀ dO. Both (BLOCK_N, ·), written once (no atomics).
@@ -165,17 +193,22 @@ def dkdv_kernel(
 def dkdv_queries(
     dk, dv, k, v, q_head, do_head, dq_head, lse_head, delta_head, dbias_head, mask_head, bias_head,
     sqm, sdom, sdqm, smm, smn, sbm, sbn, drop_head, n0, offs_d, offs_dv, d_ok, dv_ok, Lq, Lk,
-    qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    qid_row0, k_ids, seg_lo, seg_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dkdv_kernel's walk over the query blocks of one query head that can see the key block
     ``[n0, n0 + BLOCK_N)``, in the transposed orientation; returns (dk, dv) with this head added.
-    ``*_head`` point at the head's row 0 (``drop_head`` = (b·Hq + h)·Lq, its first dropout row)."""
+    ``*_head`` point at the head's row 0 (``drop_head`` = (b·Hq + h)·Lq, its first dropout row).
+    Segments: ``qid_row0`` points at the batch's query ids, ``k_ids`` (BLOCK_N,) are the key block's,
+    and only query blocks meeting ``[seg_lo, seg_hi)`` are visited."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Lk
     start, f_lo, f_hi, end = query_blocks(n0, Lq, Lk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if HAS_SEGMENTS:
+        start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_M)
     for part in tl.static_range(NUM_PARTS):  # unrolled: each part is its own loop
         lo, hi = part_range(part, start, f_lo, f_hi, end)
         for mb in range(lo, hi):
@@ -187,20 +220,26 @@ def dkdv_queries(
                          other=0.0)
             lse2 = tl.load(lse_head + offs_m, mask=m_ok, other=0.0) * TO_BASE2  # (BLOCK_M,) base 2
             delta = tl.load(delta_head + offs_m, mask=m_ok, other=0.0)
-            # sᵀ = k qᵀ · scale · log2 e and dPᵀ = v dOᵀ                      (BLOCK_N, BLOCK_M)
-            sT = mm(k, tl.trans(q), PRECISION) * qk_scale
+            # sᵀ = k qᵀ · scale · log2 e (capped: tT the tanh) and dPᵀ = v dOᵀ  (BLOCK_N, BLOCK_M)
+            sT, tT = cap_scores(mm(k, tl.trans(q), PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
             dpT = mm(v, tl.trans(do), PRECISION)
             load_ok = n_ok[:, None] & m_ok[None, :]
+            if HAS_SEGMENTS:
+                q_ids = tl.load(qid_row0 + offs_m, mask=m_ok, other=NO_QUERY_ID)  # (BLOCK_M,)
+            else:
+                q_ids = tl.zeros([BLOCK_M], tl.int32)  # not read
             pT, dsT = probs_and_dscores(
                 sT, lse2[None, :], delta[None, :], dpT, (offs_m + Lk - Lq)[None, :], m_ok[None, :], offs_n[:, None],
                 Lk, left, right, (mask_head + offs_m * smm)[None, :], smn, (bias_head + offs_m * sbm)[None, :], sbn,
                 load_ok, (drop_head + offs_m)[None, :], seed_lo, seed_hi, threshold, keep_scale,
-                part != INTERIOR, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT,
+                q_ids[None, :], k_ids[:, None],
+                part != INTERIOR, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_DROPOUT,
             )
+            if BIAS_GRAD:  # the bias is added after the cap: it receives dS itself
+                tl.store(dbias_head + offs_m.to(tl.int64)[None, :] * Lk + offs_n[:, None], dsT, mask=load_ok)
+            dsT = uncap(dsT, tT, HAS_SOFTCAP)  # with respect to the raw score, for dK and dQ
             dv += mm(pT.to(do.dtype), do, PRECISION)  # dV += Pᵀ dO
             dk += mm(dsT.to(q.dtype), q, PRECISION)  # dK += dSᵀ Q (· scale at the end)
-            if BIAS_GRAD:
-                tl.store(dbias_head + offs_m.to(tl.int64)[None, :] * Lk + offs_n[:, None], dsT, mask=load_ok)
             if ATOMIC_DQ:
                 # dQ += scale · dS K                                           (BLOCK_M, BLOCK_D)
                 dq = mm(tl.trans(dsT.to(k.dtype)), k, PRECISION) * scale
@@ -211,15 +250,16 @@ def dkdv_queries(
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
 def dq_kernel(
-    Q, K, V, dO, Lse, Delta, dQ, Mask, Bias,
+    Q, K, V, dO, Lse, Delta, dQ, Mask, Bias, QIds, KIds, Ranges,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, qk_scale, scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    Hq, G, Lq, Lk, D, Dv, qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,): dQ = scale · Σ_j dS K, deterministic (no atomics)."""
+    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,): dQ = scale · Σ_j dS K, deterministic (no atomics). Segments as
+    in the forward kernel (Ranges per query block of this kernel's BLOCK_M)."""
     num_m = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = num_m - 1 - pid % num_m  # the longest (causal) first
@@ -240,11 +280,15 @@ def dq_kernel(
                  mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
     lse2 = tl.load(Lse + pid_bh * Lq + offs_m, mask=m_ok, other=0.0) * TO_BASE2
     delta = tl.load(Delta + pid_bh * Lq + offs_m, mask=m_ok, other=0.0)
+    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, m_ok, Ranges + (b * num_m + pid_m) * 2,
+                                         HAS_SEGMENTS, BLOCK_M)
     dq = dq_keys(
         q, do, lse2, delta, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk,
         offs_d, offs_dv, d_ok, dv_ok, left, right, Mask + b * smb + h * smh + offs_m * smm, smn,
         Bias + b * sbb + h * sbh + offs_m * sbm, sbn, pid_bh * Lq + offs_m, seed_lo, seed_hi, threshold, keep_scale,
-        qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
+        qk_scale, cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi,
+        BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
+        PRECISION,
     )
     tl.store(dQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
@@ -254,16 +298,19 @@ def dq_kernel(
 def dq_keys(
     q, do, lse2, delta, k_rows, v_rows, skn, svn, m0, Lq, Lk, offs_d, offs_dv, d_ok, dv_ok,
     left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, keep_scale, qk_scale,
+    cap_in, cap_out, q_ids, kid_rows, seg_lo, seg_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dq_kernel's walk over the key blocks that query rows ``[m0, m0 + BLOCK_M)`` can see (the
-    forward's ranges); returns Σ_j dS K, not yet multiplied by ``scale``."""
+    forward's ranges, segments included); returns Σ_j dS K, not yet multiplied by ``scale``."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < Lq
     pos = offs_m + Lk - Lq
     start, f_lo, f_hi, end = key_blocks(m0, Lq, 0, Lk, Lk - Lq, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if HAS_SEGMENTS:
+        start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for part in tl.static_range(NUM_PARTS):  # unrolled: each part is its own loop
         lo, hi = part_range(part, start, f_lo, f_hi, end)
@@ -274,14 +321,19 @@ def dq_keys(
                          other=0.0)
             vT = tl.load(v_rows + offs_n[None, :] * svn + offs_dv[:, None], mask=n_ok[None, :] & dv_ok[:, None],
                          other=0.0)
-            s = mm(q, kT, PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+            s, t = cap_scores(mm(q, kT, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)  # (BLOCK_M, BLOCK_N)
             dp = mm(do, vT, PRECISION)  # dP = dO Vᵀ
+            if HAS_SEGMENTS:
+                k_ids = tl.load(kid_rows + offs_n, mask=n_ok, other=NO_KEY_ID)  # (BLOCK_N,)
+            else:
+                k_ids = tl.zeros([BLOCK_N], tl.int32)  # not read
             _, ds = probs_and_dscores(
                 s, lse2[:, None], delta[:, None], dp, pos[:, None], m_ok[:, None], offs_n[None, :], Lk, left, right,
                 mask_rows[:, None], smn, bias_rows[:, None], sbn, m_ok[:, None] & n_ok[None, :], drop_rows[:, None],
-                seed_lo, seed_hi, threshold, keep_scale, part != INTERIOR, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
-                HAS_DROPOUT,
+                seed_lo, seed_hi, threshold, keep_scale, q_ids[:, None], k_ids[None, :], part != INTERIOR, HAS_LEFT,
+                HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_DROPOUT,
             )
+            ds = uncap(ds, t, HAS_SOFTCAP)  # with respect to the raw score
             # dQ += dS K (· scale at the end): (BLOCK_M, BLOCK_N) @ (BLOCK_N, BLOCK_D)
             dq += mm(ds.to(kT.dtype), tl.trans(kT), PRECISION)
     return dq

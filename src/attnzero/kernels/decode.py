@@ -14,22 +14,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import NEG_INF, attend_keys, finish_rows
+from .forward import NEG_INF, attend_keys, finish_rows, segment_rows
 
 WAVES = 2  # split the keys until about this many programs per multiprocessor run
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
 def split_kernel(
-    Q, K, V, Opart, Lpart, Mask, Bias,
+    Q, K, V, Opart, Lpart, Mask, Bias, QIds, KIds, Ranges,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log)."""
+    """Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log).
+    With HAS_SEGMENTS: QIds (B, Lq), KIds (B, Lk) int32 segment ids and Ranges (B, 1, 2) int32, the
+    key range [lo, hi) of all Lq queries of a batch."""
     pid = tl.program_id(0)
     pid_s = pid % S
     pid_bk = (pid // S).to(tl.int64)
@@ -52,12 +54,15 @@ def split_kernel(
     # This split's keys [k_lo, k_hi) (whole blocks: chunk is a multiple of BLOCK_N), walked as the
     # forward walks them; every row sits at a query position in [0, Lq) (m0 = 0, BLOCK_M >= Lq).
     k_lo = pid_s * chunk
+    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, i, rows_ok, Ranges + b * 2, HAS_SEGMENTS, BLOCK_M)
     acc, m_i, l_i = attend_keys(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, 0, Lq, Lk, k_lo, tl.minimum(k_lo + chunk, Lk),
         offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
         Mask + b * smb + h * smh + i * smm, smn, Bias + b * sbb + h * sbh + i * sbm, sbn,
         (b * Hq + h) * Lq + i, seed_lo, seed_hi, threshold, qk_scale,  # dropout counters / Lk: (BLOCK_M,) int64
-        BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
+        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi,
+        BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
+        PRECISION,
     )
     out, lse = finish_rows(acc, m_i, l_i, keep_scale)
     part = ((b * Hq + h) * S + pid_s) * Lq + i  # (BLOCK_M,) row index into (B, Hq, S, Lq)

@@ -16,6 +16,12 @@ with the (causal-folded) window ``p - left <= j <= p + right``::
 compile time from a constexpr part number, so that every kernel calls its block loop once and only
 the edge parts carry the range checks. A dense mask, a bias and dropout are applied in every visited
 block (they are data, not ranges).
+
+Softcap (``HAS_SOFTCAP``): the raw score ``x = scale·q·k`` becomes ``softcap·tanh(x / softcap)``
+(``cap_scores``) *before* the bias and before any blocked pair is set to -inf (tanh(-inf) = -1
+would un-block it). Segment ids (``HAS_SEGMENTS``, a document-style mask that is never densified):
+pair (i, j) is kept iff ``q_id[i] == k_id[j]``, compared in the block, and the blocks outside the
+key range ``[seg_lo, seg_hi)`` of the program's rows (computed on the host) are not visited.
 Letters: B batch, Hq / Hkv query / key-value heads, G = Hq // Hkv, Lq / Lk lengths, D / Dv head dims
 (padded to the powers of two BLOCK_D / BLOCK_DV with masked loads).
 """
@@ -50,7 +56,23 @@ INTERIOR: tl.constexpr = tl.constexpr(1)  # every pair kept by position: no rang
 TRAILING: tl.constexpr = tl.constexpr(2)  # after the interior (causal diagonal, ragged last block): range checks
 NUM_PARTS: tl.constexpr = tl.constexpr(3)
 
+# tanh for the softcap: an odd polynomial (Taylor to x^11, relative error < 1e-7) below TANH_SMALL,
+# where 1 - 2/(e^(2|x|) + 1) would lose digits to cancellation; that form above it (exact limit 1
+# when e^(2|x|) overflows)
+TANH_SMALL: tl.constexpr = tl.constexpr(0.4)
+TANH_C3: tl.constexpr = tl.constexpr(-1.0 / 3.0)
+TANH_C5: tl.constexpr = tl.constexpr(2.0 / 15.0)
+TANH_C7: tl.constexpr = tl.constexpr(-17.0 / 315.0)
+TANH_C9: tl.constexpr = tl.constexpr(62.0 / 2835.0)
+TANH_C11: tl.constexpr = tl.constexpr(-1382.0 / 155925.0)
+TWO_LOG2E: tl.constexpr = tl.constexpr(2.0 * LOG2E)  # e^(2a) = 2^(2a · log2 e)
+
+# Segment ids outside the tensors (masked loads): never equal to each other or to a real id (>= 0)
+NO_QUERY_ID: tl.constexpr = tl.constexpr(-2)
+NO_KEY_ID: tl.constexpr = tl.constexpr(-1)
+
 MIN_DOT_DIM = 16  # tl.dot needs every block dim >= 16 (host side: tile sizes)
+MAX_HEAD_DIM = 256  # the largest D / Dv the tiles (TILES in triton_backend.py) are made for
 
 
 @triton.jit
@@ -86,6 +108,34 @@ def dropout_keep(row_counter, cols, Lk, seed_lo, seed_hi, threshold):
 
 
 @triton.jit
+def tanh(x):
+    """tanh in float32 from exp2 (Triton has no tanh in both its interpreter and CUDA), accurate to
+    a few ulp: the odd Taylor polynomial for |x| < TANH_SMALL, ``1 - 2/(e^(2|x|) + 1)`` above."""
+    a = tl.abs(x)
+    a_s = tl.minimum(a, TANH_SMALL)  # the polynomial's argument (only read below TANH_SMALL: no overflow)
+    a2 = a_s * a_s
+    small = a_s + a_s * a2 * (TANH_C3 + a2 * (TANH_C5 + a2 * (TANH_C7 + a2 * (TANH_C9 + a2 * TANH_C11))))
+    big = 1.0 - 2.0 / (tl.exp2(a * TWO_LOG2E) + 1.0)
+    t = tl.where(a < TANH_SMALL, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def cap_scores(qk, qk_scale, cap_in, cap_out, HAS_SOFTCAP: tl.constexpr):
+    """Raw products ``q·k`` of a block → base-2 scores ``s`` and the tanh ``t`` the backward needs.
+    Without softcap ``s = q·k · scale · log2 e`` (``t`` is not used); with it
+    ``t = tanh(q·k · scale / softcap)`` (``cap_in`` = scale / softcap) and ``s = t · softcap · log2 e``
+    (``cap_out``)."""
+    if HAS_SOFTCAP:
+        t = tanh(qk * cap_in)
+        s = t * cap_out
+    else:
+        t = qk
+        s = qk * qk_scale
+    return s, t
+
+
+@triton.jit
 def range_keep(pos, cols, rows_ok, Lk, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Kept by position: a real row, a real key, and ``p - left <= j <= p + right``.
     ``pos`` / ``rows_ok`` and ``cols`` are broadcastable to the block (either orientation)."""
@@ -100,15 +150,18 @@ def range_keep(pos, cols, rows_ok, Lk, left, right, HAS_LEFT: tl.constexpr, HAS_
 @triton.jit
 def scores_mod(
     s, pos, rows_ok, cols, Lk, left, right,
-    mask_rows, smn, bias_rows, sbn, load_ok,
+    mask_rows, smn, bias_rows, sbn, load_ok, q_ids, k_ids,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
-    """Base-2 scores of one block → add the bias (· log2 e), set blocked pairs to -inf.
-    ``mask_rows`` / ``bias_rows`` are pointers to each row's start (broadcastable to the block)."""
+    """Base-2 (already capped) scores of one block → add the bias (· log2 e), set blocked pairs to
+    -inf. ``mask_rows`` / ``bias_rows`` are pointers to each row's start, ``q_ids`` / ``k_ids`` the
+    segment ids of the block's queries and keys (all broadcastable to the block)."""
     if HAS_BIAS:
         b = tl.load(bias_rows + cols * sbn, mask=load_ok, other=0.0).to(tl.float32)
         s = s + b * TO_BASE2
+    if HAS_SEGMENTS:
+        s = tl.where(q_ids == k_ids, s, NEG_INF)
     if HAS_MASK:
         keep = tl.load(mask_rows + cols * smn, mask=load_ok, other=0) != 0
         if MASKED:
@@ -162,19 +215,38 @@ def key_blocks(
 
 
 @triton.jit
+def clip_blocks(start, f_lo, f_hi, end, lo, hi, BLOCK: tl.constexpr):
+    """Blocks ``start <= f_lo <= f_hi <= end`` narrowed to those that meet ``[lo, hi)`` (a segment
+    range: everything outside it is blocked for every row of the program; empty when lo >= hi). The
+    interior only shrinks, so its blocks still need no range checks."""
+    s_lo = lo // BLOCK
+    s_hi = tl.where(hi > lo, (hi + BLOCK - 1) // BLOCK, s_lo)
+    start = tl.maximum(start, s_lo)
+    end = tl.maximum(tl.minimum(end, s_hi), start)
+    f_lo = tl.minimum(tl.maximum(f_lo, start), end)
+    f_hi = tl.maximum(tl.minimum(f_hi, end), f_lo)
+    return start, f_lo, f_hi, end
+
+
+@triton.jit
 def attend_keys(
     q, k_rows, v_rows, skn, svn, m0, Lq, Lk, k_lo, k_hi, offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
-    mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, qk_scale,
+    mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, qk_scale, cap_in, cap_out,
+    q_ids, kid_rows, seg_lo, seg_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The online softmax of query rows ``[m0, m0 + BLOCK_M)`` over every key block of
     ``[k_lo, k_hi)`` they can see; returns (acc, m, l) in base 2. ``k_rows`` / ``v_rows`` point at
     key/value row 0 of this head (d strides are 1); ``Lk`` is the full key length (dropout counters);
-    ``pos`` / ``rows_ok`` are the rows' key positions and validity (BLOCK_M,)."""
+    ``pos`` / ``rows_ok`` are the rows' key positions and validity (BLOCK_M,). With segments:
+    ``q_ids`` (BLOCK_M,) the rows' ids, ``kid_rows`` the keys' ids of this batch, and only the
+    blocks meeting ``[seg_lo, seg_hi)`` are visited."""
     start, f_lo, f_hi, end = key_blocks(m0, Lq, k_lo, k_hi, Lk - Lq, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                         HAS_RIGHT)
+    if HAS_SEGMENTS:
+        start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_N)
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -186,12 +258,17 @@ def attend_keys(
             # K block, transposed: (BLOCK_D, BLOCK_N)
             kT = tl.load(k_rows + offs_n[None, :] * skn + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None],
                          other=0.0)
-            # s = q kᵀ · scale · log2 e                                       (BLOCK_M, BLOCK_N)
-            s = mm(q, kT, PRECISION) * qk_scale
+            # s = q kᵀ · scale · log2 e (capped: softcap · tanh(q kᵀ · scale / softcap) · log2 e)
+            s, _ = cap_scores(mm(q, kT, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)  # (BLOCK_M, BLOCK_N)
+            if HAS_SEGMENTS:
+                k_ids = tl.load(kid_rows + offs_n, mask=n_ok, other=NO_KEY_ID)  # (BLOCK_N,)
+            else:
+                k_ids = tl.zeros([BLOCK_N], tl.int32)  # not read
             s = scores_mod(
                 s, pos[:, None], rows_ok[:, None], offs_n[None, :], k_hi, left, right,
                 mask_rows[:, None], smn, bias_rows[:, None], sbn, rows_ok[:, None] & n_ok[None, :],
-                part != INTERIOR, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                q_ids[:, None], k_ids[None, :], part != INTERIOR, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS,
+                HAS_SEGMENTS,
             )
             # m_new = max(m, rowmax s); the -inf of an all-blocked row becomes 0 only inside exp2
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -221,20 +298,39 @@ def finish_rows(acc, m_i, l_i, keep_scale):
     return out, lse
 
 
+@triton.jit
+def segment_rows(ids_row0, rows, rows_ok, range_ptr, HAS_SEGMENTS: tl.constexpr, N: tl.constexpr):
+    """The segment ids of a program's ``N`` rows (``ids_row0`` points at this batch's ids, (L,)
+    int32; rows past the end get an id no key has) and its range ``[lo, hi)`` of columns to visit
+    (two int32 at ``range_ptr``). Without segments: zeros, not read."""
+    if HAS_SEGMENTS:
+        ids = tl.load(ids_row0 + rows, mask=rows_ok, other=NO_QUERY_ID)
+        lo = tl.load(range_ptr)
+        hi = tl.load(range_ptr + 1)
+    else:
+        ids = tl.zeros([N], tl.int32)
+        lo = 0
+        hi = 0
+    return ids, lo, hi
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
 def fwd_kernel(
-    Q, K, V, Out, Lse, Out32, Mask, Bias,
+    Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, qk_scale, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, STORE_F32: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_F32: tl.constexpr,
 ):
     """Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32, and
     with STORE_F32 the unrounded output to Out32 (B, Hq, Lq, Dv) float32, contiguous — for the
     backward's Δ = rowsum(dO·O), which a 16-bit O would perturb by one rounding.
-    Head dims have stride 1; the strides of broadcast mask/bias dims are 0."""
+    Head dims have stride 1; the strides of broadcast mask/bias dims are 0. With HAS_SEGMENTS:
+    QIds (B, Lq) and KIds (B, Lk) int32 segment ids, contiguous, and Ranges (B, cdiv(Lq, BLOCK_M), 2)
+    int32, the key range [lo, hi) of each query block."""
     # One flat grid axis (no 65535 limit on B·Hq); query blocks of a head are neighbours (they share
     # K/V in L2), the last (under causal: longest) first.
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -255,12 +351,16 @@ def fwd_kernel(
 
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=rows_ok[:, None] & d_ok[None, :],
                 other=0.0)  # (BLOCK_M, BLOCK_D)
+    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, rows_ok, Ranges + (b * num_m + pid_m) * 2,
+                                         HAS_SEGMENTS, BLOCK_M)
     acc, m_i, l_i = attend_keys(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk, 0, Lk,
         offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
         Mask + b * smb + h * smh + offs_m * smm, smn, Bias + b * sbb + h * sbh + offs_m * sbm, sbn,
         pid_bh * Lq + offs_m, seed_lo, seed_hi, threshold, qk_scale,  # dropout counters / Lk: (BLOCK_M,) int64
-        BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_DROPOUT, PRECISION,
+        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi,
+        BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
+        PRECISION,
     )
     out, lse = finish_rows(acc, m_i, l_i, keep_scale)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], out.to(Out.dtype.element_ty),

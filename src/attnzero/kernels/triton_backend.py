@@ -3,7 +3,7 @@
 Letters: B batch, Hq / Hkv query / key-value heads (G = Hq // Hkv query heads share one key/value
 head), Lq / Lk query / key length, D head dim of q and k, Dv head dim of v.
 
-``attention(q, k, v, *, mask, bias, causal, window, scale, dropout_p, dropout_seed)`` returns
+``attention(q, k, v, *, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)`` returns
 ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32, natural log)`` like ``reference.attention``, on
 trusted inputs (``functional.py`` validated them). Under the hood:
 
@@ -29,8 +29,21 @@ float64 is not a GPU-kernel dtype: ``backend="triton"`` computes it with the pla
 backend, in float64, on the same device — the same answer, with gradients, just not by a Triton
 kernel (``functional.choose`` routes it; it never reaches this module).
 
-A mask given as an ``az.masks.Mask`` is materialised here to a dense bool tensor (broadcast dims kept
-at size 1) and read per block; causal and window are never materialised — they drive block skipping.
+A mask given as an ``az.masks.Mask`` whose ``segments`` are known ("pair kept iff the query's and the
+key's ids are equal": documents, padding) is never materialised: the ids go to the kernels as int32
+ranks (``_segment_ids``), each pair is decided by comparing two ids, and each program visits only
+the blocks of its range (``_segment_ranges``: the keys a block of query rows may see, and for the
+dK/dV kernel the queries that may see a block of keys). Any other ``Mask`` is materialised to a dense
+bool tensor (broadcast dims kept at size 1) and read per block. Causal and window are never
+materialised — they drive block skipping; their sides may be any ints (negative ones included, as
+``geometry`` reads them).
+
+Softcap (``softcap > 0``): every kernel caps the raw score ``scale·q·k`` to
+``softcap·tanh(score / softcap)`` before the bias and the masking, and the backward recomputes the
+tanh ``t`` to take ``dS ∘ (1 - t²)`` to q and k (the bias receives dS).
+
+Head dims: D and Dv up to 256 (``forward.MAX_HEAD_DIM``; the tiles of ``TILES``); larger ones are
+refused with a ValueError that names the flash backend, which takes any head dim.
 A bias that requires grad gets its gradient through a float32 (B, Hq, Lq, Lk) buffer summed over
 its broadcast dims (O(Lq·Lk) memory, as the bias itself).
 
@@ -59,7 +72,7 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
         "(on a CUDA machine it comes with torch; for CPU tests install it and set TRITON_INTERPRET=1)"
     ) from e
 
-from .. import geometry, reference
+from .. import geometry, ops, reference
 from ..masks import Mask
 from . import backward as bwd_k
 from . import decode as dec_k
@@ -141,11 +154,77 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _window(causal: bool, left: int, right: int) -> tuple[int, int]:
-    """The kernels' band ``p - left <= j <= p + right``: causal folded into the window
-    (``geometry.band``); -1 stands for unbounded, in and out."""
-    wl, wr = geometry.band(causal, (None if left < 0 else left, None if right < 0 else right))
-    return (-1 if wl is None else wl), (-1 if wr is None else wr)
+def _side_arg(side: int | None) -> int:
+    """A window side as an op's int argument (``ops.UNBOUNDED`` for None)."""
+    return ops.UNBOUNDED if side is None else side
+
+
+def _side(arg: int) -> int | None:
+    """An op's int argument back to a window side (None: unbounded)."""
+    return None if arg == ops.UNBOUNDED else arg
+
+
+def _window(causal: bool, left: int | None, right: int | None, Lq: int, Lk: int) -> tuple[int | None, int | None]:
+    """The kernels' band ``p - left <= j <= p + right`` (``p = i + Lk - Lq``): causal folded into the
+    window (``geometry.band``), sides any ints or None (unbounded). A side that keeps every key of
+    every row becomes None, and one that keeps none is clamped to the nearest such value, so that the
+    kernels' index arithmetic stays within ±(Lq + Lk): ``left >= Lk - 1`` or ``right >= Lq - 1``
+    bounds nothing (``0 <= j <= Lk - 1``, ``Lk - Lq <= p <= Lk - 1``); ``left <= -Lq`` or
+    ``right <= -Lk`` keeps nothing, as does any smaller value."""
+    wl, wr = geometry.band(causal, (left, right))
+    if wl is not None:
+        wl = None if wl >= Lk - 1 else max(wl, -Lq)
+    if wr is not None:
+        wr = None if wr >= Lq - 1 else max(wr, -Lk)
+    return wl, wr
+
+
+def _check_head_dims(D: int, Dv: int) -> None:
+    """The tiles hold head dims up to ``forward.MAX_HEAD_DIM``: refuse larger ones clearly."""
+    for name, n in (("D (q, k)", D), ("Dv (v)", Dv)):
+        if n > fwd_k.MAX_HEAD_DIM:
+            raise ValueError(
+                f"backend='triton': head dim {name} = {n} is larger than the {fwd_k.MAX_HEAD_DIM} its kernels' "
+                f"tiles hold; use backend='flash' (any head dim) or backend='auto'"
+            )
+
+
+def _segment_ids(mask: Mask, B: int, Lq: int, Lk: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A segments mask's ids as the kernels read them: int32 ranks (equal ids ↔ equal ranks, so ids
+    anywhere in int64 fit), expanded to q_ids (B, Lq) and k_ids (B, Lk), contiguous, on ``device``."""
+    seg = getattr(mask, "segments", None)
+    assert seg is not None
+    qi = seg.q_ids.to(device).expand(B, Lq)  # (B|1, Lq|1) -> (B, Lq)
+    ki = seg.k_ids.to(device).expand(B, Lk)  # (B|1, Lk|1) -> (B, Lk)
+    _, ranks = torch.unique(torch.cat([qi.reshape(-1), ki.reshape(-1)]), return_inverse=True)  # (B·(Lq + Lk),)
+    ranks = ranks.to(torch.int32)
+    return ranks[: B * Lq].view(B, Lq).contiguous(), ranks[B * Lq :].view(B, Lk).contiguous()
+
+
+def _segment_ranges(row_ids: Tensor, col_ids: Tensor, block: int) -> Tensor:
+    """For each batch and block of ``block`` rows, the columns ``[lo, hi)`` outside which no row of the
+    block has a column of its own id: int32 (B, cdiv(Lr, block), 2), ``lo = hi = 0`` when none.
+    ``row_ids`` (B, Lr) and ``col_ids`` (B, Lc) are ranks (ints >= 0); any order of ids works (the
+    range is from the first to the last column of any id in the block)."""
+    B, Lr = row_ids.shape
+    Lc = col_ids.shape[1]
+    n_ids = int(torch.maximum(row_ids.max(), col_ids.max()).item()) + 1
+    cols = torch.arange(Lc, device=col_ids.device).expand(B, Lc)  # (B, Lc)
+    col_idx = col_ids.long()
+    first = torch.full((B, n_ids), Lc, dtype=torch.int64, device=col_ids.device)  # (B, ids): first column per id
+    first.scatter_reduce_(1, col_idx, cols, "amin")
+    last = torch.full((B, n_ids), -1, dtype=torch.int64, device=col_ids.device)  # (B, ids): last column per id
+    last.scatter_reduce_(1, col_idx, cols, "amax")
+    f = first.gather(1, row_ids.long())  # (B, Lr): each row's first column
+    z = last.gather(1, row_ids.long())  # (B, Lr): each row's last column
+    n = triton.cdiv(Lr, block)
+    pad = n * block - Lr
+    f = torch.nn.functional.pad(f, (0, pad), value=Lc).view(B, n, block)  # (B, n, block)
+    z = torch.nn.functional.pad(z, (0, pad), value=-1).view(B, n, block)
+    lo, hi = f.amin(dim=2), z.amax(dim=2) + 1  # (B, n) each
+    empty = hi <= lo
+    lo, hi = lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
+    return torch.stack([lo, hi], dim=2).to(torch.int32).contiguous()  # (B, n, 2)
 
 
 def _dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
@@ -157,20 +236,32 @@ def _dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
 
 
 def _common(
-    q: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int, scale: float,
-    dropout_p: float, seed: int,
+    q: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None, causal: bool, left: int,
+    right: int, scale: float, softcap: float, dropout_p: float, seed: int,
 ) -> tuple[dict[str, Any], list[Any], Tensor, Tensor]:
-    """Constexpr flags, the scalar arguments after the shapes, and the mask/bias pointers."""
-    wl, wr = _window(causal, left, right)
+    """Constexpr flags, the scalar arguments after ``qk_scale`` (and ``scale``), and the mask/bias
+    pointers. ``left`` / ``right`` are op arguments (``ops.UNBOUNDED``: no bound)."""
+    wl, wr = _window(causal, _side(left), _side(right), q.shape[2], k.shape[2])
     seed_lo, seed_hi, threshold, keep_scale = _dropout_args(dropout_p, seed)
     flags = {
-        "HAS_LEFT": wl >= 0, "HAS_RIGHT": wr >= 0, "HAS_MASK": mask is not None, "HAS_BIAS": bias is not None,
+        "HAS_LEFT": wl is not None, "HAS_RIGHT": wr is not None, "HAS_MASK": mask is not None,
+        "HAS_BIAS": bias is not None, "HAS_SEGMENTS": q_ids is not None, "HAS_SOFTCAP": softcap > 0.0,
         "HAS_DROPOUT": dropout_p > 0.0, "PRECISION": _precision(q.dtype),
     }
-    scalars = [max(wl, 0), max(wr, 0), seed_lo, seed_hi, threshold, keep_scale]
+    # softcap: t = tanh(q·k · scale / softcap), base-2 score t · softcap · log2 e
+    cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0.0 else (0.0, 0.0)
+    sides = [0 if wl is None else wl, 0 if wr is None else wr]  # read only where HAS_LEFT / HAS_RIGHT
+    scalars = [cap_in, cap_out, *sides, seed_lo, seed_hi, threshold, keep_scale]
     mask_t = mask.view(torch.uint8) if mask is not None else q  # q: a placeholder pointer, never read
     bias_t = bias if bias is not None else q
     return flags, scalars, mask_t, bias_t
+
+
+def _ids_args(q_ids: Tensor | None, k_ids: Tensor | None, ranges: Tensor | None, q: Tensor) -> list[Tensor]:
+    """The kernels' QIds, KIds, Ranges pointers (q: a placeholder, never read, without segments)."""
+    if q_ids is None or k_ids is None or ranges is None:
+        return [q, q, q]
+    return [q_ids, k_ids, ranges]
 
 
 def _launch_opts(cfg: dict[str, int]) -> dict[str, int]:
@@ -182,20 +273,25 @@ def _launch_opts(cfg: dict[str, int]) -> dict[str, int]:
 
 
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
-    scale: float, dropout_p: float, seed: int, keep_f32: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
+    k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
+    seed: int, keep_f32: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    _check_head_dims(D, Dv)
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
     out32 = torch.empty((B, Hq, Lq, Dv) if keep_f32 else (0,), dtype=torch.float32, device=q.device)
-    flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
+    flags, scalars, mask_t, bias_t = _common(q, k, mask, bias, q_ids, causal, left, right, scale, softcap, dropout_p,
+                                             seed)
     cfg = _blocks("fwd", D, Dv, q.dtype, q.device)
+    # the keys [lo, hi) of each (batch, query block): (B, cdiv(Lq, BLOCK_M), 2) int32
+    ranges = _segment_ranges(q_ids, k_ids, cfg["BLOCK_M"]) if q_ids is not None and k_ids is not None else None
     grid = (triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)
     fwd_k.fwd_kernel[grid](
-        q, k, v, out, lse, out32 if keep_f32 else lse, mask_t, bias_t,
+        q, k, v, out, lse, out32 if keep_f32 else lse, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *_strides4(mask), *_strides4(bias),
@@ -206,21 +302,26 @@ def _forward(
 
 
 def _decode(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
-    scale: float, dropout_p: float, seed: int,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
+    k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
+    seed: int,
 ) -> tuple[Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    _check_head_dims(D, Dv)
     G = Hq // Hkv
-    flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
+    flags, scalars, mask_t, bias_t = _common(q, k, mask, bias, q_ids, causal, left, right, scale, softcap, dropout_p,
+                                             seed)
     cfg = _blocks("decode", D, Dv, q.dtype, q.device)
+    # one program holds all Lq queries (of G heads): one key range per batch, (B, 1, 2) int32
+    ranges = _segment_ranges(q_ids, k_ids, Lq) if q_ids is not None and k_ids is not None else None
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
     S, chunk = dec_k.splits_for(B * Hkv, Lk, cfg["BLOCK_N"], num_sms)
     opart = torch.empty((B, Hq, S, Lq, Dv), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq, Dv)
     lpart = torch.empty((B, Hq, S, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq)
     dec_k.split_kernel[(S * B * Hkv,)](
-        q, k, v, opart, lpart, mask_t, bias_t,
+        q, k, v, opart, lpart, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *_strides4(mask), *_strides4(bias),
         Hq, G, Lq, Lk, D, Dv, S, chunk, scale * LOG2E, *scalars,
@@ -237,14 +338,16 @@ def _decode(
 
 def _backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
-    bias: Tensor | None, causal: bool, left: int, right: int, scale: float, dropout_p: float, seed: int,
-    bias_grad: bool, deterministic: bool,
+    bias: Tensor | None, q_ids: Tensor | None, k_ids: Tensor | None, causal: bool, left: int, right: int,
+    scale: float, softcap: float, dropout_p: float, seed: int, bias_grad: bool, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     q, k, v, out, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out), _unit_last(dout)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    _check_head_dims(D, Dv)
     G = Hq // Hkv
-    flags, scalars, mask_t, bias_t = _common(q, mask, bias, causal, left, right, scale, dropout_p, seed)
+    flags, scalars, mask_t, bias_t = _common(q, k, mask, bias, q_ids, causal, left, right, scale, softcap, dropout_p,
+                                             seed)
     lse = lse.contiguous()
 
     # 1. Δ_i = Σ_d dO_id O_id                                                  (B, Hq, Lq) float32
@@ -265,8 +368,10 @@ def _backward(
         torch.zeros((B, Hq, Lq, Lk), dtype=torch.float32, device=q.device) if bias_grad else q
     )  # (B, Hq, Lq, Lk); zeros: skipped blocks have dS = 0
     cfg = _blocks("dkdv", D, Dv, q.dtype, q.device)
+    # the queries [lo, hi) that may see each (batch, key block): (B, cdiv(Lk, BLOCK_N), 2) int32
+    ranges = _segment_ranges(k_ids, q_ids, cfg["BLOCK_N"]) if q_ids is not None and k_ids is not None else None
     bwd_k.dkdv_kernel[(triton.cdiv(Lk, cfg["BLOCK_N"]) * B * Hkv,)](
-        q, k, v, dout, lse, delta, dq_acc, dk, dv, dbias_full, mask_t, bias_t,
+        q, k, v, dout, lse, delta, dq_acc, dk, dv, dbias_full, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
@@ -281,8 +386,10 @@ def _backward(
     else:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, Hq, Lq, D)
         cfg = _blocks("dq", D, Dv, q.dtype, q.device)
+        # the keys of each (batch, query block of this kernel's BLOCK_M): (B, cdiv(Lq, BLOCK_M), 2) int32
+        ranges = _segment_ranges(q_ids, k_ids, cfg["BLOCK_M"]) if q_ids is not None and k_ids is not None else None
         bwd_k.dq_kernel[(triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)](
-            q, k, v, dout, lse, delta, dq, mask_t, bias_t,
+            q, k, v, dout, lse, delta, dq, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2), *_strides4(mask), *_strides4(bias),
@@ -301,21 +408,24 @@ def _backward(
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library registration
+# torch.library registration. Op arguments: ``mask`` a dense bool tensor or None; ``q_ids`` (B, Lq)
+# and ``k_ids`` (B, Lk) int32 segment ranks or None (both or neither); ``left`` / ``right`` ints,
+# ``ops.UNBOUNDED`` for an unbounded side; ``softcap`` a float, 0.0 for none.
 
 
 @torch.library.custom_op("attnzero::triton_fwd", mutates_args=())
 def triton_fwd(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
-    scale: float, dropout_p: float, seed: int, keep_f32: bool,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
+    k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
+    seed: int, keep_f32: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward kernel: (out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32, out32). ``left``/``right`` =
-    -1: unbounded. ``keep_f32``: out32 is the float32 output (B, Hq, Lq, Dv) for the backward, else empty."""
-    return _forward(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed, keep_f32)
+    """Forward kernel: (out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32, out32). ``keep_f32``: out32 is
+    the float32 output (B, Hq, Lq, Dv) for the backward, else empty."""
+    return _forward(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed, keep_f32)
 
 
 @triton_fwd.register_fake
-def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed, keep_f32):  # type: ignore[no-untyped-def]
+def _(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed, keep_f32):  # type: ignore[no-untyped-def]
     B, Hq, Lq, _ = q.shape
     out32 = q.new_empty((B, Hq, Lq, v.shape[3]) if keep_f32 else (0,), dtype=torch.float32)
     return q.new_empty((B, Hq, Lq, v.shape[3])), q.new_empty((B, Hq, Lq), dtype=torch.float32), out32
@@ -323,15 +433,16 @@ def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed, keep_f32
 
 @torch.library.custom_op("attnzero::triton_decode", mutates_args=())
 def triton_decode(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int,
-    scale: float, dropout_p: float, seed: int,
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
+    k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
+    seed: int,
 ) -> tuple[Tensor, Tensor]:
     """Split-KV decode (no backward): same results as ``triton_fwd``."""
-    return _decode(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed)
+    return _decode(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed)
 
 
 @triton_decode.register_fake
-def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type: ignore[no-untyped-def]
+def _(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed):  # type: ignore[no-untyped-def]
     B, Hq, Lq, _ = q.shape
     return q.new_empty((B, Hq, Lq, v.shape[3])), q.new_empty((B, Hq, Lq), dtype=torch.float32)
 
@@ -339,47 +450,59 @@ def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type
 @torch.library.custom_op("attnzero::triton_bwd", mutates_args=())
 def triton_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
-    bias: Tensor | None, causal: bool, left: int, right: int, scale: float, dropout_p: float, seed: int,
-    bias_grad: bool, deterministic: bool,
+    bias: Tensor | None, q_ids: Tensor | None, k_ids: Tensor | None, causal: bool, left: int, right: int,
+    scale: float, softcap: float, dropout_p: float, seed: int, bias_grad: bool, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward kernels: (dq, dk, dv, dbias); dbias has bias's shape, or is empty when not asked for."""
     return _backward(
-        dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad, deterministic
+        dout, q, k, v, out, lse, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed,
+        bias_grad, deterministic,
     )
 
 
 @triton_bwd.register_fake
-def _(dout, q, k, v, out, lse, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad,  # type: ignore[no-untyped-def]
-      deterministic):
+def _(dout, q, k, v, out, lse, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed,  # type: ignore[no-untyped-def]
+      bias_grad, deterministic):
     dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed, keep_f32 = inputs
+    q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed, keep_f32 = inputs
     out, lse, out32 = output
-    ctx.save_for_backward(q, k, v, out32 if keep_f32 else out, lse, mask, bias)  # Δ from the unrounded O
-    ctx.args = (causal, left, right, scale, dropout_p, seed)
+    ctx.save_for_backward(q, k, v, out32 if keep_f32 else out, lse, mask, bias, q_ids, k_ids)  # Δ from the unrounded O
+    ctx.args = (causal, left, right, scale, softcap, dropout_p, seed)
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
+
+
+def _dense_keep(mask: Tensor | None, q_ids: Tensor | None, k_ids: Tensor | None) -> Tensor | None:
+    """The keep-mask of a dense mask and/or segment ids as one bool tensor broadcastable to
+    (B, Hq, Lq, Lk) — for the formula (double backward), which takes one dense mask."""
+    if q_ids is None or k_ids is None:
+        return mask
+    same = q_ids[:, None, :, None] == k_ids[:, None, None, :]  # (B, 1, Lq, Lk)
+    return same if mask is None else same & mask
 
 
 def _backward_rule(ctx: Any, dout: Tensor, dlse: Tensor, dout32: Tensor) -> tuple[Tensor | None, ...]:
     del dlse, dout32  # by-products; their gradients are not propagated
-    q, k, v, out, lse, mask, bias = ctx.saved_tensors
+    q, k, v, out, lse, mask, bias, q_ids, k_ids = ctx.saved_tensors
+    nones = (None,) * 10  # q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed, keep_f32
     if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
-        causal, left, right, scale, dropout_p, seed = ctx.args
-        window = None if left < 0 and right < 0 else (None if left < 0 else left, None if right < 0 else right)
+        causal, left, right, scale, softcap, dropout_p, seed = ctx.args
+        wl, wr = _side(left), _side(right)
         needs = (*ctx.needs_input_grad[:3], ctx.bias_grad)
         dq, dk, dv, dbias = reference.backward_with_graph(
-            dout, q, k, v, bias, needs, mask=mask, causal=causal, window=window, scale=scale,
-            dropout_p=dropout_p, dropout_seed=seed,
+            dout, q, k, v, bias, needs, mask=_dense_keep(mask, q_ids, k_ids), causal=causal,
+            window=None if wl is None and wr is None else (wl, wr), scale=scale,
+            softcap=softcap if softcap > 0.0 else None, dropout_p=dropout_p, dropout_seed=seed,
         )
-        return dq, dk, dv, None, dbias, None, None, None, None, None, None, None
+        return dq, dk, dv, None, dbias, *nones
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv, dbias = triton_bwd(
-        dout, q, k, v, out, lse, mask, bias, *ctx.args, ctx.bias_grad, deterministic
+        dout, q, k, v, out, lse, mask, bias, q_ids, k_ids, *ctx.args, ctx.bias_grad, deterministic
     )
-    return dq, dk, dv, None, (dbias if ctx.bias_grad else None), None, None, None, None, None, None, None
+    return dq, dk, dv, None, (dbias if ctx.bias_grad else None), *nones
 
 
 torch.library.register_autograd("attnzero::triton_fwd", _backward_rule, setup_context=_setup_context)
@@ -390,15 +513,30 @@ torch.library.register_autograd("attnzero::triton_fwd", _backward_rule, setup_co
 
 
 def _args(
-    q: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
-    window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, dropout_seed: int,
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: tuple[int | None, int | None] | None, scale: float, softcap: float | None = None, dropout_p: float,
+    dropout_seed: int,
 ) -> tuple[Any, ...]:
-    """The backend's keyword arguments as the ops take them: a dense mask (an ``az.masks.Mask`` is
-    materialised, broadcast dims kept at size 1) and the window sides as ints, -1 for unbounded."""
-    dense = mask.to_tensor(q.device) if isinstance(mask, Mask) else mask  # (B|1, H|1, Lq|1, Lk|1) bool
-    left, right = (-1, -1) if window is None else (-1 if window[0] is None else window[0],
-                                                   -1 if window[1] is None else window[1])
-    return dense, bias, causal, left, right, float(scale), float(dropout_p), int(dropout_seed)
+    """The backend's keyword arguments as the ops take them: ``mask, bias, q_ids, k_ids, causal,
+    left, right, scale, softcap, dropout_p, seed``. A ``Mask`` with segments becomes its ids (int32
+    ranks, never a dense mask); any other ``Mask`` is materialised (broadcast dims kept at size 1).
+    Window sides become ints (``ops.UNBOUNDED`` for None), softcap a float (0.0 for None). Head dims
+    beyond the tiles are refused here, before any work."""
+    _check_head_dims(q.shape[3], v.shape[3])
+    q_ids = k_ids = None
+    dense: Tensor | None
+    if isinstance(mask, Mask) and getattr(mask, "segments", None) is not None:
+        dense = None
+        q_ids, k_ids = _segment_ids(mask, q.shape[0], q.shape[2], k.shape[2], q.device)  # (B, Lq), (B, Lk) int32
+    elif isinstance(mask, Mask):
+        dense = mask.to_tensor(q.device)  # (B|1, H|1, Lq|1, Lk|1) bool
+    else:
+        dense = mask
+    left, right = (None, None) if window is None else window
+    return (
+        dense, bias, q_ids, k_ids, causal, _side_arg(left), _side_arg(right), float(scale),
+        0.0 if softcap is None else float(softcap), float(dropout_p), int(dropout_seed),
+    )
 
 
 def attention(
@@ -411,20 +549,26 @@ def attention(
     causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     scale: float,
+    softcap: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V by Triton kernels,
-    differentiable in q, k, v and bias (the forward kernel op and its autograd rule).
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(cap(scale · Q Kᵀ) + bias) V by Triton
+    kernels, differentiable in q, k and v and bias (the forward kernel op and its autograd rule).
 
-    Same contract as ``reference.attention``: ``mask`` (bool, or an ``az.masks.Mask`` — materialised
-    here to a dense bool tensor) and ``bias`` broadcastable to (B, Hq, Lq, Lk); causal bottom-right;
-    ``window=(left, right)``; dropout drops exactly ``dropout.keep_mask(dropout_seed, ...)``'s
-    entries, in the forward and the backward. Inputs are float16, bfloat16 or float32 on a device
-    this backend runs on: ``functional.choose`` sends float64 to the flash backend and short
+    Same contract as ``reference.attention``: ``mask`` (bool, or an ``az.masks.Mask`` — its segment
+    ids when it has them, else materialised here to a dense bool tensor) and ``bias`` broadcastable
+    to (B, Hq, Lq, Lk); causal bottom-right; ``window=(left, right)``, sides None or any int;
+    ``softcap``: the score becomes ``softcap · tanh(score / softcap)`` before the bias; dropout drops
+    exactly ``dropout.keep_mask(dropout_seed, ...)``'s entries, in the forward and the backward.
+    Inputs are float16, bfloat16 or float32 on a device this backend runs on, head dims up to 256
+    (a ValueError beyond): ``functional.choose`` sends float64 to the flash backend and short
     queries without gradients to ``decode``.
     """
-    args = _args(q, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    args = _args(
+        q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
+        dropout_p=dropout_p, dropout_seed=dropout_seed,
+    )
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     # 16-bit outputs: keep the float32 output for the backward's Δ = rowsum(dO·O) when training
     keep_f32 = needs_grad and q.dtype != torch.float32
@@ -436,7 +580,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]
     """``attention`` as a plain function (the backend interface's forward): the forward kernel, no
     autograd."""
     with torch.no_grad():
-        out, lse, _ = triton_fwd(q, k, v, *_args(q, **kw), False)
+        out, lse, _ = triton_fwd(q, k, v, *_args(q, k, v, **kw), False)
     return out, lse
 
 
@@ -444,20 +588,24 @@ def decode(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     """The split-KV decode kernel (``attnzero::triton_decode``), the same ``(out, lse)`` as
     ``forward``; no backward (``functional.choose`` takes it only when no input requires grad, for
     the shapes it serves: ``DECODE_MAX_LQ``, ``DECODE_MIN_LK``, ``DECODE_MAX_ROWS``)."""
-    return triton_decode(q, k, v, *_args(q, **kw))  # type: ignore[no-any-return]
+    return triton_decode(q, k, v, *_args(q, k, v, **kw))  # type: ignore[no-any-return]
 
 
 def backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
     mask: Tensor | Mask | None, bias: Tensor | None, causal: bool, window: tuple[int | None, int | None] | None,
-    scale: float, dropout_p: float, dropout_seed: int, bias_grad: bool = True,
+    scale: float, softcap: float | None = None, dropout_p: float, dropout_seed: int, bias_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """The backend interface's backward: ``(dq, dk, dv, dbias)`` by the backward kernels, from the
-    ``out`` and ``lse`` given (a ring's global ones work: P = exp(s − lse) and Δ = rowsum(dO·O) are
-    recomputed from them). Δ comes from the output in its own dtype, as in the flash backend (the
-    eager path keeps a float32 copy of a 16-bit output for it). dbias None unless ``bias_grad``."""
+    ``out`` and ``lse`` given (a ring's global ones, or those with attention sinks folded in, work:
+    P = exp(s − lse) and Δ = rowsum(dO·O) are recomputed from them). Δ comes from the output in its
+    own dtype, as in the flash backend (the eager path keeps a float32 copy of a 16-bit output for
+    it). dbias None unless ``bias_grad``."""
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-    args = _args(q, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    args = _args(
+        q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
+        dropout_p=dropout_p, dropout_seed=dropout_seed,
+    )
     grad_b = bias_grad and bias is not None
     dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
     return dq, dk, dv, (dbias if grad_b else None)
