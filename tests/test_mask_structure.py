@@ -5,15 +5,16 @@ attention with the dense tensor, while the flash backend visits only the blocks 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
+from conftest import check_against_golden, qkv
 
 import attnzero as az
 from attnzero import flash, geometry
 from attnzero import masks as M
-from conftest import check_against_golden, qkv
 
 
 def _docs(L: int, n: int, B: int = 1, sorted_: bool = True) -> torch.Tensor:
@@ -48,7 +49,7 @@ def _masks(Lq: int, Lk: int) -> dict[str, M.Mask]:
 
 def _partition(n: int, rng: random.Random) -> list[tuple[int, int]]:
     cuts = sorted({0, n, *(rng.randrange(1, n) for _ in range(rng.randrange(0, 4)) if n > 1)})
-    return list(zip(cuts, cuts[1:]))
+    return list(itertools.pairwise(cuts))
 
 
 @pytest.mark.parametrize(("Lq", "Lk"), [(1, 1), (17, 17), (40, 40), (9, 30), (30, 9)])
