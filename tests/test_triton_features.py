@@ -19,11 +19,12 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from conftest import dense_keep, qkv, random_keep, round_to
+from conftest import check_against_golden, dense_keep, qkv, random_keep, round_to
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+import attnzero as az
 from attnzero import dropout as az_dropout
 from attnzero import masks
 from attnzero.testing import assert_close_to_golden, assert_reference_sane, magnitude
@@ -47,39 +48,12 @@ DTYPE_IDS = {F16: "f16", BF16: "bf16", F32: "f32"}
 # Segment masks: a Mask whose ``segments`` are known (ids per query and per key, pair kept iff equal)
 
 
-class Ids(NamedTuple):
-    """What the backend reads of ``Mask.segments``: q_ids (B|1, Lq|1), k_ids (B|1, Lk|1) int64."""
-
-    q_ids: Tensor
-    k_ids: Tensor
-
-
-class SegmentMask(masks.Mask):
-    """A Mask that is exactly "equal ids", with its ``segments`` (the attribute the backend reads)."""
-
-    def __init__(self, q_ids: Any, k_ids: Any) -> None:
-        qi = torch.as_tensor(q_ids, dtype=torch.int64)
-        ki = torch.as_tensor(k_ids, dtype=torch.int64)
-        qi, ki = qi.view(-1, qi.shape[-1]), ki.view(-1, ki.shape[-1])  # (B|1, Lq|1), (B|1, Lk|1)
-        self._ids = Ids(qi, ki)
-
-        def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            bq = b if qi.shape[0] > 1 else torch.zeros_like(b)
-            bk = b if ki.shape[0] > 1 else torch.zeros_like(b)
-            iq = q if qi.shape[1] > 1 else torch.zeros_like(q)
-            return qi.to(q.device)[bq, iq] == ki.to(kv.device)[bk, kv]
-
-        shape = (max(qi.shape[0], ki.shape[0]), 1, qi.shape[1], ki.shape[1])
-        super().__init__(keep, shape, "segments")
-
-    @property
-    def segments(self) -> Ids:  # type: ignore[override]
-        return self._ids
-
-    def dense(self) -> Tensor:
-        """The keep-mask from the ids, (B|1, 1, Lq|1, Lk): the formula's, independent of ``keep``."""
-        qi, ki = self._ids
-        return qi[:, None, :, None] == ki[:, None, None, :]
+def segment_keep(mask: masks.Mask) -> Tensor:
+    """The keep-mask of a segments mask from its ids alone, (B|1, 1, Lq|1, Lk|1): the formula's,
+    independent of the mask's predicate."""
+    seg = mask.segments
+    assert seg is not None, f"{mask!r} has no segments"
+    return seg.q_ids[:, None, :, None] == seg.k_ids[:, None, None, :]
 
 
 @pytest.fixture
@@ -91,6 +65,7 @@ def never_dense(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(masks.Mask, "to_tensor", refuse)
     monkeypatch.setattr(masks.Mask, "block", refuse)
+    monkeypatch.setattr(masks.Mask, "__call__", refuse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +143,7 @@ def check(
     q, k, v, bias = round_to(dtype, q, k, v, bias)
     sc = D**-0.5 if scale is None else scale
     # the formula's keep-mask: dense, from the ids, and causal / window from torch.tril / triu
-    dense = mask.dense() if isinstance(mask, SegmentMask) else mask
+    dense = segment_keep(mask) if isinstance(mask, masks.Mask) else mask
     keep = dense_keep(Lq, Lk, causal=causal, window=window)
     if dense is not None:
         keep = dense.cpu() if keep is None else dense.cpu() & keep
@@ -357,19 +332,18 @@ def test_segment_ranges_by_brute_force() -> None:
                 assert tuple(got[b, i].tolist()) == want, (b, i)
 
 
-SEGMENT_CASES: list[tuple[str, tuple[int, ...], Callable[[], SegmentMask], dict[str, Any]]] = [
+SEGMENT_CASES: list[tuple[str, tuple[int, ...], Callable[[], masks.Mask], dict[str, Any]]] = [
     ("documents_causal_gqa", (1, 4, 2, 37, 37, 16),
-     lambda: SegmentMask([0] * 9 + [1] * 17 + [2] * 11, [0] * 9 + [1] * 17 + [2] * 11), {"causal": True}),
+     lambda: masks.document([0] * 9 + [1] * 17 + [2] * 11), {"causal": True}),
     ("unsorted_ids", (1, 2, 1, 34, 34, 16),
-     lambda: SegmentMask([3, 3, 1, 1, 1, 3, 7] * 4 + [1] * 6, [3, 3, 1, 1, 1, 3, 7] * 4 + [1] * 6), {}),
+     lambda: masks.document([3, 3, 1, 1, 1, 3, 7] * 4 + [1] * 6), {}),
     ("per_batch_lq<lk", (2, 2, 1, 21, 39, 8),
-     lambda: SegmentMask([[0] * 10 + [1] * 11, [5] * 21], [[0] * 20 + [1] * 19, [4] * 18 + [5] * 21]), {}),
-    ("padding_blocked_batch", (2, 2, 2, 25, 33, 16),
-     lambda: SegmentMask([[0], [0]], [[0] * 30 + [1] * 3, [1] * 33]), {"causal": True}),
+     lambda: masks.document([[0] * 10 + [1] * 11, [5] * 21], [[0] * 20 + [1] * 19, [4] * 18 + [5] * 21]), {}),
+    ("padding_blocked_batch", (2, 2, 2, 25, 33, 16), lambda: masks.padding([30, 0], 33), {"causal": True}),
     ("ids_beyond_int32_no_match_rows", (1, 2, 1, 26, 30, 16),
-     lambda: SegmentMask([2**40] * 12 + [-(2**50)] * 14, [2**40] * 16 + [2**40 + 1] * 14), {}),
+     lambda: masks.document([2**40] * 12 + [-(2**50)] * 14, [2**40] * 16 + [2**40 + 1] * 14), {}),
     ("window_softcap_bias", (1, 2, 1, 33, 33, 16),
-     lambda: SegmentMask([0] * 20 + [1] * 13, [0] * 20 + [1] * 13), {"window": (7, 3), "softcap": 2.0, "bias": True}),
+     lambda: masks.document([0] * 20 + [1] * 13), {"window": (7, 3), "softcap": 2.0, "bias": True}),
 ]
 
 
@@ -377,7 +351,7 @@ SEGMENT_CASES: list[tuple[str, tuple[int, ...], Callable[[], SegmentMask], dict[
 @pytest.mark.parametrize("name,shape,make,kw", [pytest.param(*c, id=c[0]) for c in SEGMENT_CASES])
 def test_segment_masks(
     monkeypatch: pytest.MonkeyPatch, never_dense: None, deterministic: bool, name: str, shape: tuple[int, ...],
-    make: Callable[[], SegmentMask], kw: dict[str, Any],
+    make: Callable[[], masks.Mask], kw: dict[str, Any],
 ) -> None:
     monkeypatch.setattr(tb, "DETERMINISTIC", deterministic)
     kw = dict(kw)
@@ -389,14 +363,15 @@ def test_segment_masks(
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=DTYPE_IDS.get)
 def test_segment_masks_16bit_with_dropout(never_dense: None, dtype: torch.dtype) -> None:
     ids = [0] * 11 + [1] * 14 + [2] * 8
-    check(dtype, 2, 2, 1, 33, 33, 16, mask=SegmentMask(ids, ids), causal=True, dropout_p=0.25, seed=3)
+    check(dtype, 2, 2, 1, 33, 33, 16, mask=masks.document(ids), causal=True, dropout_p=0.25, seed=3)
 
 
 def test_segment_mask_decode(never_dense: None) -> None:
     ids_k = [[0] * 30 + [1] * 40, [2] * 70]
-    check(F32, 2, 4, 2, 3, 70, 16, mask=SegmentMask([[1] * 3, [2] * 3], ids_k), grads=False, path="decode")
-    check(F32, 1, 2, 1, 2, 50, 16, mask=SegmentMask([[0, 9]], [[0] * 25 + [9] * 25]), grads=False, path="decode",
-          causal=True)
+    check(F32, 2, 4, 2, 3, 70, 16, mask=masks.document([[1] * 3, [2] * 3], ids_k), grads=False, path="decode")
+    check(F32, 1, 2, 1, 2, 50, 16, mask=masks.document([[0, 9]], [[0] * 25 + [9] * 25]), grads=False,
+          path="decode", causal=True)
+    check(BF16, 2, 2, 2, 1, 40, 16, mask=masks.padding([17, 40]), grads=False, path="decode")
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic_dq"])
@@ -409,7 +384,7 @@ def test_segment_mask_skips_blocks_it_cannot_see(monkeypatch: pytest.MonkeyPatch
     T = max(max(c["BLOCK_M"], c["BLOCK_N"]) for c in cfgs)
     q, k, v = qkv(1, 2, 1, 2 * T, 2 * T, 16)
     v[:, :, T:] = float("nan")
-    mask = SegmentMask([0] * T + [1] * T, [0] * T + [2] * T)
+    mask = masks.document([0] * T + [1] * T, [0] * T + [2] * T)
     monkeypatch.setattr(tb, "DETERMINISTIC", deterministic)
     xs = [t.to(DEVICE, F32).requires_grad_() for t in (q, k, v)]
     out, lse = tb.attention(*xs, mask=mask, scale=0.25)
@@ -426,7 +401,7 @@ def test_other_masks_are_still_densified() -> None:
     """A Mask without segments goes to the kernels as a dense tensor, as before."""
     ids = [0] * 9 + [1] * 17 + [2] * 10
     mask = masks.document(ids) | masks.window(36, 36, 2)  # no segments
-    assert getattr(mask, "segments", None) is None
+    assert mask.segments is None
     check(F32, 1, 2, 1, 36, 36, 16, mask=mask.to_tensor(), causal=True)
     q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 2, 1, 36, 36, 16))
     a = tb.forward(q, k, v, mask=mask, bias=None, causal=True, window=None, scale=0.25, dropout_p=0.0, dropout_seed=0)
@@ -497,3 +472,63 @@ def test_backward_from_sink_folded_out_and_lse(dtype: torch.dtype) -> None:
     got = Case(out2, lse2, {"q": dq, "k": dk, "v": dv})
     judge(got, ref, gold, dtype, float(dout.abs().max()) * float(v.abs().max()))
     assert bool(torch.isfinite(lse2).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Through az.attention: functional folds mask bands into causal / window (negative sides for a
+# top-left causal), keeps segments as a Mask, and applies sinks outside the kernels; judged against
+# the reference backend in float64 (conftest.check_against_golden)
+
+
+def golden_az(dtype: torch.dtype, B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, **kw: Any) -> None:
+    q, k, v = (t.to(DEVICE) for t in qkv(B, Hq, Hkv, Lq, Lk, D))
+    check_against_golden("triton", dtype, q, k, v, **kw)
+
+
+AZ_CASES: list[tuple[str, tuple[int, ...], Callable[[], dict[str, Any]]]] = [
+    ("softcap_causal_bias", (2, 4, 2, 21, 34, 16),
+     lambda: {"softcap": 2.5, "causal": True, "bias": torch.randn(1, 4, 21, 34, dtype=F64).to(DEVICE)}),
+    ("softcap_sinks_blocked_rows", (2, 2, 1, 25, 30, 16),
+     lambda: {"softcap": 1.5, "scale": 1.0, "sinks": torch.randn(2, dtype=F64).to(DEVICE),
+              "mask": torch.arange(25).view(1, 1, 25, 1).ge(20).logical_not().expand(2, 1, 25, 30).to(DEVICE)}),
+    ("per_query_sinks_dropout", (1, 2, 2, 19, 23, 16),
+     lambda: {"sinks": torch.randn(1, 2, 19, dtype=F64).to(DEVICE), "dropout_p": 0.3, "seed": 11}),
+    ("top_left_causal_mask_lq<lk", (1, 2, 1, 18, 37, 16),
+     lambda: {"mask": masks.causal(18, 37, align="top_left"), "softcap": 4.0}),
+    ("document_and_causal_mask", (2, 2, 1, 35, 35, 16),
+     lambda: {"mask": masks.document([0] * 12 + [1] * 16 + [2] * 7) & masks.causal(35)}),
+    ("padding_mask_sinks", (2, 2, 2, 17, 33, 8),
+     lambda: {"mask": masks.padding([33, 9]), "sinks": torch.randn(2, dtype=F64).to(DEVICE), "causal": True}),
+]
+
+
+AZ_PARAMS = [
+    pytest.param(dtype, *case, id=f"{case[0]}-{DTYPE_IDS[dtype]}")
+    for case in AZ_CASES
+    for dtype in (F32, BF16)
+    if dtype == F32 or case[0] in ("softcap_causal_bias", "document_and_causal_mask")  # the interpreter is slow
+]
+
+
+@pytest.mark.parametrize("dtype,name,shape,make", AZ_PARAMS)
+def test_through_az_attention(
+    dtype: torch.dtype, name: str, shape: tuple[int, ...], make: Callable[[], dict[str, Any]]
+) -> None:
+    golden_az(dtype, *shape, **make())
+
+
+def test_double_backward_with_softcap_and_segments() -> None:
+    """create_graph=True: the eager rule recomputes the gradients by the formula, with the softcap
+    and the segment ids (as a dense keep-mask) passed through; second-order gradients equal the
+    reference's."""
+    q, k, v = (t.to(DEVICE, F32).requires_grad_(True) for t in qkv(1, 2, 1, 9, 12, 8))
+    b = torch.randn(1, 2, 9, 12, device=DEVICE, requires_grad=True)
+    mask = masks.document([0] * 5 + [1] * 4, [0] * 7 + [1] * 5)
+    second = []
+    for backend in ("triton", "reference"):
+        out = az.attention(q, k, v, bias=b, mask=mask, causal=True, softcap=1.5, backend=backend)  # type: ignore[arg-type]
+        (gq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+        assert gq.requires_grad
+        second.append(torch.autograd.grad(gq.square().sum(), (q, k, v, b)))
+    for got, want in zip(*second):
+        assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())

@@ -73,7 +73,7 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
     ) from e
 
 from .. import geometry, ops, reference
-from ..masks import Mask
+from ..masks import Mask, Segments
 from . import backward as bwd_k
 from . import decode as dec_k
 from . import forward as fwd_k
@@ -189,11 +189,9 @@ def _check_head_dims(D: int, Dv: int) -> None:
             )
 
 
-def _segment_ids(mask: Mask, B: int, Lq: int, Lk: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A segments mask's ids as the kernels read them: int32 ranks (equal ids ↔ equal ranks, so ids
+def _segment_ids(seg: Segments, B: int, Lq: int, Lk: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A mask's segments as the kernels read them: int32 ranks (equal ids ↔ equal ranks, so ids
     anywhere in int64 fit), expanded to q_ids (B, Lq) and k_ids (B, Lk), contiguous, on ``device``."""
-    seg = getattr(mask, "segments", None)
-    assert seg is not None
     qi = seg.q_ids.to(device).expand(B, Lq)  # (B|1, Lq|1) -> (B, Lq)
     ki = seg.k_ids.to(device).expand(B, Lk)  # (B|1, Lk|1) -> (B, Lk)
     _, ranks = torch.unique(torch.cat([qi.reshape(-1), ki.reshape(-1)]), return_inverse=True)  # (B·(Lq + Lk),)
@@ -204,19 +202,24 @@ def _segment_ids(mask: Mask, B: int, Lq: int, Lk: int, device: torch.device) -> 
 def _segment_ranges(row_ids: Tensor, col_ids: Tensor, block: int) -> Tensor:
     """For each batch and block of ``block`` rows, the columns ``[lo, hi)`` outside which no row of the
     block has a column of its own id: int32 (B, cdiv(Lr, block), 2), ``lo = hi = 0`` when none.
-    ``row_ids`` (B, Lr) and ``col_ids`` (B, Lc) are ranks (ints >= 0); any order of ids works (the
-    range is from the first to the last column of any id in the block)."""
+    ``row_ids`` (B, Lr) and ``col_ids`` (B, Lc) are int32 ranks (>= 0); any order of ids works (the
+    range runs from the first to the last column of any id of the block). Memory O(B·(Lr + Lc)):
+    the (batch, id) pairs of the columns are numbered by ``torch.unique``, and each row finds its
+    pair among them by binary search."""
     B, Lr = row_ids.shape
     Lc = col_ids.shape[1]
-    n_ids = int(torch.maximum(row_ids.max(), col_ids.max()).item()) + 1
-    cols = torch.arange(Lc, device=col_ids.device).expand(B, Lc)  # (B, Lc)
-    col_idx = col_ids.long()
-    first = torch.full((B, n_ids), Lc, dtype=torch.int64, device=col_ids.device)  # (B, ids): first column per id
-    first.scatter_reduce_(1, col_idx, cols, "amin")
-    last = torch.full((B, n_ids), -1, dtype=torch.int64, device=col_ids.device)  # (B, ids): last column per id
-    last.scatter_reduce_(1, col_idx, cols, "amax")
-    f = first.gather(1, row_ids.long())  # (B, Lr): each row's first column
-    z = last.gather(1, row_ids.long())  # (B, Lr): each row's last column
+    dev = col_ids.device
+    batch = torch.arange(B, device=dev).view(B, 1) * 2**31  # a rank is < 2**31: (batch, rank) as one int64
+    key_c = (batch + col_ids).reshape(-1)  # (B·Lc,)
+    key_r = (batch + row_ids).reshape(-1)  # (B·Lr,)
+    pairs, which = torch.unique(key_c, return_inverse=True)  # sorted (batch, id) pairs of the columns
+    cols = torch.arange(Lc, device=dev).repeat(B)  # (B·Lc,): each column's index within its batch
+    first = torch.full((len(pairs),), Lc, dtype=torch.int64, device=dev).scatter_reduce_(0, which, cols, "amin")
+    last = torch.full((len(pairs),), -1, dtype=torch.int64, device=dev).scatter_reduce_(0, which, cols, "amax")
+    at = torch.searchsorted(pairs, key_r).clamp_(max=len(pairs) - 1)  # (B·Lr,)
+    found = pairs[at] == key_r  # the row's id has columns in its batch
+    f = torch.where(found, first[at], Lc).view(B, Lr)  # (B, Lr): each row's first column (Lc: none)
+    z = torch.where(found, last[at], -1).view(B, Lr)  # (B, Lr): each row's last column (-1: none)
     n = triton.cdiv(Lr, block)
     pad = n * block - Lr
     f = torch.nn.functional.pad(f, (0, pad), value=Lc).view(B, n, block)  # (B, n, block)
@@ -525,9 +528,9 @@ def _args(
     _check_head_dims(q.shape[3], v.shape[3])
     q_ids = k_ids = None
     dense: Tensor | None
-    if isinstance(mask, Mask) and getattr(mask, "segments", None) is not None:
+    if isinstance(mask, Mask) and mask.segments is not None:
         dense = None
-        q_ids, k_ids = _segment_ids(mask, q.shape[0], q.shape[2], k.shape[2], q.device)  # (B, Lq), (B, Lk) int32
+        q_ids, k_ids = _segment_ids(mask.segments, q.shape[0], q.shape[2], k.shape[2], q.device)  # (B, Lq), (B, Lk)
     elif isinstance(mask, Mask):
         dense = mask.to_tensor(q.device)  # (B|1, H|1, Lq|1, Lk|1) bool
     else:
