@@ -180,7 +180,9 @@ def _tanh_kernel(X, Y, N, BLOCK: tl.constexpr):
 
 def test_tanh_is_accurate_everywhere() -> None:
     """The kernels' tanh against float64's, relative error in float32 ulps, from 1e-30 to overflow
-    (both forms and the switch between them), ±0 and ±inf."""
+    (both forms and the switch between them), ±0 and ±inf. The bound leaves room for CUDA's
+    approximate exp2 and division (a couple of ulps each); the cancellation that the polynomial
+    avoids would cost thousands of ulps near 0."""
     mags = torch.cat([torch.logspace(-30, 2, 3000, dtype=F64), torch.linspace(0.3, 0.5, 1001, dtype=F64),
                       torch.tensor([0.0, 20.0, 44.0, 89.0, 1e30, float("inf")], dtype=F64)])
     x = torch.cat([mags, -mags]).to(F32)
@@ -190,7 +192,7 @@ def test_tanh_is_accurate_everywhere() -> None:
     got, want = y_d.cpu().to(F64), torch.tanh(x.to(F64))
     assert not got.isnan().any()
     ulps = ((got - want).abs() / want.abs().clamp_min(torch.finfo(F32).tiny) / torch.finfo(F32).eps)
-    assert float(ulps.max()) <= 4.0, (float(ulps.max()), float(x[ulps.argmax()]))
+    assert float(ulps.max()) <= 8.0, (float(ulps.max()), float(x[ulps.argmax()]))
     assert torch.equal(got.sign(), want.sign())
 
 
