@@ -56,9 +56,8 @@ def segment_keep(mask: masks.Mask) -> Tensor:
     return seg.q_ids[:, None, :, None] == seg.k_ids[:, None, None, :]
 
 
-@pytest.fixture
-def never_dense(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A segment mask must reach the kernels as ids: evaluating the predicate fails the test."""
+def refuse_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on, evaluating any Mask's predicate (densifying it) fails the test."""
 
     def refuse(*args: Any, **kw: Any) -> Tensor:
         raise AssertionError("a segment mask was evaluated (densified)")
@@ -66,6 +65,12 @@ def never_dense(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(masks.Mask, "to_tensor", refuse)
     monkeypatch.setattr(masks.Mask, "block", refuse)
     monkeypatch.setattr(masks.Mask, "__call__", refuse)
+
+
+@pytest.fixture
+def never_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment mask must reach the kernels as ids: evaluating the predicate fails the test."""
+    refuse_dense(monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,3 +539,26 @@ def test_double_backward_with_softcap_and_segments() -> None:
         second.append(torch.autograd.grad(gq.square().sum(), (q, k, v, b)))
     for got, want in zip(*second):
         assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_varlen_packed_documents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """az.attention_varlen with queries and keys packed alike reaches the kernels as one call with a
+    segments mask (never densified), an empty sequence included; judged against the reference in
+    float64 by the tolerance rule, forward and backward."""
+    cu = torch.tensor([0, 7, 7, 25, 40], dtype=torch.int32, device=DEVICE)
+    T, Hq, Hkv, D = 40, 4, 2, 16
+    q, k, v = torch.randn(T, Hq, D, dtype=F64), torch.randn(T, Hkv, D, dtype=F64), torch.randn(T, Hkv, D, dtype=F64)
+    q, k, v = round_to(F32, q, k, v)
+    dout = torch.randn(T, Hq, D, dtype=F64).to(F32).to(F64)
+
+    def run(backend: str, dtype: torch.dtype) -> Case:
+        xs = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = az.attention_varlen(*xs, cu, cu, causal=True, softcap=2.0, backend=backend,  # type: ignore[arg-type]
+                                       return_lse=True)
+        gs = torch.autograd.grad(out, xs, dout.to(DEVICE, dtype))
+        return Case(out.detach(), lse.detach(), dict(zip("qkv", gs)))
+
+    gold, ref = run("reference", F64), run("reference", F32)  # the reference evaluates the document mask
+    refuse_dense(monkeypatch)  # the triton backend must not
+    got = run("triton", F32)
+    judge(got, ref, gold, F32, float(dout.abs().max()) * float(v.abs().max()))
