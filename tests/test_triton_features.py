@@ -552,7 +552,7 @@ def test_varlen_packed_documents(monkeypatch: pytest.MonkeyPatch) -> None:
     dout = torch.randn(T, Hq, D, dtype=F64).to(F32).to(F64)
 
     def run(backend: str, dtype: torch.dtype) -> Case:
-        xs = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+        xs = [t.detach().to(DEVICE, dtype).clone().requires_grad_() for t in (q, k, v)]
         out, lse = az.attention_varlen(*xs, cu, cu, causal=True, softcap=2.0, backend=backend,  # type: ignore[arg-type]
                                        return_lse=True)
         gs = torch.autograd.grad(out, xs, dout.to(DEVICE, dtype))
