@@ -309,11 +309,13 @@ SM90_SHARED_MAX = 232448  # bytes of shared memory one block may use on compute 
 # without extras (the deterministic dQ kernel); "causal" a causal band; "all" everything at once.
 FEATURE_SETS: dict[str, dict[str, bool]] = {
     "plain": {"HAS_LEFT": False, "HAS_RIGHT": False, "HAS_MASK": False, "HAS_BIAS": False, "HAS_DROPOUT": False,
-              "STORE_F32": False, "BIAS_GRAD": False, "ATOMIC_DQ": False},
+              "STORE_F32": False, "BIAS_GRAD": False, "ATOMIC_DQ": False, "HAS_SEGMENTS": False,
+              "HAS_SOFTCAP": False},
     "causal": {"HAS_LEFT": False, "HAS_RIGHT": True, "HAS_MASK": False, "HAS_BIAS": False, "HAS_DROPOUT": False,
-               "STORE_F32": True, "BIAS_GRAD": False, "ATOMIC_DQ": True},
+               "STORE_F32": True, "BIAS_GRAD": False, "ATOMIC_DQ": True, "HAS_SEGMENTS": False,
+               "HAS_SOFTCAP": False},
     "all": {"HAS_LEFT": True, "HAS_RIGHT": True, "HAS_MASK": True, "HAS_BIAS": True, "HAS_DROPOUT": True,
-            "STORE_F32": True, "BIAS_GRAD": True, "ATOMIC_DQ": True},
+            "STORE_F32": True, "BIAS_GRAD": True, "ATOMIC_DQ": True, "HAS_SEGMENTS": True, "HAS_SOFTCAP": True},
 }
 
 
@@ -328,7 +330,7 @@ def compile_for_sm90(
     from triton.compiler import ASTSource
 
     i64 = {"seed_lo", "seed_hi", "threshold"}
-    floats = {"qk_scale", "keep_scale", "scale"}
+    floats = {"qk_scale", "keep_scale", "scale", "cap_in", "cap_out"}
     sig = {n: "constexpr" if n in consts else ptrs.get(n) or ("fp32" if n in floats else "i64" if n in i64 else "i32")
            for n in fn.arg_names}
     try:
@@ -376,7 +378,7 @@ def compile_check(dims: list[int], quick: bool = False) -> int:
                     cfg = tb._blocks(kind, D, D, dtype, cuda)
                     return {k: v for k, v in cfg.items() if k.startswith("BLOCK")}, cfg["num_warps"], cfg["num_stages"]
 
-                common = {"Mask": "*u8", "Bias": ty, "Lse": "*fp32"}
+                common = {"Mask": "*u8", "Bias": ty, "Lse": "*fp32", "QIds": "*i32", "KIds": "*i32", "Ranges": "*i32"}
                 b, w, s = blocks("fwd")
                 ptrs = {"Q": ty, "K": ty, "V": ty, "Out": ty, "Out32": "*fp32", **common}
                 one(fwd_k.fwd_kernel, ptrs, {**flags, **b}, w, s, label)
