@@ -21,7 +21,14 @@ three times faster than ``exp`` on CPU); the log-sum-exp is converted back to na
 Skipping: for each block of query rows only the key columns that causal / window can reach are
 visited, so causal does about half the work; a block is masked only where some pair in it is
 blocked, and the causal / window edge enters the score matmul as an additive 0 / −inf tile (no
-pass of its own). ``COUNTS`` counts the blocks visited (for tests and curious readers).
+pass of its own). An ``az.masks.Mask`` says the same of itself (``Mask.key_range``,
+``Mask.classify``): only its key range is visited, blocks it blocks whole are not computed, blocks it
+keeps whole are not masked — a document mask costs what its documents cost. ``COUNTS`` counts the
+blocks visited (for tests and curious readers).
+
+Soft-capping (``softcap``): the matmul gives ``x = q·k·scale/softcap``, the score is
+``softcap·tanh(x)``; the edge tile and any shift go in after the tanh, and the backward multiplies
+the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2).
 
 Cores: on CPU, every problem of two or more tasks runs on Python worker threads, one per core,
 each taking whole (chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``).
