@@ -8,7 +8,7 @@ go (True / non-zero = attend); a query row with nothing to attend to gives 0, ne
 from . import distributed, masks
 from .cache import KVCache
 from .checks import ArgumentError, ArgumentTypeError
-from .functional import attention, attention_weights, scaled_dot_product_attention
+from .functional import attention, attention_varlen, attention_weights, scaled_dot_product_attention
 from .masks import Mask
 from .modules import MultiHeadAttention, ScaledDotProductAttention
 from .rotary import RotaryEmbedding
@@ -25,6 +25,7 @@ __all__ = [
     "ScaledDotProductAttention",
     "__version__",
     "attention",
+    "attention_varlen",
     "attention_weights",
     "distributed",
     "masks",

@@ -244,3 +244,38 @@ def choice(name: str, x: Any, options: tuple[str, ...]) -> str:
     if not isinstance(x, str) or x not in options:
         raise ArgumentError(f"{name}: expected one of {', '.join(map(repr, options))}, got {x!r}")
     return x
+
+
+def softcap(x: Any) -> float | None:
+    """None, or a finite real number > 0 (the cap of ``softcap · tanh(s / softcap)``)."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise ArgumentTypeError(f"softcap: expected None or a float > 0, got {x!r}")
+    try:
+        value = float(x)
+    except OverflowError:
+        bits = int(x).bit_length()
+        raise ArgumentError(f"softcap: expected a finite float > 0, got an integer of {bits} bits") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise ArgumentError(f"softcap: expected a finite float > 0 (or None), got {x}")
+    return value
+
+
+def sinks(x: Any, B: int, Hq: int, Lq: int, device: torch.device) -> Tensor | None:
+    """None, or float logits of shape (Hq,) (one per head) or (B, Hq, Lq) (one per query), on q's
+    device."""
+    if x is None:
+        return None
+    if not isinstance(x, Tensor):
+        raise ArgumentTypeError(f"sinks: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ArgumentTypeError(f"sinks: expected a floating dtype, got {x.dtype}")
+    shape = tuple(x.shape)
+    per_head = len(shape) == 1 and holds(shape[0] == Hq)
+    per_query = len(shape) == 3 and all(holds(a == b) for a, b in zip(shape, (B, Hq, Lq)))
+    if not (per_head or per_query):
+        raise ArgumentError(f"sinks: expected shape (Hq,) = ({Hq},) or (B, Hq, Lq) = ({B}, {Hq}, {Lq}), got {shape}")
+    if x.device != device:
+        raise ArgumentError(f"sinks: device {x.device} does not match q's {device}")
+    return x

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any, Literal
@@ -38,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import checks, dropout, ops, reference
+from . import checks, dropout, geometry, ops, reference
 from .checks import ArgumentError, ArgumentTypeError
 from .masks import Mask
 from .masks import causal as causal_mask
@@ -179,6 +180,8 @@ def attention(
     causal: bool = False,
     window: int | tuple[int | None, int | None] | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     backend: BackendName = "auto",
     return_lse: bool = False,
@@ -195,6 +198,11 @@ def attention(
         window: ``(left, right)`` or ``w`` = ``(w, 0)``: query ``i`` at ``p = i + Lk - Lq`` sees
             ``p - left <= j <= p + right``; None on a side = unbounded.
         scale: defaults to ``1 / sqrt(D)``.
+        softcap: a float > 0: each score ``s = scale · q · k`` becomes ``softcap · tanh(s / softcap)``
+            before the bias (Gemma 2's logit soft-capping).
+        sinks: float logits (Hq,) or (B, Hq, Lq) of a virtual key of value 0 in every row's softmax
+            (gpt-oss's attention sinks): ``p_ij = exp(s_ij) / (exp(sink) + Σ_j exp(s_ij))``. The lse
+            includes it; a row with no kept key gives output 0 and lse = sink. May require grad.
         dropout_p: drop probabilities with this chance (and rescale by 1 / (1 - p)); the dropped
             entries follow torch's RNG state.
         backend: "reference", "flash", "triton" or "auto".
@@ -211,8 +219,8 @@ def attention(
     q, k, v, bias = _autocast(q, k, v, bias)
     with _as_given(q):
         return _attention(
-            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-            backend=backend, return_lse=return_lse,
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
+            dropout_p=dropout_p, backend=backend, return_lse=return_lse,
         )  # fmt: skip
 
 
@@ -226,6 +234,8 @@ def _attention(
     causal: Any = False,
     window: Any = None,
     scale: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
     dropout_p: Any = 0.0,
     backend: Any = "auto",
     return_lse: Any = False,
@@ -241,11 +251,14 @@ def _attention(
     is_causal = checks.flag("causal", causal)
     win = checks.window(window, Lq, Lk)
     sc = checks.scale(scale, q.shape[-1])
+    cap = checks.softcap(softcap)
+    sink = checks.sinks(sinks, B, Hq, Lq, q.device)
     p = checks.dropout_p(dropout_p)
     name = checks.choice("backend", backend, BACKENDS)
     want_lse = checks.flag("return_lse", return_lse)
+    keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
 
-    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add))
+    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink))
     lse: Tensor | None
     if torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
         # One opaque op per call: dynamo never traces a backend's Python, and zero sizes (some only
@@ -253,14 +266,14 @@ def _attention(
         dense = keep.to_tensor(q.device) if isinstance(keep, Mask) else keep  # (B|1, Hq|1, Lq|1, Lk|1)
         seed_t = dropout.seed_tensor(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64)
         out, lse = ops.attention(
-            name, q, k, v, mask=dense, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p,
-            dropout_seed=seed_t,
+            name, q, k, v, mask=dense, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
+            dropout_p=p, dropout_seed=seed_t,
         )  # fmt: skip
     else:
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
         out, lse = _backend(name)(
-            q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, dropout_p=p, dropout_seed=seed,
-            need_lse=want_lse,
+            q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
+            dropout_p=p, dropout_seed=seed, need_lse=want_lse,
         )  # fmt: skip
     if want_lse:
         assert lse is not None  # asked for: every backend gives it
@@ -277,9 +290,12 @@ def attention_weights(
     causal: bool = False,
     window: int | tuple[int | None, int | None] | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """The attention probabilities (B, Hq, Lq, Lk) in q's dtype, for inspection and plots.
-    Same arguments as :func:`attention`; fully blocked rows are 0. Materialises Lq × Lk."""
+    Same arguments as :func:`attention`; fully blocked rows are 0. With ``sinks`` a row's weights
+    sum to less than 1 (the sink's share goes nowhere). Materialises Lq × Lk."""
     q, k, bias = _autocast(q, k, bias)
     with _as_given(q):
         B, Hq, _, Lq, Lk = checks.qkv(q, k, None, empty_ok=True)
@@ -289,10 +305,42 @@ def attention_weights(
         is_causal = checks.flag("causal", causal)
         win = checks.window(window, Lq, Lk)
         sc = checks.scale(scale, q.shape[-1])
+        cap = checks.softcap(softcap)
+        sink = checks.sinks(sinks, B, Hq, Lq, q.device)
         if checks.is_zero(B * Hq * Lq * Lk):  # no weights at all; D = 0 needs nothing special (scores 0)
-            return _empty(full, q, k, add)
-        p, _ = reference.probabilities(q, k, mask=keep, bias=add, causal=is_causal, window=win, scale=sc)
+            return _empty(full, q, k, add, sink)
+        p, _ = reference.probabilities(
+            q, k, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink
+        )
         return p.to(q.dtype)
+
+
+def _fold_band(
+    keep: Tensor | Mask | None, causal: bool, window: tuple[int | None, int | None] | None, Lq: int, Lk: int
+) -> tuple[Tensor | Mask | None, bool, tuple[int | None, int | None] | None]:
+    """A ``Mask``'s causal / window part (its ``band``) joined with the ``causal`` / ``window``
+    arguments: ``(the rest of the mask or None, causal, window)``. Every backend then skips the
+    blocks the band blocks and masks its edges as it does for ``causal=True`` — a causal ``Mask``
+    costs what ``causal=True`` costs. Bands are intervals of ``d = j − i``; the window of the result
+    may have negative sides (torch's top-left causal with Lk > Lq), which the backends take."""
+    if not isinstance(keep, Mask):
+        return keep, causal, window
+    keep = keep.at(Lq, Lk)  # a mask broadcast along a length has no band there
+    if keep.band is None:
+        return keep, causal, window
+    off = Lk - Lq  # bottom-right: query i sits at key position i + off
+    left, right = geometry.band(causal, window)  # the arguments' band around p = i + off
+    lo, hi = keep.band
+    if left is not None:
+        lo = off - left if lo is None else max(lo, off - left)
+    if right is not None:
+        hi = off + right if hi is None else min(hi, off + right)
+    rest = keep.without_band()
+    if lo is None and hi == off:
+        return rest, True, None
+    if lo is None and hi is None:
+        return rest, False, None
+    return rest, False, (None if lo is None else off - lo, None if hi is None else hi - off)
 
 
 def _empty(shape: tuple[int, ...], *inputs: Tensor | None) -> Tensor:
@@ -448,3 +496,119 @@ def _top_left(Lq: int, Lk: int, device: torch.device) -> tuple[Tensor | Mask | N
         keep = torch.arange(Lk, device=device) <= torch.arange(Lq, device=device).unsqueeze(1)  # (Lq, Lk)
         return keep.view(1, 1, Lq, Lk), False
     return causal_mask(Lq, Lk, align="top_left"), False
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    backend: BackendName = "auto",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over packed sequences without padding (FlashAttention's varlen layout).
+
+    Args:
+        q: (Tq, Hq, D), k: (Tk, Hkv, D), v: (Tk, Hkv, Dv): N sequences back to back.
+        cu_seqlens_q, cu_seqlens_k: integer (N + 1,) cumulative lengths, starting at 0,
+            non-decreasing, ending at Tq / Tk: sequence ``n`` holds queries
+            ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]`` and keys ``cu_seqlens_k[n]:cu_seqlens_k[n + 1]``.
+        max_seqlen_q, max_seqlen_k: optional; if given, at least the longest sequence (checked).
+        causal, window: bottom-right aligned per sequence.
+        sinks: (Hq,) or (Hq, Tq) (one per query).
+        The rest as in :func:`attention`.
+
+    Returns:
+        out (Tq, Hq, Dv), or ``(out, lse (Hq, Tq))``. Equal to :func:`attention` on each sequence
+        alone; the cost is that of the sequences (Σ Lq_n · Lk_n), not of the packed length squared.
+        An empty sequence gives nothing; a sequence with queries but no keys gives 0.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, x, empty_ok=True)
+        if x.ndim != 3:
+            raise ArgumentError(f"{name}: expected 3 dims (T, H, D), got {tuple(x.shape)}")
+    Tq, Hq, Tk = q.shape[0], q.shape[1], k.shape[0]
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, q.device)
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, q.device)
+    if len(cu_q) != len(cu_k):
+        raise ArgumentError(
+            f"cu_seqlens_k: expected as many sequences as cu_seqlens_q ({len(cu_q) - 1}), got {len(cu_k) - 1}"
+        )
+    lens_q = [b - a for a, b in itertools.pairwise(cu_q)]
+    lens_k = [b - a for a, b in itertools.pairwise(cu_k)]
+    for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+        if given is None:
+            continue
+        if isinstance(given, bool) or not isinstance(given, int):
+            raise ArgumentTypeError(f"{name}: expected None or an int, got {given!r}")
+        if given < max(lens, default=0):
+            raise ArgumentError(f"{name}: expected at least the longest sequence, {max(lens)}, got {given}")
+    if sinks is not None:
+        checks.tensor("sinks", sinks, empty_ok=True)
+        if sinks.ndim not in (1, 2) or (sinks.ndim == 2 and tuple(sinks.shape) != (Hq, Tq)):
+            raise ArgumentError(
+                f"sinks: expected shape (Hq,) = ({Hq},) or (Hq, Tq) = ({Hq}, {Tq}), got {tuple(sinks.shape)}"
+            )
+    options: dict[str, Any] = {
+        "causal": causal, "window": window, "scale": scale, "softcap": softcap, "dropout_p": dropout_p,
+        "backend": backend, "return_lse": True,
+    }  # fmt: skip
+
+    def four(x: Tensor, a: int, b: int) -> Tensor:
+        return x[a:b].transpose(0, 1).unsqueeze(0)  # (T, H, E) → (1, H, b − a, E)
+
+    def sinks_of(a: int, b: int) -> Tensor | None:
+        if sinks is None or sinks.ndim == 1:
+            return sinks
+        return sinks[:, a:b].unsqueeze(0)  # (Hq, Tq) → (1, Hq, b − a)
+
+    if cu_q == cu_k and len(cu_q) > 2:
+        # Queries and keys packed alike: one call over the packed row, with the documents as a mask
+        # whose segments let every backend skip the blocks between sequences. Per sequence, causal /
+        # window around the bottom-right position is the same band as on the whole row (each
+        # sequence has as many queries as keys), so they pass as they are.
+        from .masks import document
+
+        docs = document(cu_seqlens=cu_q)
+        res = attention(four(q, 0, Tq), four(k, 0, Tk), four(v, 0, Tk), mask=docs, sinks=sinks_of(0, Tq), **options)
+        assert isinstance(res, tuple)
+        out4, lse3 = res  # (1, Hq, Tq, Dv), (1, Hq, Tq)
+        out, lse = out4[0].transpose(0, 1), lse3[0]  # (Tq, Hq, Dv), (Hq, Tq)
+    else:
+        # Otherwise each sequence on its own (its own bottom-right alignment), and the results
+        # back to back.
+        outs, lses = [], []
+        for (a, b), (c, d) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k)):
+            res = attention(four(q, a, b), four(k, c, d), four(v, c, d), sinks=sinks_of(a, b), **options)
+            assert isinstance(res, tuple)
+            outs.append(res[0][0].transpose(0, 1))  # (Lq_n, Hq, Dv)
+            lses.append(res[1][0])  # (Hq, Lq_n)
+        out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    return (out, lse) if checks.flag("return_lse", return_lse) else out
+
+
+def _cu_seqlens(name: str, x: Any, total: int, device: torch.device) -> list[int]:
+    """The cumulative lengths as a list of ints, checked: a 1-D integer tensor (N + 1,), N >= 1,
+    starting at 0, non-decreasing, ending at ``total``, on q's device."""
+    if not isinstance(x, Tensor):
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor of int32, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise ArgumentTypeError(f"{name}: expected an integer tensor (int32), got {x.dtype}")
+    if x.ndim != 1 or len(x) < 2:
+        raise ArgumentError(f"{name}: expected shape (N + 1,) with N >= 1, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ArgumentError(f"{name}: device {x.device} does not match q's {device}")
+    cu = [int(c) for c in x.tolist()]
+    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ArgumentError(f"{name}: expected non-decreasing values from 0 to {total}, got {cu}")
+    return cu

@@ -22,10 +22,27 @@ until it is evaluated, backends evaluate only the blocks they need, and ``print(
 
 ``mask.to_tensor()`` gives the dense bool tensor; ``and_`` / ``or_`` (or ``&`` / ``|``) combine
 masks and plain tensors. ``alibi`` is the one float *bias* builder (pass it as ``bias=``).
+
+Block structure. A builder also says what it knows of where its mask keeps pairs, so that backends
+skip whole blocks and pay no masking on blocks kept whole, without evaluating the predicate there:
+
+* a ``band`` — an interval of ``d = j − i`` outside which nothing is kept (causal in either
+  alignment, window). ``attention`` joins it to its ``causal`` / ``window`` arguments, so a causal
+  ``Mask`` costs what ``causal=True`` costs;
+* ``Segments`` — ids per query and per key: a pair is kept only if the ids are equal (documents,
+  padding). With sorted ids a block of rows sees one interval of keys (``key_range``) and a block
+  is skipped, kept whole or partial by its first and last ids (``classify``);
+* ``exact`` — whether the mask *is* its band and segments (then a block they keep whole needs no
+  predicate at all), or only lies inside them (``from_tensor``, ``or_``, a custom predicate).
+
+``and_`` intersects bands and joins segments (pairs of ids relabelled as one id); ``or_`` keeps the
+hull of the bands only.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -53,15 +70,178 @@ MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 Shape4 = tuple[int, int, int, int]
 
 
-class Mask:
-    """A keep-mask described by a predicate over indices, of broadcastable shape (B, H, Lq, Lk)."""
+Band = tuple[int | None, int | None]  # (lo, hi): pairs with lo <= j - i <= hi; None = unbounded
+Range = tuple[int, int]  # [start, stop)
+# The key range of a mask that does not know its key length (a dim of size 1 broadcasts)
+_ALL = 2**62
 
-    def __init__(self, keep: MaskMod, shape: Sequence[int], name: str = "mask") -> None:
+
+class Segments:
+    """Ids per query and per key: pair (b, i, j) is kept only where ``q_ids[b, i] == k_ids[b, j]``
+    (index 0 on a dim of size 1). ``q_ids`` (B|1, Lq|1), ``k_ids`` (B|1, Lk|1), int64 on the CPU,
+    with their rows as Python lists for the block questions below (a few list reads per block)."""
+
+    def __init__(self, q_ids: Tensor, k_ids: Tensor, shape: Shape4) -> None:
+        self.q_ids = q_ids.to("cpu", torch.int64)  # (B|1, Lq|1)
+        self.k_ids = k_ids.to("cpu", torch.int64)  # (B|1, Lk|1)
+        self.shape = shape  # of the mask: (B|1, H|1, Lq|1, Lk|1)
+        self._q: list[list[int]] = self.q_ids.tolist()
+        self._k: list[list[int]] = self.k_ids.tolist()
+        # key_range and classify read only the first and last id of a run: they need sorted ids
+        self.sorted = all(all(a <= b for a, b in itertools.pairwise(r)) for r in (*self._q, *self._k))
+
+    def _span(self, ids: list[list[int]], b: int, span: Range) -> tuple[int, int]:
+        """The smallest and largest id of positions ``[s0, s1)`` of batch ``b`` (sorted ids)."""
+        row = ids[b if len(ids) > 1 else 0]
+        if len(row) == 1:
+            return row[0], row[0]
+        return row[span[0]], row[span[1] - 1]
+
+    def key_range(self, batches: Range, rows: Range) -> Range:
+        """Keys ``[lo, hi)`` outside which no row of ``rows`` of any batch of ``batches`` sees one."""
+        if not self.sorted:
+            return 0, _ALL
+        lo, hi = _ALL, 0
+        for b in range(batches[0], batches[1]):
+            qa, qz = self._span(self._q, b, rows)
+            krow = self._k[b if len(self._k) > 1 else 0]
+            if len(krow) == 1:  # one id for every key
+                a, z = (0, _ALL) if qa <= krow[0] <= qz else (0, 0)
+            else:
+                a, z = bisect.bisect_left(krow, qa), bisect.bisect_right(krow, qz)
+            if a < z:
+                lo, hi = min(lo, a), max(hi, z)
+        return (lo, hi) if lo < hi else (0, 0)
+
+    def classify(self, batches: Range, rows: Range, cols: Range) -> geometry.Kind:
+        """SKIP when no pair of the block has equal ids (in any batch of ``batches``), FULL when all
+        have, else PARTIAL."""
+        if not self.sorted:
+            return geometry.PARTIAL
+        kinds = set()
+        for b in range(batches[0], batches[1]):
+            qa, qz = self._span(self._q, b, rows)
+            ka, kz = self._span(self._k, b, cols)
+            if qz < ka or kz < qa:
+                kinds.add(geometry.SKIP)
+            elif qa == qz == ka == kz:
+                kinds.add(geometry.FULL)
+            else:
+                return geometry.PARTIAL
+        return kinds.pop() if len(kinds) == 1 else geometry.PARTIAL
+
+    def ranges(self, block_m: int, B: int, q_len: int | None = None) -> Tensor:
+        """Per batch and block of ``block_m`` query rows, the keys ``[lo, hi)`` they may see:
+        int32 (B, n_row_blocks, 2) on the CPU (``hi`` capped at the keys' length when known)."""
+        Lq = self.shape[2] if q_len is None else q_len
+        Lk = self.shape[3] if self.shape[3] > 1 else _ALL
+        n = -(-Lq // block_m)
+        out = torch.zeros(B, n, 2, dtype=torch.int64)
+        for b in range(B):
+            bb = b if len(self._q) > 1 or len(self._k) > 1 else 0
+            for i in range(n):
+                rows = (i * block_m, min(Lq, (i + 1) * block_m))
+                if self.shape[2] == 1:
+                    rows = (0, 1)
+                lo, hi = self.key_range((bb, bb + 1), rows)
+                out[b, i, 0], out[b, i, 1] = lo, min(hi, Lk)
+        return out.clamp_(max=2**31 - 1).to(torch.int32)
+
+    def keep(self, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        """The predicate (a ``MaskMod``)."""
+        qi, ki = self.q_ids.to(q.device), self.k_ids.to(kv.device)
+        bq = b if qi.shape[0] > 1 else torch.zeros_like(b)
+        bk = b if ki.shape[0] > 1 else torch.zeros_like(b)
+        iq = q if qi.shape[1] > 1 else torch.zeros_like(q)
+        ik = kv if ki.shape[1] > 1 else torch.zeros_like(kv)
+        return qi[bq, iq] == ki[bk, ik]
+
+
+def _band_window(band: Band, q_len: int, kv_len: int) -> tuple[int | None, int | None]:
+    """A band of ``d = j − i`` as geometry's window around ``p = i + Lk − Lq`` (sides may be < 0)."""
+    lo, hi = band
+    off = geometry.offset(q_len, kv_len)
+    return (None if lo is None else off - lo), (None if hi is None else hi - off)
+
+
+class Mask:
+    """A keep-mask described by a predicate over indices, of broadcastable shape (B, H, Lq, Lk).
+
+    ``band``, ``segments`` and ``exact`` describe its block structure (module docstring); a mask
+    made from a bare predicate has none, and backends then evaluate it on every block."""
+
+    def __init__(
+        self,
+        keep: MaskMod,
+        shape: Sequence[int],
+        name: str = "mask",
+        *,
+        band: Band | None = None,
+        segments: Segments | None = None,
+        exact: bool = False,
+    ) -> None:
         if len(shape) != 4:
             raise ValueError(f"shape: expected 4 sizes (B, H, Lq, Lk), got {tuple(shape)}")
         self.keep = keep
         self.shape: Shape4 = (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))
         self.name = name
+        self.band = band  # pairs kept only where lo <= j - i <= hi
+        self._segments = segments  # pairs kept only where the ids are equal
+        self.exact = exact and (band is not None or segments is not None)  # kept = band ∧ segments
+
+    # -- block structure (see the module docstring)
+
+    @property
+    def segments(self) -> Segments | None:
+        """The segments when the mask is exactly "equal ids" (no band, nothing else), else None:
+        what a kernel can evaluate from two id vectors instead of a dense mask."""
+        return self._segments if self.exact and self.band is None else None
+
+    def at(self, q_len: int, kv_len: int) -> Mask:
+        """This mask as used for Lq × Lk scores: a band is only meaningful at the lengths it was made
+        for (a dim of size 1 broadcasts index 0), so it is dropped otherwise."""
+        if self.band is None or self.shape[2:] == (q_len, kv_len):
+            return self
+        return Mask(self.keep, self.shape, self.name, segments=self._segments)
+
+    def without_band(self) -> Mask | None:
+        """What is left once the band is enforced elsewhere (``attention`` joins it to ``causal`` /
+        ``window``): None for a pure band, the segments alone for band ∧ segments, else itself."""
+        if self.band is None or not self.exact:
+            return self
+        seg = self._segments
+        if seg is None:
+            return None
+        return Mask(seg.keep, self.shape, self.name, segments=seg, exact=True)
+
+    def key_range(self, batches: Range, rows: Range) -> Range:
+        """Keys ``[lo, hi)`` outside which no pair of query rows ``rows`` (in any batch of
+        ``batches``, any head) is kept; ``lo == hi`` when none is. Intersect it with the actual
+        key length: a mask broadcast along the keys answers up to 2**62."""
+        Lq, Lk = self.shape[2], self.shape[3]
+        lo, hi = 0, (Lk if Lk > 1 else _ALL)
+        if self.band is not None:
+            r = rows if Lq > 1 else (0, 1)
+            lo, hi = geometry.key_range(r, Lq, Lk, False, _band_window(self.band, Lq, Lk))
+        if self._segments is not None and lo < hi:
+            a, z = self._segments.key_range(batches, rows)
+            lo, hi = max(lo, a), min(hi, z)
+        return (lo, hi) if lo < hi else (0, 0)
+
+    def classify(self, batches: Range, rows: Range, cols: Range) -> geometry.Kind:
+        """SKIP (no pair of the block is kept, for any of ``batches``, any head), FULL (every pair is:
+        no mask to evaluate) or PARTIAL (evaluate ``block``)."""
+        Lq, Lk = self.shape[2], self.shape[3]
+        kinds = []
+        if self.band is not None:
+            kinds.append(geometry.classify(rows, cols, Lq, Lk, False, _band_window(self.band, Lq, Lk)))
+        if self._segments is not None:
+            kinds.append(self._segments.classify(batches, rows, cols))
+        if geometry.SKIP in kinds:
+            return geometry.SKIP
+        if self.exact and kinds and all(k is geometry.FULL for k in kinds):
+            return geometry.FULL
+        return geometry.PARTIAL
 
     def block(
         self,
@@ -100,7 +280,7 @@ class Mask:
     def __or__(self, other: Mask | Tensor) -> Mask:
         return or_(self, other)
 
-    def __invert__(self) -> Mask:
+    def __invert__(self) -> Mask:  # (no structure: the complement of a band is not a band)
         return Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, f"not {self.name}")
 
     def __repr__(self) -> str:
@@ -153,7 +333,8 @@ def causal(
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return geometry.kept(q, kv, placed, Lk, True, None)
 
-    return Mask(keep, (1, 1, Lq, Lk), f"causal ({align.replace('_', '-')})")
+    band = (None, geometry.offset(placed, Lk))  # j - i <= Lk - Lq (bottom-right) or 0 (top-left)
+    return Mask(keep, (1, 1, Lq, Lk), f"causal ({align.replace('_', '-')})", band=band, exact=True)
 
 
 def window(q_len: int, kv_len: int | None = None, left: int | None = None, right: int | None = 0) -> Mask:
@@ -178,7 +359,11 @@ def window(q_len: int, kv_len: int | None = None, left: int | None = None, right
         kept = geometry.kept(q, kv, Lq, Lk, False, (left, right))
         return kept if isinstance(kept, Tensor) else torch.ones((), dtype=torch.bool, device=kv.device)
 
-    return Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})")
+    off = geometry.offset(Lq, Lk)
+    band = (None if left is None else off - left, None if right is None else off + right)
+    if band == (None, None):  # unbounded both ways: keeps everything, no band to skip by
+        return Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})")
+    return Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})", band=band, exact=True)
 
 
 def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
@@ -198,20 +383,56 @@ def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return kv < lens.to(kv.device)[b]
 
-    return Mask(keep, (len(lens), 1, 1, Lk), "padding")
+    # as segments: every query has id 0, a real key 0 and a padding key 1 (sorted ids)
+    k_ids = (torch.arange(Lk).view(1, Lk) >= lens.to("cpu", torch.int64).view(-1, 1)).long()  # (B, Lk)
+    shape = (len(lens), 1, 1, Lk)
+    segments = Segments(torch.zeros(len(lens), 1, dtype=torch.int64), k_ids, shape)
+    return Mask(keep, shape, "padding", segments=segments, exact=True)
 
 
-def document(ids: Tensor | Sequence[int], kv_ids: Tensor | Sequence[int] | None = None) -> Mask:
+def _ids_from_cu(name: str, cu: Tensor | Sequence[int]) -> Tensor:
+    """(T,) document index of each token from cumulative lengths ``cu`` (N + 1,): 0, ..., T."""
+    c = _ints(name, cu, "(N + 1,) cumulative sequence lengths")
+    if c.ndim != 1 or len(c) < 2 or int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()) or int(c[-1]) < 1:
+        raise ValueError(
+            f"{name}: expected (N + 1,) non-decreasing ints starting at 0 and ending at the packed length > 0, "
+            f"got {c.tolist()}"
+        )
+    lengths = (c[1:] - c[:-1]).to("cpu", torch.int64)  # (N,)
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (T,)
+
+
+def document(
+    ids: Tensor | Sequence[int] | None = None,
+    kv_ids: Tensor | Sequence[int] | None = None,
+    *,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    cu_seqlens_kv: Tensor | Sequence[int] | None = None,
+) -> Mask:
     """Packed sequences: query ``i`` sees key ``j`` iff both belong to the same document.
     ``ids`` is (L,) or (B, L) of document ids per token; ``kv_ids`` (default ``ids``) the keys'.
-    Combine with ``causal`` for packed causal training. ``document([0, 0, 1, 1, 1])``::
+    Or, as FlashAttention's varlen layout writes it, ``cu_seqlens`` (N + 1,) cumulative lengths
+    (``[0, L₀, L₀ + L₁, ...]``; ``cu_seqlens_kv`` for the keys, default the same). Combine with
+    ``causal`` for packed causal training. ``document([0, 0, 1, 1, 1])``, or
+    ``document(cu_seqlens=[0, 2, 5])``::
 
         ■ ■ · · ·
         ■ ■ · · ·
         · · ■ ■ ■
         · · ■ ■ ■
         · · ■ ■ ■
+
+    Sorted ids (documents back to back) let backends skip every block between two documents.
     """
+    if cu_seqlens is not None or cu_seqlens_kv is not None:
+        if ids is not None or kv_ids is not None:
+            raise ValueError("cu_seqlens: expected either ids or cu_seqlens, got both")
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens: expected the queries' cumulative lengths too when cu_seqlens_kv is given")
+        ids = _ids_from_cu("cu_seqlens", cu_seqlens)
+        kv_ids = None if cu_seqlens_kv is None else _ids_from_cu("cu_seqlens_kv", cu_seqlens_kv)
+    if ids is None:
+        raise ValueError("ids: expected (L,) or (B, L) integer ids (or cu_seqlens), got None")
     q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids")
     k_ids = q_ids if kv_ids is None else _ints("kv_ids", kv_ids, "(L,) or (B, L) integer ids")
     for name, t in (("ids", q_ids), ("kv_ids", k_ids)):
@@ -228,7 +449,8 @@ def document(ids: Tensor | Sequence[int], kv_ids: Tensor | Sequence[int] | None 
         bk = b if ki.shape[0] > 1 else torch.zeros_like(b)
         return qi[bq, q] == ki[bk, kv]
 
-    return Mask(keep, (B, 1, q2.shape[1], k2.shape[1]), "document")
+    shape = (B, 1, q2.shape[1], k2.shape[1])
+    return Mask(keep, shape, "document", segments=Segments(q2, k2, shape), exact=True)
 
 
 def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
@@ -268,7 +490,44 @@ def _combine(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tens
             out = op(out, m(b, h, q, kv))
         return out
 
-    return Mask(keep, tuple(shape), f" {word} ".join(m.name for m in ms))
+    full: Shape4 = (shape[0], shape[1], shape[2], shape[3])
+    parts = [m.at(full[2], full[3]) for m in ms]  # a band broadcast along a length says nothing there
+    name = f" {word} ".join(m.name for m in ms)
+    bands = [m.band for m in parts]
+    if word == "and":  # kept where every mask keeps: bands intersect, segments join
+        band = _intersect([b for b in bands if b is not None])
+        segs = [m._segments for m in parts if m._segments is not None]
+        exact = all(m.exact for m in parts)
+        return Mask(keep, full, name, band=band, segments=_join(segs, full), exact=exact)
+    # kept where any mask keeps: inside the hull of the bands, if every mask has one
+    hull = None
+    if all(b is not None for b in bands):
+        los, his = [b[0] for b in bands if b is not None], [b[1] for b in bands if b is not None]
+        hull = (None if None in los else min(x for x in los if x is not None),
+                None if None in his else max(x for x in his if x is not None))  # fmt: skip
+    return Mask(keep, full, name, band=hull if hull != (None, None) else None)
+
+
+def _intersect(bands: list[Band]) -> Band | None:
+    """The band of pairs inside every band (None: no band at all)."""
+    if not bands:
+        return None
+    los = [b[0] for b in bands if b[0] is not None]
+    his = [b[1] for b in bands if b[1] is not None]
+    return (max(los) if los else None), (min(his) if his else None)
+
+
+def _join(segs: list[Segments], shape: Shape4) -> Segments | None:
+    """Segments whose ids are equal exactly where every one of ``segs`` has equal ids: each position's
+    tuple of ids relabelled as one id (sorted tuples stay sorted)."""
+    if len(segs) <= 1:
+        return segs[0] if segs else None
+    B, _, Lq, Lk = shape
+    n = len(segs)
+    q = torch.stack([s.q_ids.expand(B, Lq) for s in segs], -1)  # (B, Lq, n): a position's ids, one per segments
+    k = torch.stack([s.k_ids.expand(B, Lk) for s in segs], -1)  # (B, Lk, n)
+    _, labels = torch.unique(torch.cat([q.reshape(-1, n), k.reshape(-1, n)]), dim=0, return_inverse=True)
+    return Segments(labels[: B * Lq].view(B, Lq), labels[B * Lq :].view(B, Lk), shape)
 
 
 def and_(*masks: Mask | Tensor) -> Mask:

@@ -50,11 +50,15 @@ import torch
 from torch import Tensor
 
 from . import dropout, reference
+from . import sinks as _sinks
 from .masks import Mask
 from .reference import accum_dtype
 
 NAMES = ("reference", "flash", "triton", "triton_decode")
-UNBOUNDED = -1  # a window side without a bound, in an op's int arguments
+# A window side without a bound, in an op's int arguments. Internal window sides may be any int
+# (functional.py folds a mask's band into the window: torch's top-left causal is a negative right
+# side), so the sentinel lies outside every side a check lets through (|side| < 2**62).
+UNBOUNDED = -(2**63)
 
 Window = tuple[int | None, int | None] | None
 
@@ -97,11 +101,14 @@ def _nothing(q: Tensor) -> Kept:
 
 def _reference_forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
-    window: Window, scale: float, dropout_p: float, dropout_seed: int,
+    window: Window, scale: float, softcap: float | None, dropout_p: float, dropout_seed: int,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Kept]:
     """``reference.attention``'s steps, keeping P and Z: P and the lse by ``reference.probabilities``,
     then dropout and P·V as ``reference.attention`` computes them (the same numbers)."""
-    p, lse = reference.probabilities(q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale)
+    p, lse = reference.probabilities(
+        q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+    )
     B, Hq, Lq, Lk = p.shape
     Hkv, Dv = v.shape[1], v.shape[3]
     z = _nothing(q)[1]
@@ -130,6 +137,7 @@ def reference_backward(
     causal: bool,
     window: Window,
     scale: float,
+    softcap: float | None = None,
     dropout_p: float,
     dropout_seed: int,
     bias_grad: bool = True,
@@ -139,12 +147,15 @@ def reference_backward(
     materialised, in the accumulator dtype. From the forward's P and Z (``kept``, what the
     reference's op keeps; then rowsum(P ∘ dP) is rowsum(dO ∘ O)); without them P = exp(s − lse) is
     recomputed for the ``lse`` given, Z drawn again from ``dropout_seed``, and Δ = rowsum(dO ∘ O)
-    taken from the ``out`` given (the backend interface: a ring passes its global out and lse)."""
+    taken from the ``out`` given (the backend interface: a ring passes its global out and lse, and
+    an lse with a sink folded in — ``sinks.py`` — gives the gradients with the sink).
+    With ``softcap``, dS is the gradient of the capped score (what the bias gets) and the products
+    for dQ / dK take it through the cap: ``dS · (1 − tanh²(x / softcap))`` with x = scale · q · k."""
     acc = accum_dtype(q.dtype)
     delta: Tensor | None = None  # Δ = rowsum(dO ∘ O): (B, Hq, Lq, 1)
     if kept is None:
         p_own, lse_own = reference.probabilities(
-            q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale
+            q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap
         )  # (B, Hq, Lq, Lk), (B, Hq, Lq)
         # exp(s − lse) = P_own · exp(lse_own − lse); a row with no kept key here has P_own = 0
         ratio = torch.where(lse_own == float("-inf"), 0.0, torch.exp(lse_own - lse.to(acc)))  # (B, Hq, Lq)
@@ -171,8 +182,12 @@ def reference_backward(
     if delta is None:
         delta = (p * dp).sum(dim=-1, keepdim=True)  # rowsum(P ∘ dP) = rowsum(dO ∘ O)
     ds = p * (dp - delta)  # dS = P ∘ (dP − Δ): (B, Hq, Lq, Lk)
-    dq = (ds @ k_h) * scale  # (B, Hq, Lq, D)
-    dk_h = (ds.transpose(-2, -1) @ q.to(acc)) * scale  # (B, Hq, Lk, D)
+    ds_raw = ds
+    if softcap is not None:  # through the cap: d(softcap · tanh(x / softcap)) / dx = 1 − tanh²
+        t = torch.tanh((q.to(acc) @ k_h.transpose(-2, -1)) * (scale / softcap))  # (B, Hq, Lq, Lk)
+        ds_raw = ds * (1.0 - t * t)
+    dq = (ds_raw @ k_h) * scale  # (B, Hq, Lq, D)
+    dk_h = (ds_raw.transpose(-2, -1) @ q.to(acc)) * scale  # (B, Hq, Lk, D)
     # The G query heads of a group add into their key/value head.
     dk = dk_h.view(B, Hkv, G, Lk, -1).sum(dim=2)  # (B, Hkv, Lk, D)
     dv = dv_h.view(B, Hkv, G, Lk, -1).sum(dim=2)  # (B, Hkv, Lk, Dv)
@@ -199,12 +214,19 @@ class Backend(NamedTuple):
 
 
 def _reference_attention(q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, **kw: Any) -> tuple[Tensor, Tensor]:
-    return reference.attention(q, k, v, **kw)  # the lse comes with the probabilities anyway
+    return reference.attention(q, k, v, **kw)  # the lse comes with the probabilities; sinks inside the softmax
 
 
 def _reference_plain(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         return reference.attention(q, k, v, **kw)
+
+
+def _pending(kw: dict[str, Any]) -> dict[str, Any]:
+    """TEMPORARY (issue 13, until flash and triton take ``softcap``): drop ``softcap=None``."""
+    if kw.get("softcap", 0) is None:
+        kw = {key: value for key, value in kw.items() if key != "softcap"}
+    return kw
 
 
 def _flash() -> Any:
@@ -219,32 +241,43 @@ def _triton() -> Any:
     return triton_backend
 
 
-def _flash_attention(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor | None]:
-    return _flash().attention(q, k, v, **kw)  # type: ignore[no-any-return]
+def _flash_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None = None, **kw: Any
+) -> tuple[Tensor, Tensor | None]:
+    if sinks is not None:
+        return _with_sinks("flash", q, k, v, sinks, **kw)
+    return _flash().attention(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
 
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
-    return _flash().forward(q, k, v, **kw)  # type: ignore[no-any-return]
+    return _flash().forward(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
 
 
 def _flash_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    return _flash().backward(*args, **kw)  # type: ignore[no-any-return]
+    return _flash().backward(*args, **_pending(kw))  # type: ignore[no-any-return]
 
 
-def _triton_attention(q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, **kw: Any) -> tuple[Tensor, Tensor]:
-    return _triton().attention(q, k, v, **kw)  # type: ignore[no-any-return]
+def _triton_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, sinks: Tensor | None = None, **kw: Any
+) -> tuple[Tensor, Tensor]:
+    if sinks is not None:
+        return _with_sinks("triton", q, k, v, sinks, **kw)
+    return _triton().attention(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
 
 
 def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
-    return _triton().forward(q, k, v, **kw)  # type: ignore[no-any-return]
+    return _triton().forward(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
 
 
-def _triton_decode(q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, **kw: Any) -> tuple[Tensor, Tensor]:
-    return _triton().decode(q, k, v, **kw)  # type: ignore[no-any-return]
+def _triton_decode(
+    q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, sinks: Tensor | None = None, **kw: Any
+) -> tuple[Tensor, Tensor]:
+    out, lse = _triton().decode(q, k, v, **_pending(kw))
+    return (out, lse) if sinks is None else _sinks.fold(out, lse, sinks)
 
 
 def _triton_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    return _triton().backward(*args, **kw)  # type: ignore[no-any-return]
+    return _triton().backward(*args, **_pending(kw))  # type: ignore[no-any-return]
 
 
 BACKENDS: dict[str, Backend] = {
@@ -257,16 +290,62 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+class _WithSinks(torch.autograd.Function):
+    """A backend's plain forward with the sinks folded into its result (``sinks.fold``), and its
+    plain backward from the folded out and lse, plus the sinks' own gradient (``sinks.grad``): how
+    the backends without sinks of their own (flash, triton) compute them, forward and backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor, name: str,
+        options: dict[str, Any],
+    ) -> tuple[Tensor, Tensor]:
+        out, lse = backend(name).forward(q, k, v, bias=bias, **options)
+        out2, lse2 = _sinks.fold(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, bias, sinks, out2, lse2)
+        ctx.name, ctx.options = name, options
+        ctx.mark_non_differentiable(lse2)
+        return out2, lse2
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        del dlse  # the lse is not differentiable
+        q, k, v, bias, sk, out2, lse2 = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[:5])
+        if torch.is_grad_enabled():  # create_graph=True: autograd through the formula
+            return (*reference.backward_with_graph(dout, q, k, v, bias, needs, sinks=sk, **ctx.options), None, None)
+        dq, dk, dv, dbias = backend(ctx.name).backward(
+            dout, q, k, v, out2, lse2, bias=bias, bias_grad=needs[3], **ctx.options
+        )
+        dsinks = _sinks.grad(dout, out2, lse2, sk) if needs[4] else None
+        return dq, dk, dv, dbias, dsinks, None, None
+
+
+def _with_sinks(
+    name: str, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, bias: Tensor | None, need_lse: bool = True,
+    **options: Any,
+) -> tuple[Tensor, Tensor]:
+    """Backend ``name`` with sinks (see ``_WithSinks``)."""
+    out, lse = _WithSinks.apply(q, k, v, bias, sinks, name, options)
+    return out, lse
+
+
 def backend(name: str) -> Backend:
     """The implementation ``name`` (one of ``NAMES``, as ``functional.choose`` returns it)."""
     return BACKENDS[name]
 
 
-def _forward_kept(name: str, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
-    """A backend's forward inside an op: the reference keeps P and Z for its backward op."""
+def _forward_kept(
+    name: str, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None, **kw: Any
+) -> tuple[Tensor, Tensor, Kept]:
+    """A backend's forward inside an op: the reference keeps P and Z for its backward op (and
+    computes sinks in its softmax); the others' results get the sinks folded in (``sinks.py``)."""
     if name == "reference":
-        return _reference_forward(q, k, v, **kw)
-    return (*backend(name).forward(q, k, v, **kw), _nothing(q))
+        return _reference_forward(q, k, v, sinks=sinks, **kw)
+    out, lse = backend(name).forward(q, k, v, **kw)
+    if sinks is not None:
+        out, lse = _sinks.fold(out, lse, sinks)
+    return out, lse, _nothing(q)
 
 
 def _backward_kept(name: str, *args: Tensor, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -296,18 +375,22 @@ def _zero_column(x: Tensor) -> Tensor:
     return x.new_zeros(*x.shape[:-1], 1)
 
 
-def forward(name: str, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Kept]:
+def forward(
+    name: str, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None, **kw: Any
+) -> tuple[Tensor, Tensor, Kept]:
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq), kept)`` of backend ``name``, zero sizes answered
     here."""
     B, Hq, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
-    if B * Hq * Lq == 0 or Lk == 0:  # nothing to compute, or no key to attend to: 0 and −inf
+    if B * Hq * Lq == 0 or Lk == 0:  # nothing to compute, or no key to attend to: 0 and −inf (or the sink)
         out = q.new_zeros(B, Hq, Lq, Dv)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
+        if sinks is not None:
+            lse = torch.logaddexp(lse, _sinks.expand(sinks, lse.dtype))  # a row with no key: lse = sink
         return out, lse, _kept_shapes(name, q, Lk, kw["dropout_p"])
     if D == 0:  # every score is 0 (+ bias)
         q, k = _zero_column(q), _zero_column(k)
-    out, lse, kept = _forward_kept(name, q, k, v if Dv else _zero_column(v), **kw)
+    out, lse, kept = _forward_kept(name, q, k, v if Dv else _zero_column(v), sinks, **kw)
     return (out if Dv else q.new_zeros(B, Hq, Lq, 0)), lse, kept
 
 
@@ -339,18 +422,19 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     @torch.library.custom_op(f"attnzero::{name}_attention", mutates_args=())
     def fwd(
         q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int,
-        right: int, scale: float, dropout_p: float, seed: Tensor,
+        right: int, scale: float, softcap: float, sinks: Tensor | None, dropout_p: float, seed: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(out, lse, *kept): kept for the backward op, empty unless the backend keeps something."""
+        """(out, lse, *kept): kept for the backward op, empty unless the backend keeps something.
+        ``softcap`` 0.0 = none."""
         with torch.no_grad(), without_autocast(q.device):
             out, lse, kept = forward(
-                name, q, k, v, mask=mask, bias=bias, causal=causal, window=window_of(left, right), scale=scale,
-                dropout_p=dropout_p, dropout_seed=int(seed.item()),
+                name, q, k, v, sinks, mask=mask, bias=bias, causal=causal, window=window_of(left, right),
+                scale=scale, softcap=softcap or None, dropout_p=dropout_p, dropout_seed=int(seed.item()),
             )  # fmt: skip
         return out.contiguous(), lse.contiguous(), kept[0].contiguous(), kept[1].contiguous()  # the fakes' layout
 
     @fwd.register_fake
-    def _(q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed):  # type: ignore[no-untyped-def]
+    def _(q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed):  # type: ignore[no-untyped-def]
         B, Hq, Lq, _ = q.shape
         out, lse = q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=accum_dtype(q.dtype))
         return out, lse, *_kept_shapes(name, q, k.shape[2], dropout_p)
@@ -358,40 +442,48 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     @torch.library.custom_op(f"attnzero::{name}_attention_backward", mutates_args=())
     def bwd(
         dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, p: Tensor, z: Tensor,
-        mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int, scale: float,
-        dropout_p: float, seed: Tensor, bias_grad: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(dq, dk, dv, dbias); dbias is empty when not asked for."""
+        mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float,
+        sinks: Tensor | None, dropout_p: float, seed: Tensor, bias_grad: bool, sinks_grad: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(dq, dk, dv, dbias, dsinks); dbias / dsinks are empty when not asked for."""
         with torch.no_grad(), without_autocast(q.device):
             dq, dk, dv, dbias = backward(
                 name, dout, q, k, v, out, lse, kept=(p, z), mask=mask, bias=bias, causal=causal,
-                window=window_of(left, right), scale=scale, dropout_p=dropout_p, dropout_seed=int(seed.item()),
-                bias_grad=bias_grad,
+                window=window_of(left, right), scale=scale, softcap=softcap or None, dropout_p=dropout_p,
+                dropout_seed=int(seed.item()), bias_grad=bias_grad,
             )  # fmt: skip
+            ds = _sinks.grad(dout, out, lse, sinks) if sinks is not None and sinks_grad else q.new_empty(0)
         db = dbias.contiguous() if dbias is not None else q.new_empty(0)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous(), db
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), db, ds.contiguous()
 
     @bwd.register_fake
-    def _(dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, dropout_p, seed, bias_grad):  # type: ignore[no-untyped-def]
+    def _(dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed,  # type: ignore[no-untyped-def]
+          bias_grad, sinks_grad):  # fmt: skip
         dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+        dsinks = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        q, k, v, mask, bias, causal, left, right, scale, dropout_p, seed = inputs
+        q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed = inputs
         out, lse, p, z = output
-        ctx.save_for_backward(q, k, v, out, lse, p, z, mask, bias, seed)
-        ctx.args = (causal, left, right, scale, dropout_p)
+        ctx.save_for_backward(q, k, v, out, lse, p, z, mask, bias, sinks, seed)
+        ctx.args = (causal, left, right, scale, softcap)
+        ctx.dropout_p = dropout_p
         ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
+        ctx.sinks_grad = sinks is not None and ctx.needs_input_grad[10]
         ctx.mark_non_differentiable(lse, p, z)  # by-products, as in every backend
 
     def grad(ctx: Any, dout: Tensor, *unused: Tensor | None) -> tuple[Tensor | None, ...]:
         del unused  # the gradients of lse, p, z: not differentiable
-        q, k, v, out, lse, p, z, mask, bias, seed = ctx.saved_tensors
-        causal, left, right, scale, dropout_p = ctx.args
-        dq, dk, dv, dbias = bwd(
-            dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, dropout_p, seed, ctx.bias_grad
-        )
-        return dq, dk, dv, None, (dbias if ctx.bias_grad else None), None, None, None, None, None, None
+        q, k, v, out, lse, p, z, mask, bias, sinks, seed = ctx.saved_tensors
+        causal, left, right, scale, softcap = ctx.args
+        dq, dk, dv, dbias, dsinks = bwd(
+            dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, softcap, sinks, ctx.dropout_p,
+            seed, ctx.bias_grad, ctx.sinks_grad,
+        )  # fmt: skip
+        db = dbias if ctx.bias_grad else None
+        dsk = dsinks if ctx.sinks_grad else None
+        return dq, dk, dv, None, db, None, None, None, None, None, dsk, None, None
 
     fwd.register_autograd(grad, setup_context=setup_context)
     return fwd
@@ -411,12 +503,15 @@ def attention(
     causal: bool,
     window: Window,
     scale: float,
+    softcap: float | None,
+    sinks: Tensor | None,
     dropout_p: float,
     dropout_seed: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Backend ``name`` through its ops: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``, differentiable
-    in q, k, v and bias. ``mask`` a bool tensor broadcastable to (B, Hq, Lq, Lk), ``dropout_seed`` a
-    0-d int64 tensor."""
+    in q, k, v, bias and sinks. ``mask`` a bool tensor broadcastable to (B, Hq, Lq, Lk),
+    ``dropout_seed`` a 0-d int64 tensor."""
     left, right = sides(window)
-    out, lse, _, _ = _OPS[name](q, k, v, mask, bias, causal, left, right, scale, dropout_p, dropout_seed)
+    cap = 0.0 if softcap is None else softcap
+    out, lse, _, _ = _OPS[name](q, k, v, mask, bias, causal, left, right, scale, cap, sinks, dropout_p, dropout_seed)
     return out, lse

@@ -5,6 +5,8 @@ them only where they go wrong:
 
 * a query row whose keys are all blocked gets probabilities 0, output 0, lse −inf and zero
   gradients, where ``masked_fill(-inf)`` + ``softmax`` gives NaN;
+* two things modern models add: ``softcap`` squashes each score into (−softcap, softcap) with
+  ``tanh`` (Gemma 2), and ``sinks`` add a virtual key of value 0 to every row's softmax (gpt-oss);
 * the softmax subtracts the row maximum, and for float16/bfloat16 inputs the scores and the
   softmax statistics are float32 (only P is rounded back before P·V);
 * GQA/MQA: the G = Hq / Hkv query heads that share a key/value head are stacked along the
@@ -39,9 +41,14 @@ def probabilities(
     causal: bool,
     window: tuple[int | None, int | None] | None,
     scale: float,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """P = softmax(scale · Q Kᵀ + bias, blocked → 0) and its log-sum-exp, in the accumulator dtype.
-    Returns ``p (B, Hq, Lq, Lk)`` and ``lse (B, Hq, Lq)``."""
+    Returns ``p (B, Hq, Lq, Lk)`` and ``lse (B, Hq, Lq)``. ``softcap``: each score becomes
+    ``softcap · tanh(score / softcap)`` before the bias. ``sinks`` ((Hq,) or (B, Hq, Lq)): one more
+    term ``exp(sink)`` in each row's denominator (and in the lse); a row with no kept key then has
+    P = 0 and lse = sink."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -51,6 +58,8 @@ def probabilities(
     q_grouped = q.reshape(B, Hkv, G * Lq, D)  # (B, Hkv, G·Lq, D)
     s = q_grouped.to(acc) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G·Lq, Lk)
     s = s.view(B, Hq, Lq, Lk) * scale  # (B, Hq, Lq, Lk)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)  # soft-capped into (−softcap, softcap)
 
     # 2. bias, then blocked pairs → −inf (mask, causal and window together).
     if bias is not None:
@@ -61,12 +70,18 @@ def probabilities(
 
     # 3. softmax with the row max subtracted. A row with any kept key has sum l >= 1 (its max
     #    contributes exp(0) = 1); a fully blocked row has l = 0, and m = −inf is replaced by 0 so
-    #    that exp never sees −inf − (−inf).
+    #    that exp never sees −inf − (−inf). A sink is one more logit in the row (of value 0).
     m = s.amax(dim=-1, keepdim=True).detach()  # (B, Hq, Lq, 1); softmax does not depend on m
+    sink = None
+    if sinks is not None:
+        sink = (sinks.view(1, Hq, 1, 1) if sinks.ndim == 1 else sinks.unsqueeze(-1)).to(acc)  # (B|1, Hq, Lq|1, 1)
+        m = torch.maximum(m, sink.detach())
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
-    l_safe = l.clamp_min(1.0)  # = l for every row that has a key; 1 for blocked rows
+    if sink is not None:
+        l = l + torch.exp(sink - m)  # the sink's term: its probability exp(sink − lse) goes nowhere
+    l_safe = l.clamp_min(1.0)  # = l for every row that has a key or a sink (>= 1); 1 for blocked rows
     p = e / l_safe  # blocked rows: 0 / 1 = 0
     lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)  # (B, Hq, Lq)
     return p, lse
@@ -82,11 +97,16 @@ def attention(
     causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     scale: float,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V."""
-    p, lse = probabilities(q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale)
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V (``softcap`` and
+    ``sinks`` as in :func:`probabilities`)."""
+    p, lse = probabilities(
+        q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+    )
     B, Hq, Lq, Lk = p.shape
     Hkv, Dv = v.shape[1], v.shape[3]
 
@@ -107,21 +127,23 @@ def backward_with_graph(
     k: Tensor,
     v: Tensor,
     bias: Tensor | None,
-    needs: tuple[bool, bool, bool, bool],
+    needs: tuple[bool, ...],
+    sinks: Tensor | None = None,
     **options: Any,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-    """``(dq, dk, dv, dbias)`` as differentiable functions of the inputs and ``dout``: autograd
-    through the formula above. What the other backends' backward returns when autograd asks for a
-    graph of the gradients (``create_graph=True``: a gradient penalty, double backward) — their own
-    backward computes numbers only. ``needs`` says which of (q, k, v, bias) want a gradient;
-    ``options`` are :func:`attention`'s (the same dropout seed drops the same entries)."""
+) -> tuple[Tensor | None, ...]:
+    """``(dq, dk, dv, dbias[, dsinks])`` as differentiable functions of the inputs and ``dout``:
+    autograd through the formula above. What the other backends' backward returns when autograd
+    asks for a graph of the gradients (``create_graph=True``: a gradient penalty, double backward) —
+    their own backward computes numbers only. ``needs`` says which of (q, k, v, bias[, sinks]) want
+    a gradient (dsinks comes back when ``needs`` has five entries); ``options`` are
+    :func:`attention`'s (the same dropout seed drops the same entries)."""
     with torch.enable_grad():
-        out, _ = attention(q, k, v, bias=bias, **options)
-    inputs = (q, k, v, bias)
+        out, _ = attention(q, k, v, bias=bias, sinks=sinks, **options)
+    inputs = (q, k, v, bias, sinks)[: len(needs)]
     wrt = [t for t, n in zip(inputs, needs) if n and t is not None and t.requires_grad]
     got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True) if wrt else ())
     grads: list[Tensor | None] = []
     for t, n in zip(inputs, needs):
         g = next(got) if n and t is not None and t.requires_grad else None
         grads.append(torch.zeros_like(t) if g is None and n and t is not None else g)
-    return grads[0], grads[1], grads[2], grads[3]
+    return tuple(grads)
