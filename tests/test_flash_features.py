@@ -498,3 +498,122 @@ def test_blocks_inside_the_key_range_that_the_mask_blocks_whole_are_skipped() ->
     assert flash.COUNTS["forward"] == flash.COUNTS["backward"] == 4 * 2
     assert mask.evaluated == []
     judge(got, gold)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through az.attention, against the reference backend (the golden) by the tolerance rule
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
+@pytest.mark.parametrize(
+    "shape", [(1, 2, 2, 1, 17, 8), (2, 4, 2, 17, 17, 40), (1, 3, 1, 113, 29, 64)], ids=lambda s: "x".join(map(str, s))
+)
+def test_softcap_against_the_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """az.attention(backend="flash", softcap=...) against the reference's golden: awkward sizes,
+    Lq ≠ Lk, GQA / MQA, causal, a mask with a fully blocked row, a bias, tiny blocks."""
+    from conftest import check_against_golden
+
+    B, Hq, Hkv, Lq, Lk, D = shape
+    q, k, v = qkv(B, Hq, Hkv, Lq, Lk, D)
+    mask = torch.rand(B, 1, Lq, Lk) < 0.8
+    mask[..., 0, :] = False
+    bias = torch.randn(1, Hq, Lq, Lk, dtype=F64)
+    with flash.block_sizes(rows=8, cols=8):
+        check_against_golden("flash", dtype, q, k, v, bias=bias, mask=mask, causal=True, softcap=1.5)
+        check_against_golden("flash", dtype, q, k, v, softcap=0.7, window=(4, 1))
+
+
+def test_softcap_with_sinks_and_double_backward() -> None:
+    """softcap with sinks (folded on flash's lse by attnzero.sinks) against the reference, and a
+    gradient of a gradient (create_graph: autograd through the reference's formula)."""
+    from conftest import check_against_golden
+
+    q, k, v = qkv(1, 4, 2, 19, 23, 8)
+    with flash.block_sizes(rows=8, cols=8):
+        check_against_golden("flash", torch.float32, q, k, v, causal=True, softcap=2.0, sinks=torch.randn(4, dtype=F64))
+    xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    res = {}
+    for backend in ("reference", "flash"):
+        out = az.attention(*xs, causal=True, softcap=2.0, backend=backend)
+        assert isinstance(out, torch.Tensor)
+        (gq,) = torch.autograd.grad(out.square().sum(), xs[0], create_graph=True)
+        res[backend] = torch.autograd.grad(gq.square().sum(), xs)
+    for a, b in zip(res["flash"], res["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask builders' block structure, through az.attention
+
+
+@pytest.fixture
+def evaluated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Any]]:
+    """Every block any Mask is evaluated on, during the test."""
+    seen: list[tuple[Any, Any]] = []
+    original = az.Mask.block
+
+    def block(self: az.Mask, rows: Any = None, cols: Any = None, device: Any = None) -> torch.Tensor:
+        seen.append((rows, cols))
+        return original(self, rows, cols, device)
+
+    monkeypatch.setattr(az.Mask, "block", block)
+    return seen
+
+
+def _blocks_visited(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> tuple[int, int]:
+    """Forward and backward blocks of one az.attention call on flash (16 × 16 blocks)."""
+    xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    reset_counts()
+    with flash.block_sizes(rows=16, cols=16, kv=10**6, softmax=False):
+        out = az.attention(*xs, backend="flash", **kw)
+        assert isinstance(out, torch.Tensor)
+        out.sum().backward()
+    return flash.COUNTS["forward"], flash.COUNTS["backward"]
+
+
+def test_a_document_mask_costs_its_documents(evaluated: list[tuple[Any, Any]]) -> None:
+    """az.masks.document of 4 equal documents over L = 64: 4 of the 16 blocks, no mask evaluated;
+    and with causal (az.masks.and_ with a causal Mask): the 4 diagonal blocks, masked by position
+    only — what causal=True costs inside each document."""
+    ids = torch.arange(64) // 16
+    q, k, v = qkv(1, 2, 2, 64, 64, 8)
+    assert _blocks_visited(q, k, v, mask=az.masks.document(ids)) == (4, 4)
+    assert evaluated == []
+    both = az.masks.and_(az.masks.document(ids), az.masks.causal(64))
+    assert _blocks_visited(q, k, v, mask=both) == (4, 4)
+    assert evaluated == []
+    want = az.attention(q, k, v, mask=both.to_tensor(), backend="reference")
+    got = az.attention(q, k, v, mask=both, backend="flash")
+    assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+    judge({"out": got}, {"out": want})
+
+
+def test_a_causal_mask_costs_what_causal_costs(evaluated: list[tuple[Any, Any]]) -> None:
+    """A causal Mask (both alignments) and torch's drop-in is_causal visit the blocks causal=True
+    visits (36 of 64 at L = 128), and never evaluate a mask."""
+    q, k, v = qkv(1, 2, 2, 128, 128, 8)
+    want = _blocks_visited(q, k, v, causal=True)
+    assert want == (36, 36)
+    for align in ("bottom_right", "top_left"):
+        assert _blocks_visited(q, k, v, mask=az.masks.causal(128, align=align)) == want  # type: ignore[arg-type]
+    xs = [t.clone().float().requires_grad_(True) for t in (q, k, v)]
+    reset_counts()
+    with flash.block_sizes(rows=16, cols=16, kv=10**6, softmax=False):  # (auto is flash on the CPU)
+        az.scaled_dot_product_attention(*xs, is_causal=True).sum().backward()
+    assert (flash.COUNTS["forward"], flash.COUNTS["backward"]) == want
+    assert evaluated == []
+
+
+def test_padding_masks_visit_only_the_real_keys(evaluated: list[tuple[Any, Any]]) -> None:
+    """az.masks.padding: a batch's row blocks visit only its real keys (chunks of one batch), with
+    no mask evaluated, and the result equals the reference's."""
+    q, k, v = qkv(2, 2, 2, 32, 64, 8)
+    mask = az.masks.padding([16, 64])
+    with flash.block_sizes(rows=16, cols=16, kv=100):  # chunks of one batch
+        reset_counts()
+        got = az.attention(q, k, v, mask=mask, backend="flash")
+    assert flash.COUNTS["forward"] == 2 * (1 + 4)  # per row block: batch 0 one key block, batch 1 four
+    assert evaluated == []
+    want = az.attention(q, k, v, mask=mask.to_tensor(), backend="reference")
+    assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+    judge({"out": got}, {"out": want})

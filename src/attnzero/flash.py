@@ -278,8 +278,7 @@ class _Problem:
         self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
         # A Mask that knows its block structure: key ranges and SKIP / FULL / PARTIAL blocks
         # (``key_range``, ``col_blocks``); a dense mask is only read, block by block
-        # (TEMP until core: Any, and the hasattr guard, while Mask.key_range / classify are not on main)
-        self.block_mask: Any = mask if isinstance(mask, Mask) and hasattr(mask, "key_range") else None
+        self.block_mask = mask if isinstance(mask, Mask) else None
         self._ranges: dict[tuple[int, int, int, int], tuple[int, int]] = {}  # see ``key_range``
         self.unshifted = _SIZES["unshifted"] != 0  # try the forward's no-max variant first
         self._v_tiny: bool | None = None  # see ``v_tiny``
@@ -946,9 +945,8 @@ def attention(
         "scale": scale,
         "dropout_p": dropout_p,
         "dropout_seed": dropout_seed,
+        "softcap": softcap,
     }
-    if softcap is not None:  # (TEMP until core: reference.attention takes softcap)
-        options["softcap"] = softcap
     if not needs_grad:
         return forward(q, k, v, bias=bias, **options)
     out, lse = _FlashAttention.apply(q, k, v, bias, options)
