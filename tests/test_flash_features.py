@@ -368,6 +368,18 @@ def test_head_dims_beyond_256(dims: tuple[int, int], softcap: float | None) -> N
         judge(got, {"out": gold["out"], "lse": gold["lse"]})
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_head_dim_512_through_attention_against_the_reference(dtype: torch.dtype) -> None:
+    """az.attention(backend="flash") at D = Dv = 512 against the reference's golden, GQA, causal
+    with Lq ≠ Lk, with and without softcap, forward and backward."""
+    from conftest import check_against_golden
+
+    q, k, v = qkv(1, 4, 2, 9, 21, 512)
+    with flash.block_sizes(rows=4, cols=8):
+        check_against_golden("flash", dtype, q, k, v, causal=True)
+        check_against_golden("flash", dtype, q, k, v, causal=True, softcap=2.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks that skip blocks
 
