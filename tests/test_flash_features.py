@@ -533,6 +533,9 @@ def test_softcap_against_the_reference(shape: tuple[int, ...], dtype: torch.dtyp
     with flash.block_sizes(rows=8, cols=8):
         check_against_golden("flash", dtype, q, k, v, bias=bias, mask=mask, causal=True, softcap=1.5)
         check_against_golden("flash", dtype, q, k, v, softcap=0.7, window=(4, 1))
+    reset_counts()
+    check_against_golden("flash", dtype, q, k, v, softcap=0.7, grads=False)  # one key block: single step
+    assert flash.COUNTS["softmax"] == 1
 
 
 def test_softcap_with_sinks_and_double_backward() -> None:
