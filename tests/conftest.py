@@ -181,7 +181,8 @@ def naive_attention(
         keep = torch.cat([keep, torch.ones(B, H, Lq, 1, dtype=torch.bool)], dim=-1)
         v = torch.cat([v, torch.zeros(*v.shape[:2], 1, v.shape[-1], dtype=v.dtype)], dim=-2)  # (B, Hq, Lk + 1, Dv)
         if drop_keep is not None:
-            drop_keep = torch.cat([drop_keep.expand(B, H, Lq, -1), torch.ones(B, H, Lq, 1, dtype=drop_keep.dtype)], dim=-1)
+            ones = torch.ones(B, H, Lq, 1, dtype=drop_keep.dtype)
+            drop_keep = torch.cat([drop_keep.expand(B, H, Lq, -1), ones], dim=-1)
     row_any = keep.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
     # Blocked rows: softmax over zeros (harmless), then multiplied by 0, so no NaN in either pass.
     s_safe = torch.where(row_any, s.masked_fill(~keep, float("-inf")), torch.zeros_like(s))
