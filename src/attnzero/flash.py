@@ -21,7 +21,14 @@ three times faster than ``exp`` on CPU); the log-sum-exp is converted back to na
 Skipping: for each block of query rows only the key columns that causal / window can reach are
 visited, so causal does about half the work; a block is masked only where some pair in it is
 blocked, and the causal / window edge enters the score matmul as an additive 0 / −inf tile (no
-pass of its own). ``COUNTS`` counts the blocks visited (for tests and curious readers).
+pass of its own). An ``az.masks.Mask`` says the same of itself (``Mask.key_range``,
+``Mask.classify``): only its key range is visited, blocks it blocks whole are not computed, blocks it
+keeps whole are not masked — a document mask costs what its documents cost. ``COUNTS`` counts the
+blocks visited (for tests and curious readers).
+
+Soft-capping (``softcap``): the matmul gives ``x = q·k·scale/softcap``, the score is
+``softcap·tanh(x)``; the edge tile and any shift go in after the tanh, and the backward multiplies
+the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2).
 
 Cores: on CPU, every problem of two or more tasks runs on Python worker threads, one per core,
 each taking whole (chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``).
@@ -172,14 +179,15 @@ def _chunks(B: int, Hkv: int, G: int, per_pair: int, at_least: int = 1) -> list[
     return [_Chunk(b, b + 1, h, min(Hkv, h + n), G) for b in range(B) for h in range(0, Hkv, n)]
 
 
-def _edges_safe(q: Tensor, k: Tensor, scale: float, acc: torch.dtype) -> bool:
-    """Whether every score ``q·k·scale·log2 e`` is finite, so that adding a −inf edge tile never
-    meets +inf or NaN: q and k finite with |q|·|k|·D·scale far below the accumulator's largest
-    float. One read-back per call (q and k are O(L), the scores O(L²))."""
+def _edges_safe(q: Tensor, k: Tensor, factor: float, acc: torch.dtype) -> bool:
+    """Whether every product ``q·k·factor`` of the score matmul (``factor``: what q is scaled by)
+    is finite, so that adding a −inf edge tile never meets +inf or NaN: q and k finite with
+    |q|·|k|·D·factor far below the accumulator's largest float. One read-back per call (q and k
+    are O(L), the scores O(L²))."""
     v = torch.stack([x.to(torch.float64) for x in (*torch.aminmax(q), *torch.aminmax(k))]).tolist()
     if not all(math.isfinite(x) for x in v):  # a NaN anywhere in q or k makes its min and max NaN
         return False
-    bound = max(-v[0], v[1]) * max(-v[2], v[3]) * q.shape[-1] * abs(scale) * LOG2E
+    bound = max(-v[0], v[1]) * max(-v[2], v[3]) * q.shape[-1] * abs(factor)
     return bound < torch.finfo(acc).max / 16
 
 
@@ -242,6 +250,7 @@ class _Problem:
         scale: float,
         dropout_p: float,
         dropout_seed: int,
+        softcap: float | None = None,
     ) -> None:
         self.q, self.k, self.v = q, k, v
         self.B, self.Hq, self.Lq, self.D = q.shape
@@ -254,18 +263,31 @@ class _Problem:
         # (given back in the lse; see _huge_bias and scores)
         self.row_shift = _huge_bias(bias, self.acc)
         self.natural = self.row_shift is not None
-        self.q_factor = scale if self.natural else scale * LOG2E  # what scaled_q multiplies q by
-        self.scale2 = scale * LOG2E  # scores in base 2: s₂ = s · log2 e
+        # softcap: the matmul gives tanh's argument x = q·k·scale/softcap, and the score is
+        # s₂ = cap_factor · tanh(x) (+ bias · log2 e): see ``scores``
+        self.softcap = softcap
+        to2 = 1.0 if self.natural else LOG2E  # scores in base 2, or in natural units (natural mode)
+        self.cap_factor = 0.0 if softcap is None else softcap * to2
+        self.q_factor = scale * to2 if softcap is None else scale / softcap  # what scaled_q multiplies q by
+        # dK is accumulated against the scaled q: this takes it back to ``scale · q`` (softcap:
+        # scale / q_factor = softcap; base 2: ln 2; natural: 1)
+        self.dk_factor = (1.0 if self.natural else LN2) if softcap is None else softcap
+        self.scale = scale
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
         self.keep_scale = 1.0 / (1.0 - dropout_p)  # what dropout multiplies a kept probability by
         self._edges: dict[tuple[int, int, int, bool], Tensor] = {}  # see ``edge``
+        # A Mask that knows its block structure: key ranges and SKIP / FULL / PARTIAL blocks
+        # (``key_range``, ``col_blocks``); a dense mask is only read, block by block
+        self.block_mask = mask if isinstance(mask, Mask) else None
+        self._ranges: dict[tuple[int, int, int, int], tuple[int, int]] = {}  # see ``key_range``
         self.unshifted = _SIZES["unshifted"] != 0  # try the forward's no-max variant first
         self._v_tiny: bool | None = None  # see ``v_tiny``
         # Causal / window enter the score matmul as an additive −inf tile (``edge``) only where no
         # score can be +inf or NaN: −inf + (+inf or NaN) is NaN, and the reference blocks such a
         # pair like any other. Otherwise, and with a bias (checking a dense one would cost a pass
         # over all its L² entries), they are masked after the scores.
-        self.use_edges = (causal or window is not None) and bias is None and _edges_safe(q, k, scale, self.acc)
+        # With softcap the tile is added after the tanh (tanh(−inf) = −1 would keep a blocked pair).
+        self.use_edges = (causal or window is not None) and bias is None and _edges_safe(q, k, self.q_factor, self.acc)
         # Query rows per block: ``_SIZES["rows"]``, but under causal at least two row blocks (half
         # the rows, 64 at least): one block of all rows would see every key, the blocked half too.
         self.rows = _SIZES["rows"]
@@ -298,11 +320,38 @@ class _Problem:
         """Key columns per block: forced, or enough for a score block of about ``elems`` floats."""
         return _SIZES["cols"] or max(128, _SIZES["elems"] // (c.n * self.G * min(self.rows, self.Lq)) // 64 * 64)
 
-    def col_blocks(self, c: _Chunk, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
-        lo, hi = geometry.key_range(rows, self.Lq, self.Lk, self.causal, self.window)
+    def key_range(self, c: _Chunk, rows: tuple[int, int]) -> tuple[int, int]:
+        """The key columns ``[lo, hi)`` that the chunk's batches may see from query rows ``rows``:
+        causal / window's (``geometry.key_range``) within the Mask's (``Mask.key_range``, when
+        the mask is one); ``lo == hi`` when none. Kept per (batches, rows): ``tasks`` and the
+        block loop ask for the same ones."""
+        key = (c.b0, c.b1, rows[0], rows[1])
+        got = self._ranges.get(key)
+        if got is None:
+            lo, hi = geometry.key_range(rows, self.Lq, self.Lk, self.causal, self.window)
+            if self.block_mask is not None and lo < hi:
+                m_lo, m_hi = self.block_mask.key_range((c.b0, c.b1), rows)
+                lo, hi = max(lo, m_lo), min(hi, m_hi)
+            got = self._ranges[key] = (lo, hi) if lo < hi else (0, 0)
+        return got
+
+    def col_blocks(self, c: _Chunk, rows: tuple[int, int]) -> list[tuple[tuple[int, int], bool]]:
+        """The key blocks that query rows ``rows`` of the chunk visit, each as ``(cols, masked)``:
+        within ``key_range``, without the blocks the Mask blocks whole (``Mask.classify`` SKIP);
+        ``masked`` is False where no mask needs evaluating (no mask, or the Mask keeps the whole
+        block: FULL). Causal / window are not part of ``masked`` (``scores`` asks ``kind``)."""
+        lo, hi = self.key_range(c, rows)
         step = self.col_step(c)
+        blocks = []
         for j0 in range(lo, hi, step):
-            yield j0, min(hi, j0 + step)
+            cols = (j0, min(hi, j0 + step))
+            if self.block_mask is None:
+                blocks.append((cols, self.mask is not None))
+                continue
+            kind = self.block_mask.classify((c.b0, c.b1), rows, cols)
+            if kind is not geometry.SKIP:
+                blocks.append((cols, kind is not geometry.FULL))
+        return blocks
 
     def kind(self, rows: tuple[int, int], cols: tuple[int, int]) -> geometry.Kind:
         """What causal / window leave of one block (``geometry.classify``)."""
@@ -317,9 +366,11 @@ class _Problem:
         the most keys), so that the worker threads finish together."""
         step = self.rows
         blocks = [(i0, min(self.Lq, i0 + step)) for i0 in range(0, self.Lq, step)]
-        ranges = [geometry.key_range(r, self.Lq, self.Lk, self.causal, self.window) for r in blocks]
-        cost = [hi - lo for lo, hi in ranges]
-        todo = [(cost[i] * c.n, ci, b) for ci, c in enumerate(chunks) for i, b in enumerate(blocks)]
+        todo = []
+        for ci, c in enumerate(chunks):
+            for b in blocks:
+                lo, hi = self.key_range(c, b)  # the keys the block loop visits (within a Mask's too)
+                todo.append(((hi - lo) * c.n, ci, b))
         return [(ci, b) for _, ci, b in sorted(todo, key=lambda t: -t[0])]
 
     @staticmethod
@@ -371,11 +422,19 @@ class _Problem:
         name: str = "s",
         transposed: bool = False,
         shift: Tensor | None = None,
+        masked: bool = True,
+        t_name: str | None = None,
     ) -> Tensor:
         """``s₂ = (scale · q kᵀ + bias) · log2 e`` for one block, blocked pairs −inf: (N, G·r, c),
         from the scaled queries ``qa`` (N, G·r, D) and the chunk's keys ``ka`` (N, Lk, D), written
         into the arena's buffer ``name``. ``shift`` (N, G·r, 1), if given, is added to every score of
-        its row (see the class docstring). ``transposed``: return sᵀ (N, c, G·r), computed as K Qᵀ."""
+        its row (see the class docstring). ``transposed``: return sᵀ (N, c, G·r), computed as K Qᵀ.
+        ``masked``: whether the mask is evaluated on this block (False: it keeps the whole block).
+
+        softcap: ``s₂ = softcap · log2 e · tanh(x) + bias · log2 e`` with ``x = q kᵀ · scale /
+        softcap`` the matmul's result (``qa`` is scaled so); the edge tile and the shift are added
+        only after the tanh. ``t_name``: keep ``t = tanh(x)`` (laid out as the block) in that
+        arena buffer, squared: ``t²``, for the backward's ``1 − t²``."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
@@ -385,7 +444,19 @@ class _Problem:
         add = None if shift is None or self.natural else shift.transpose(1, 2) if transposed else shift
         buf = ar.get(name, N, nc, GR) if transposed else ar.get(name, N, GR, nc)  # (N, c, G·r) or (N, G·r, c)
         x, y = (kb, qa.transpose(1, 2)) if transposed else (qa, kb.transpose(1, 2))
-        if add is not None and edge is not None:
+        if self.softcap is not None:
+            torch.bmm(x, y, out=buf)  # x = q·k·scale / softcap
+            t = buf.tanh_() if t_name is None else torch.tanh(buf, out=ar.get(t_name, *buf.shape))
+            # s₂ = softcap · log2 e · t, then the edge tile and the shift: one pass when only one is there
+            if add is not None and edge is not None:
+                torch.add(add, t, alpha=self.cap_factor, out=buf).add_(edge)
+            elif (extra := add if add is not None else edge) is not None:
+                torch.add(extra, t, alpha=self.cap_factor, out=buf)
+            else:
+                torch.mul(t, self.cap_factor, out=buf)
+            if t_name is not None:
+                t.mul_(t)  # t², what the backward needs (now, while t is fresh in the cache)
+        elif add is not None and edge is not None:
             torch.add(add, edge, out=buf).baddbmm_(x, y)
         elif (extra := add if add is not None else edge) is not None:
             torch.baddbmm(extra, x, y, out=buf)
@@ -394,7 +465,8 @@ class _Problem:
         s = buf.transpose(1, 2) if transposed else buf  # (N, G·r, c)
         # causal / window still to mask here: when they could not enter as an edge tile
         late = not self.use_edges and self.kind(rows, cols) is not geometry.FULL
-        if self.bias is not None or self.mask is not None or late:
+        masked = masked and self.mask is not None
+        if self.bias is not None or masked or late:
             s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
             if self.bias is not None:
                 b5 = _five(c.heads(block_of(self.bias, rows, cols)), self.G)
@@ -405,7 +477,8 @@ class _Problem:
                 else:
                     s5.add_(b5, alpha=LOG2E)
             win = self.window if late else None
-            keep = keep_block(self.mask, self.causal and late, win, self.Lq, self.Lk, rows, cols, s.device)
+            mask = self.mask if masked else None
+            keep = keep_block(mask, self.causal and late, win, self.Lq, self.Lk, rows, cols, s.device)
             if keep is not None:
                 s5.masked_fill_(_five(c.heads(keep), self.G).logical_not(), NEG_INF)
         if self.natural and shift is not None:
@@ -436,14 +509,15 @@ def forward(
     scale: float,
     dropout_p: float,
     dropout_seed: int,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))`` by an online softmax over key blocks.
     A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
     if _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
-        out1, lse1 = _forward_softmax(q, k, v, causal, scale, with_lse=True)
+        out1, lse1 = _forward_softmax(q, k, v, causal, scale, with_lse=True, softcap=softcap)
         assert lse1 is not None
         return out1, lse1
-    pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed, softcap)
     out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=q.device)
     chunks = pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv)
@@ -484,7 +558,7 @@ def _softmax_applies(
 
 
 def _forward_softmax(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, with_lse: bool
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, with_lse: bool, softcap: float | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """The online softmax when the keys of every row fit in one block: it takes a single step,
     ``m`` = the row max, ``p = exp(s − m)``, ``l = Σ p``, ``O = p V / l`` — which is torch's fused
@@ -492,7 +566,8 @@ def _forward_softmax(
     never sees a row of −inf. The (batch, kv head) pairs run in tasks whose score blocks, about
     2 MiB, stay in the core's cache, at least one per worker thread. ``with_lse``: also the lse,
     from the row max of the scores and of P (two more passes; else None) — the output is the same
-    either way."""
+    either way. ``softcap``: the scores are ``softcap · tanh(scale · Q Kᵀ / softcap)`` before the
+    causal −inf (tanh(−inf) = −1 would keep a blocked pair)."""
     _count("softmax")
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -517,7 +592,10 @@ def _forward_softmax(
         # each such call can wait a scheduler time slice (7 ms, benchmarks/shapes.py --busy):
         # there exp(s − m) is exp2((s − m) · log2 e), and exp2, max and sum stay on this thread.
         s = qa.new_empty(n1 - n0, G * Lq, Lk)  # (beta=0: its contents are ignored, NaN included)
-        s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
+        if softcap is None:
+            s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
+        else:  # softcap · tanh(scale · Q Kᵀ / softcap)
+            s.baddbmm_(qa, ka, beta=0.0, alpha=scale / softcap).tanh_().mul_(softcap)
         if blocked is not None:
             s.masked_fill_(blocked, NEG_INF)
         if torch.get_num_threads() > 1:
@@ -568,16 +646,21 @@ def _forward_rows(
 
     The unshifted variant is tried first (``_forward_rows_unshifted``: no max at all, exact when
     its check passes, which it does for scores of ordinary size); this is the path otherwise."""
-    qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e: (N, G·r, D)
-    if pb.unshifted and _forward_rows_unshifted(pb, c, rows, qs, kc, vc, ar, out, lse):
+    blocks = pb.col_blocks(c, rows)  # [(cols, masked)]
+    if not blocks:  # no key to see (a Mask or causal / window block them all): O = 0, lse = −inf
+        c.block(out, rows).zero_()
+        c.block(lse, rows).fill_(NEG_INF)
+        return
+    qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e (softcap: q · scale / softcap): (N, G·r, D)
+    if pb.unshifted and _forward_rows_unshifted(pb, c, rows, qs, kc, vc, ar, out, lse, blocks):
         return
     shape = (c.n, qs.shape[1], 1)
     m = torch.full(shape, NEG_INF, dtype=pb.acc, device=qs.device)  # running max (base 2): (N, G·r, 1)
     l = torch.zeros(shape, dtype=pb.acc, device=qs.device)  # running sum: (N, G·r, 1)
     acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # unnormalised output: (N, G·r, Dv)
-    for cols in pb.col_blocks(c, rows):
+    for cols, masked in blocks:
         _count("forward")
-        s = pb.scores(c, qs, kc, rows, cols, ar)  # s₂, blocked pairs −inf: (N, G·r, c)
+        s = pb.scores(c, qs, kc, rows, cols, ar, masked=masked)  # s₂, blocked pairs −inf: (N, G·r, c)
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # m_new = max(m, max_j s_ij)
         # A row that has met no kept key yet keeps m = −inf; inside exp2 it is 0 instead, so that
         # exp2(−inf − (−inf)) is never evaluated (its p and alpha are then exp2(−inf) = 0).
@@ -605,6 +688,7 @@ def _forward_rows_unshifted(
     ar: Arena,
     out: Tensor,
     lse: Tensor,
+    blocks: list[tuple[tuple[int, int], bool]],
 ) -> bool:
     """The rows of ``_forward_rows`` with no running max: ``p = exp2(s₂)`` as it is. Returns False,
     having written nothing, when that was not exact; then the online softmax runs.
@@ -619,9 +703,9 @@ def _forward_rows_unshifted(
     smallest normal float. A row that sees no key (``l = 0``) fails the check too."""
     l = ar.get("l", c.n, qs.shape[1], 1).zero_()  # Σ_j exp2(s_ij): (N, G·r, 1)
     acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # Σ_j exp2(s_ij) v_j: (N, G·r, Dv)
-    for cols in pb.col_blocks(c, rows):
+    for cols, masked in blocks:
         _count("forward")
-        p = pb.scores(c, qs, kc, rows, cols, ar).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
+        p = pb.scores(c, qs, kc, rows, cols, ar, masked=masked).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
         l.add_(p.sum(dim=-1, keepdim=True))
         if pb.dropout_p > 0.0:
             p.mul_(pb.dropout_keep(c, rows, cols))  # dropped entries leave acc, not the normaliser l
@@ -665,11 +749,12 @@ def backward(
     dropout_p: float,
     dropout_seed: int,
     bias_grad: bool = True,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` from the saved ``out`` and ``lse``, recomputing P block by block.
     dk / dv are summed over each GQA group; dbias has bias's (broadcast) shape, None without bias
     (or when ``bias_grad`` is False)."""
-    pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed)
+    pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed, softcap)
     if pb.row_shift is not None:
         lse = lse - pb.row_shift  # the lse of the scores with the bias as _huge_bias shifted it
     dq = torch.empty_like(q)
@@ -709,7 +794,7 @@ def backward(
         for ci, (dk_h, dv_h) in helped.items():
             chunks[ci].kv(dk).add_(dk_h)
             chunks[ci].kv(dv).add_(dv_h)
-    dk.mul_(1.0 if pb.natural else LN2)  # dk was accumulated against q · scale · log2 e (natural: q · scale)
+    dk.mul_(pb.dk_factor)  # dk was accumulated against the scaled q (q · scale · log2 e, or see dk_factor)
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
 
@@ -731,8 +816,10 @@ def _backward_rows(
 ) -> None:
     """Gradients from one block of query rows: writes its rows of dq; adds into the chunk's dK and
     dV (N, Lk, ·) and into dbias.
-    Both shifts come out of the matmuls (see ``_Problem``): ``s₂ − lse₂`` and ``dp − D``."""
-    qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e: (N, G·r, D)
+    Both shifts come out of the matmuls (see ``_Problem``): ``s₂ − lse₂`` and ``dp − D`` (with
+    softcap the first is added after the tanh, see ``_Problem.scores``)."""
+    blocks = pb.col_blocks(c, rows)  # [(cols, masked)]
+    qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e (softcap: q · scale / softcap): (N, G·r, D)
     N, GR = qs.shape[0], qs.shape[1]
     lse2 = c.rows(lse.unsqueeze(-1), rows) * LOG2E  # (N, G·r, 1), base 2
     neg_lse2 = torch.where(lse2 == NEG_INF, 0.0, -lse2)  # a blocked row's scores are all −inf anyway
@@ -745,10 +832,12 @@ def _backward_rows(
     dq_acc = ar.get("dq", N, GR, pb.D).zero_()
     # The blocks are computed transposed, (N, c, G·r): then three of the four matmuls that read them
     # (dV, dp, dK) take them as they are laid out, and only dQ reads a transposed operand.
-    for cols in pb.col_blocks(c, rows):
+    t_name = None if pb.softcap is None else "t"  # softcap: tanh²(x)ᵀ kept for 1 − t²: (N, c, G·r)
+    for cols, masked in blocks:
         _count("backward")
         j0, j1 = cols
-        p_t = pb.scores(c, qs, kc, rows, cols, ar, "p", transposed=True, shift=neg_lse2).exp2_()  # pᵀ: exp(s - lse)
+        p_t = pb.scores(c, qs, kc, rows, cols, ar, "p", transposed=True, shift=neg_lse2, masked=masked, t_name=t_name)
+        p_t.exp2_()  # pᵀ: exp(s − lse), in place
         dp_t = ar.get("dp", *p_t.shape)  # (N, c, G·r)
         if do_kept is not None:  # dropout: p̃ = Z∘p/(1-p), and dp reads v through the same Z/(1-p)
             z_t = pb.dropout_keep(c, rows, cols).transpose(1, 2)  # Zᵀ: (N, c, G·r) bool
@@ -760,12 +849,15 @@ def _backward_rows(
             torch.baddbmm(neg_d_t, vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ
             _add_bmm(dv[:, j0:j1], p_t, do, ar)  # dV_j += Σ_i p_ij dO_i
         ds_t = dp_t.mul_(p_t)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
-        dq_acc.baddbmm_(ds_t.transpose(1, 2), kc[:, j0:j1])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
-        _add_bmm(dk[:, j0:j1], ds_t, qs, ar)  # dK_j += Σ_i ds_ij q_i · scale · log2 e
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds_t.transpose(1, 2))
+        if t_name is not None:  # softcap: the score's gradient times d(softcap·tanh(x))/d(scale·q·k) = 1 − t²
+            t2_t = ar.get(t_name, *ds_t.shape)  # (t²)ᵀ, as ``scores`` left it: (N, c, G·r)
+            ds_t.addcmul_(ds_t, t2_t, value=-1.0)  # ds − ds·t²
+        dq_acc.baddbmm_(ds_t.transpose(1, 2), kc[:, j0:j1])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
+        _add_bmm(dk[:, j0:j1], ds_t, qs, ar)  # dK_j += Σ_i ds_ij q_i · scale · log2 e   (or see dk_factor)
     g = c.block(dq, rows)  # (nb, nh·G, r, D), a view
-    torch.mul(dq_acc.view(g.shape), pb.scale2 * LN2, out=g)  # scale2 · ln 2 = scale
+    torch.mul(dq_acc.view(g.shape), pb.scale, out=g)  # dQ_i = scale · Σ_j ds_ij k_j
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -839,6 +931,7 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
     need_lse: bool = True,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The backend entry used by ``functional.py``: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``,
     differentiable in q, k, v and bias (lse is not). ``need_lse=False``: lse may be None (a call
@@ -846,7 +939,7 @@ def attention(
     so the output is the same either way)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     if not needs_grad and not need_lse and _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
-        return _forward_softmax(q, k, v, causal, scale, with_lse=False)
+        return _forward_softmax(q, k, v, causal, scale, with_lse=False, softcap=softcap)
     options: dict[str, Any] = {
         "mask": mask,
         "causal": causal,
@@ -854,6 +947,7 @@ def attention(
         "scale": scale,
         "dropout_p": dropout_p,
         "dropout_seed": dropout_seed,
+        "softcap": softcap,
     }
     if not needs_grad:
         return forward(q, k, v, bias=bias, **options)
