@@ -395,7 +395,7 @@ def ring_attention(
         "scale": struct.unpack("<q", struct.pack("<d", sc))[0], "requires_grad": int(grad),
     })  # fmt: skip
     # The backend, chosen as az.attention(backend="auto") chooses it (once, in functional.choose)
-    backend = ops.backend(functional.choose("auto", q, k, needs_grad=grad))
+    backend = ops.backend(functional.choose("auto", q, k, needs_grad=grad, v=v))
     out = _RingAttention.apply(q, k, v, is_causal, sc, ring, lay, backend)
     assert isinstance(out, Tensor)
     return out
