@@ -313,8 +313,9 @@ def test_ring_runs_the_backend_of_the_one_choice(tmp_path: Path, monkeypatch: py
     used: list[str] = []
     real_choose = functional.choose
 
-    def choose(name: str, q: torch.Tensor, k: torch.Tensor, *, needs_grad: bool) -> str:
-        chosen.append(real_choose(name, q, k, needs_grad=needs_grad))
+    def choose(name: str, q: torch.Tensor, k: torch.Tensor, *, needs_grad: bool, v: Any = None) -> str:
+        assert v is not None, "the ring should pass v, as attention does (Dv takes part in the choice)"
+        chosen.append(real_choose(name, q, k, needs_grad=needs_grad, v=v))
         return chosen[-1]
 
     def spy(name: str, fn: Any) -> Any:
@@ -341,7 +342,7 @@ def test_ring_runs_the_backend_of_the_one_choice(tmp_path: Path, monkeypatch: py
             torch.testing.assert_close(out, ref)
             for a, b in zip(g, torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))):
                 torch.testing.assert_close(a, b)
-        monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad: "reference")
+        monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad, v=None: "reference")
         used.clear()
         q = torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True)
         az.distributed.ring_attention(q, q, q, causal=True).sum().backward()

@@ -32,6 +32,14 @@ W-1 does W times the work of rank 0); zigzag gives every rank the same work: aga
 an earlier rank all of its queries see only that rank's early chunk, against a block from a later
 rank only its own late chunk of queries sees anything (and it sees both chunks).
 
+Soft-capping (``softcap``) changes the scores of kept pairs only, so every step's backend applies it,
+forward and backward. Attention sinks (``sinks``) are one more, virtual, key per query row: they are
+added ONCE, after the merge of every step (``sinks.fold`` on the merged out and lse), never per step
+(which would count the sink W times). The backward hands every step's backend the sink-folded global
+out and lse — the sink is a key of value 0, so P = exp(s − lse) and Δ = rowsum(dO ∘ O) are then
+exactly right — and computes this rank's dsinks from its own rows (``sinks.grad``), with no
+communication.
+
 Letters: B batch, Hq / Hkv query / key-value heads, L this rank's slice length, D head dim of q and
 k, Dv head dim of v. Set the timeout of every wait with ``torch.distributed.init_process_group(...,
 timeout=...)``: a rank that raises or dies makes the others fail with a clear error within it.
@@ -50,6 +58,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import checks, functional, geometry, ops
+from . import sinks as sinks_
 from .reference import accum_dtype
 
 __all__ = ["gather", "ring_attention", "shard"]
@@ -162,6 +171,10 @@ def _decode(name: str, x: int) -> str:
         return str(_DTYPES[x]) if 0 <= x < len(_DTYPES) else "another dtype"
     if name == "scale":
         return repr(struct.unpack("<d", struct.pack("<q", x))[0])
+    if name == "softcap":
+        return "None" if x == 0 else repr(struct.unpack("<d", struct.pack("<q", x))[0])
+    if name == "sinks":
+        return ("None", "per head (Hq,)", "per query (B, Hq, L)")[x] if 0 <= x < 3 else str(x)
     if name in ("causal", "requires_grad"):
         return str(bool(x))
     if name == "layout":
@@ -263,9 +276,11 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 
 
 def _ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str, backend: ops.Backend
-) -> tuple[Tensor, Tensor]:
-    """This rank's (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) in the accumulator dtype)."""
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, causal: bool, scale: float, softcap: float | None,
+    ring: _Ring, layout: str, backend: ops.Backend,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """This rank's (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) in the accumulator dtype), the
+    sink folded in once the steps are merged."""
     B, Hq, L, _ = q.shape
     acc = accum_dtype(q.dtype)
     out = torch.zeros(B, Hq, L, v.shape[-1], dtype=acc, device=q.device)  # (B, Hq, L, Dv)
@@ -278,20 +293,24 @@ def _ring_forward(
         for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout, ring.world):
             out_b, lse_b = backend.forward(
                 _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
-                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
+                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, softcap=softcap,
+                dropout_p=0.0, dropout_seed=0,
             )  # fmt: skip
             _merge(out[:, :, rows], lse[:, :, rows], out_b, lse_b)
         if nxt is not None:
             kv = nxt.wait()
+    if sinks is not None:  # once, on the merge of every step: one virtual key per row
+        out, lse = sinks_.fold(out, lse, sinks.detach())  # (B, Hq, L, Dv), (B, Hq, L)
     return out.to(q.dtype), lse
 
 
 def _ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    causal: bool, scale: float, ring: _Ring, layout: str, backend: ops.Backend,
+    causal: bool, scale: float, softcap: float | None, ring: _Ring, layout: str, backend: ops.Backend,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of this rank's slices. Blocks travel as in the forward; each block's dK/dV
-    partial sum travels one hop behind it and reaches its owner after W hops."""
+    partial sum travels one hop behind it and reaches its owner after W hops. ``out`` and ``lse``
+    are the global ones, the sink folded in when there is one."""
     L = q.shape[2]
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, Hq, L, D)
@@ -308,7 +327,8 @@ def _ring_backward(
             dq_p, dk_p, dv_p, _ = backend.backward(
                 _part(dout, rows), _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
                 _part(out, rows), _part(lse, rows),
-                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, dropout_p=0.0, dropout_seed=0,
+                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, softcap=softcap,
+                dropout_p=0.0, dropout_seed=0,
             )  # fmt: skip
             dq[:, :, rows] += dq_p
             dk_b[:, :, cols] += dk_p
@@ -328,20 +348,29 @@ def _ring_backward(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ring: _Ring, layout: str,
-        backend: ops.Backend,
-    ) -> Tensor:
-        out, lse = _ring_forward(q, k, v, causal, scale, ring, layout, backend)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, ring, layout, backend)
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, causal: bool, scale: float,
+        softcap: float | None, ring: _Ring, layout: str, backend: ops.Backend,
+    ) -> Tensor:  # fmt: skip
+        out, lse = _ring_forward(q, k, v, sinks, causal, scale, softcap, ring, layout, backend)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.args = (causal, scale, softcap, ring, layout, backend)
         return out
 
     @staticmethod
     @once_differentiable  # a second derivative would need the ring inside autograd: refused clearly
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq = dk = dv = dsinks = None
+        # The ring runs when q, k or v want a gradient — the same on every rank (ring_attention
+        # agreed on it); dsinks alone needs no other rank.
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # This rank's rows only: for per-head sinks (Hq,) the sum over rows of this rank's
+            # queries. Summed over the ranks (DDP, or all_reduce) it is the whole sequence's.
+            dsinks = sinks_.grad(dout, out, lse, sinks.detach())  # sinks' shape and dtype
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +384,8 @@ def ring_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
     group: Any = None,
     layout: Layout = "contiguous",
 ) -> Tensor:
@@ -366,6 +397,17 @@ def ring_attention(
             key/value head ``h // (Hq // Hkv)`` (GQA / MQA). Every rank passes the same shapes.
         causal: position i sees position j iff j <= i, positions counted over the whole sequence.
         scale: defaults to ``1 / sqrt(D)``.
+        softcap: None, or a float > 0: each score ``s`` becomes ``softcap · tanh(s / softcap)``
+            (Gemma 2), as in ``az.attention``.
+        sinks: None, or attention-sink logits (gpt-oss): ``(Hq,)``, one per head — the same
+            parameter on every rank (a replica, as every other weight of a data/sequence-parallel
+            model) — or ``(B, Hq, L)``, one per query of this rank's slice (in the layout's order,
+            as ``shard`` cuts it). A virtual key of value 0 in each row's softmax, as in
+            ``az.attention``. Its gradient is this rank's share: the terms of this rank's query
+            rows (for ``(Hq,)``, summed over them). The ring does not all-reduce it; like the
+            gradients of every replicated parameter, the sum over the ranks — what DDP's reduction
+            does (averaging, as for the other weights), or ``all_reduce`` — is the gradient over
+            the whole sequence. ``(B, Hq, L)`` sinks get exactly their rows' gradient.
         group: a ``torch.distributed`` process group (None = the default one).
         layout: how the sequence of length W·L was cut (``shard`` does it): ``"contiguous"`` — rank r
             holds chunk r of W; ``"zigzag"`` — rank r holds chunks r and 2W-1-r of 2W (L even), which
@@ -373,8 +415,8 @@ def ring_attention(
 
     Returns:
         this rank's slice (B, Hq, L, Dv) of the attention output over the whole sequence, in q's
-        dtype; differentiable w.r.t. q, k, v (the backward is a second trip around the ring, so
-        every rank must run it). Equal to ``az.attention`` on the whole sequence.
+        dtype; differentiable w.r.t. q, k, v and ``sinks`` (the backward is a second trip around the
+        ring, so every rank must run it). Equal to ``az.attention`` on the whole sequence.
 
     Raises ``ValueError`` / ``TypeError`` for bad arguments and, on every rank, for shapes, dtypes
     or flags that differ between ranks; ``RuntimeError`` when another rank raised, died or timed out.
@@ -384,6 +426,9 @@ def ring_attention(
         raise ValueError(f"k: expected this rank's slice of the same sequence as q (length {L}), got length {Lk}")
     is_causal = checks.flag("causal", causal)
     sc = checks.scale(scale, q.shape[-1])
+    cap = checks.softcap(softcap)
+    sink = checks.sinks(sinks, B, Hq, L, q.device)  # (Hq,) or (B, Hq, L): this rank's queries
+    sink_kind = 0 if sink is None else (1 if sink.ndim == 1 else 2)  # none, per head, per query
     lay = checks.choice("layout", layout, LAYOUTS)
     if lay == "zigzag" and L % 2:
         raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so expected an even length, got {L}")
@@ -393,10 +438,12 @@ def ring_attention(
         "B": B, "Hq": Hq, "Hkv": Hkv, "L": L, "D": q.shape[3], "Dv": v.shape[3],
         "dtype": _DTYPES.index(q.dtype), "causal": int(is_causal), "layout": LAYOUTS.index(lay),
         "scale": struct.unpack("<q", struct.pack("<d", sc))[0], "requires_grad": int(grad),
+        "softcap": 0 if cap is None else struct.unpack("<q", struct.pack("<d", cap))[0], "sinks": sink_kind,
     })  # fmt: skip
-    # The backend, chosen as az.attention(backend="auto") chooses it (once, in functional.choose)
-    backend = ops.backend(functional.choose("auto", q, k, needs_grad=grad))
-    out = _RingAttention.apply(q, k, v, is_causal, sc, ring, lay, backend)
+    # The backend, chosen as az.attention(backend="auto") chooses it (once, in functional.choose).
+    # Only q, k, v's gradients need its backward (and the ring); the sinks' is computed here.
+    backend = ops.backend(functional.choose("auto", q, k, needs_grad=grad, v=v))
+    out = _RingAttention.apply(q, k, v, sink, is_causal, sc, cap, ring, lay, backend)
     assert isinstance(out, Tensor)
     return out
 

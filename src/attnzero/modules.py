@@ -92,6 +92,12 @@ class MultiHeadAttention(nn.Module):
         backend: the ``az.attention`` backend.
         rope: rotary positions on queries and keys: False (none), True (``RotaryEmbedding(d_k)``,
             half-split as Llama) or a ``RotaryEmbedding`` of head dim ``d_k``.
+        softcap: None, or a float > 0: logit soft-capping (Gemma 2), each score ``s`` becomes
+            ``softcap · tanh(s / softcap)`` before the softmax.
+        sinks: whether each head has a learnable attention sink (gpt-oss): a parameter ``sinks``
+            of shape (num_heads,), initialised to 0, the logit of a virtual key of value 0 in
+            every row's softmax (the weights of a row then sum to less than 1). Without it the
+            attribute ``sinks`` is None.
 
     Decoding: ``forward(x, cache=az.KVCache(B, max_len, num_kv_heads, d_k))`` appends the new
     keys/values (after rotary) to the cache and attends causally to everything cached; the
@@ -110,6 +116,8 @@ class MultiHeadAttention(nn.Module):
         vdim: int | None = None,
         backend: BackendName = "auto",
         rope: bool | RotaryEmbedding = False,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         for name, val in (("d_model", d_model), ("num_heads", num_heads)):
@@ -139,6 +147,18 @@ class MultiHeadAttention(nn.Module):
         self.W_v = nn.Linear(self.vdim, kv_heads * self.d_k, bias=bias)
         self.W_o = nn.Linear(num_heads * self.d_k, d_model, bias=bias)
         self.rope: RotaryEmbedding | None = rotary.resolve(rope, self.d_k)
+        self.softcap: float | None = checks.softcap(softcap)
+        self.sinks: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(num_heads)) if checks.flag("sinks", sinks) else None
+        )  # (num_heads,): exp(0) = 1, one virtual key's worth of weight, as gpt-oss starts
+
+    def extra_repr(self) -> str:
+        parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}", f"num_kv_heads={self.num_kv_heads}"]
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap}")
+        if self.sinks is not None:
+            parts.append("sinks=True")
+        return ", ".join(parts)
 
     def _split_heads(self, x: Tensor, heads: int) -> Tensor:
         B, L, _ = x.shape
@@ -163,7 +183,8 @@ class MultiHeadAttention(nn.Module):
         seed's ``torch.tril(torch.ones(L, L))`` works as is). ``key_padding_mask`` (B, Lk): True =
         a real token (the opposite of ``nn.MultiheadAttention``'s). ``causal``: bottom-right causal.
         Returns (B, Lq, d_model), or ``(output, weights (B, num_heads, Lq, Lk))`` when
-        ``need_weights`` — the weights before dropout.
+        ``need_weights`` — the weights before dropout (with ``sinks``, a row sums to less than 1:
+        the rest is the sink's).
 
         ``cache``: a ``KVCache`` for decoding (self-attention only; key/value omitted or ``query``
         itself). The new L tokens take positions ``len(cache) .. len(cache)+L-1``, their keys and
@@ -201,7 +222,7 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.update(k, v)  # (B, Hkv, past + Lq, d_k) each: every cached token
         try:
             out = attention(
-                q, k, v, mask=keep, causal=is_causal,
+                q, k, v, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks,
                 dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
             )
         except BaseException:
@@ -213,7 +234,7 @@ class MultiHeadAttention(nn.Module):
         output = self.W_o(out)  # (B, Lq, d_model)
         if not want_weights:
             return output
-        return output, attention_weights(q, k, mask=keep, causal=is_causal)
+        return output, attention_weights(q, k, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks)
 
     def _check_inputs(self, query: Any, key: Any, value: Any, key_padding_mask: Any) -> None:
         for name, x, width in (("query", query, self.d_model), ("key", key, self.kdim), ("value", value, self.vdim)):
