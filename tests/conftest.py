@@ -155,18 +155,34 @@ def naive_attention(
     scale: float | None = None,
     drop_keep: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of softmax(scale · Q Kᵀ + bias) V with blocked pairs removed, in q's dtype."""
+    """(out, lse) of softmax(scale · Q Kᵀ + bias) V with blocked pairs removed, in q's dtype.
+    ``softcap``: scores capped by softcap·tanh(s / softcap) before the bias; ``sinks`` ((Hq,) or
+    (B, Hq, Lq)): one more always-kept key column of that logit and value 0, dropped after the
+    softmax."""
     G = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA; 1 without)
     k = k.repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): query head h reads kv head h // G
     v = v.repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + bias
     if keep is None:
         keep = torch.ones((), dtype=torch.bool)
     keep = keep.expand_as(s)
+    if sinks is not None:  # the sink as an extra key column: always kept, value 0
+        B, H, Lq, _ = s.shape
+        col = (sinks.view(1, H, 1, 1) if sinks.ndim == 1 else sinks.unsqueeze(-1)).expand(B, H, Lq, 1)
+        s = torch.cat([s, col.to(s.dtype)], dim=-1)  # (B, Hq, Lq, Lk + 1)
+        keep = torch.cat([keep, torch.ones(B, H, Lq, 1, dtype=torch.bool)], dim=-1)
+        v = torch.cat([v, torch.zeros(*v.shape[:2], 1, v.shape[-1], dtype=v.dtype)], dim=-2)  # (B, Hq, Lk + 1, Dv)
+        if drop_keep is not None:
+            ones = torch.ones(B, H, Lq, 1, dtype=drop_keep.dtype)
+            drop_keep = torch.cat([drop_keep.expand(B, H, Lq, -1), ones], dim=-1)
     row_any = keep.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
     # Blocked rows: softmax over zeros (harmless), then multiplied by 0, so no NaN in either pass.
     s_safe = torch.where(row_any, s.masked_fill(~keep, float("-inf")), torch.zeros_like(s))
@@ -206,10 +222,16 @@ def run_attention(
     leaves = {"q": q, "k": k, "v": v}
     if bias is not None:
         leaves["bias"] = bias
+    sinks = kwargs.pop("sinks", None)
+    if sinks is not None:  # a leaf with a gradient, in the run's dtype as the bias
+        leaves["sinks"] = sinks
     xs = {n: _cast_keep_strides(t, dtype).requires_grad_(dout is not None) for n, t in leaves.items()}
     if seed is not None:
         torch.manual_seed(seed)
-    out, lse = az.attention(xs["q"], xs["k"], xs["v"], bias=xs.get("bias"), backend=backend, return_lse=True, **kwargs)
+    out, lse = az.attention(
+        xs["q"], xs["k"], xs["v"], bias=xs.get("bias"), sinks=xs.get("sinks"), backend=backend, return_lse=True,
+        **kwargs,
+    )  # fmt: skip
     res = Result(out.detach(), lse.detach())
     if dout is not None:
         names = list(xs)
@@ -250,6 +272,8 @@ def check_against_golden(
     the reference backend's run of each case; the other backends' runs rely on it).
     Returns (golden, backend result)."""
     (br,) = round_to(dtype, bias)
+    if kwargs.get("sinks") is not None:  # the golden sees the sinks rounded to dtype, as the bias
+        (kwargs["sinks"],) = round_to(dtype, kwargs["sinks"])
     # Round q, k, v to dtype and back, keeping the caller's (possibly non-contiguous) layout.
     qr, kr, vr = (_cast_keep_strides(_cast_keep_strides(t, dtype), torch.float64) for t in (q, k, v))
     dout = None
@@ -302,7 +326,7 @@ def _check_naive(
 ) -> None:
     leaves = [t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v)]
     b = None if bias is None else bias.detach().clone().requires_grad_(dout is not None)
-    out, lse = naive(*leaves, b)
+    out, lse = naive(*leaves, b)  # (sinks, if any, are the naive function's own: their grads are checked elsewhere)
     torch.testing.assert_close(gold.out, out.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(gold.lse, lse.detach(), rtol=1e-10, atol=1e-10)
     if dout is not None:

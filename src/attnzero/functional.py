@@ -68,18 +68,27 @@ def _check_triton(device: torch.device) -> None:
         raise ArgumentError(f"backend: {reason}")
 
 
-def _auto(q: Tensor, k: Tensor) -> str:
+def _auto(q: Tensor, v: Tensor) -> str:
     """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements).
     Whether gradients are needed does not change it: ``choose`` then takes the triton backend's
     split-KV decode path only when no input requires grad."""
     # flash, on any device: with one key block (``flash._forward_softmax``) it is three ops per
     # task, as few as any formula; its worker threads keep a busy machine's cores out of each op.
     name = "flash"
-    if q.is_cuda and q.dtype != torch.float64 and _TRITON_INSTALLED:
-        name = "triton"  # the Triton kernels (kernels/), for every size on CUDA
+    if q.is_cuda and q.dtype != torch.float64 and _TRITON_INSTALLED and _fits_triton(q, v):
+        name = "triton"  # the Triton kernels (kernels/), for every size on CUDA up to their head dims
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):  # a compiled graph has no logger calls
-        log.debug("backend='auto' chose %r for q %s, k %s on %s", name, tuple(q.shape), tuple(k.shape), q.device)
+        log.debug("backend='auto' chose %r for q %s, v %s on %s", name, tuple(q.shape), tuple(v.shape), q.device)
     return name
+
+
+# The largest head dim of the Triton kernels' tiles (kernels/triton_backend.py's TILES).
+TRITON_MAX_HEAD_DIM = 256
+
+
+def _fits_triton(q: Tensor, v: Tensor) -> bool:
+    """Whether the head dims of q/k (D) and v (Dv) fit the Triton kernels' tiles."""
+    return checks.known(q.shape[-1] <= TRITON_MAX_HEAD_DIM) and checks.known(v.shape[-1] <= TRITON_MAX_HEAD_DIM)
 
 
 def _takes_decode(q: Tensor, k: Tensor) -> bool:
@@ -96,20 +105,27 @@ def _takes_decode(q: Tensor, k: Tensor) -> bool:
     )
 
 
-def choose(name: str, q: Tensor, k: Tensor, *, needs_grad: bool) -> str:
+def choose(name: str, q: Tensor, k: Tensor, *, needs_grad: bool, v: Tensor | None = None) -> str:
     """The implementation that runs (one of ``ops.NAMES``) for backend ``name`` — the one place where
     it is decided, for ``attention`` and the ring alike:
 
     * "auto" → the fastest correct backend for the inputs and device (``_auto``);
-    * "triton" → checked to run on q's device (a clear ImportError / ValueError otherwise); then
-      float64 → "flash" (float64 is not a GPU-kernel dtype: the plain-PyTorch tiled backend computes
-      it in float64 on the same device, with gradients), and the split-KV decode kernel
+    * "triton" → checked to run on q's device and to fit its tiles (head dims up to
+      ``TRITON_MAX_HEAD_DIM``; a clear ImportError / ValueError otherwise); then float64 →
+      "flash" (float64 is not a GPU-kernel dtype: the plain-PyTorch tiled backend computes it in
+      float64 on the same device, with gradients), and the split-KV decode kernel
       ("triton_decode") when no input requires grad and the shapes suit it (``_takes_decode``).
     """
+    values = k if v is None else v
     if name == "auto":
-        name = _auto(q, k)
+        name = _auto(q, values)
     if name == "triton":
         _check_triton(q.device)
+        if not _fits_triton(q, values):
+            raise ArgumentError(
+                f"backend: 'triton' tiles take head dims up to {TRITON_MAX_HEAD_DIM}, got D = {q.shape[-1]} and "
+                f"Dv = {values.shape[-1]}; use backend='flash' (or 'auto', which takes it for larger heads)"
+            )
         if q.dtype == torch.float64:
             name = "flash"
         elif not needs_grad and _takes_decode(q, k):
@@ -258,7 +274,7 @@ def _attention(
     want_lse = checks.flag("return_lse", return_lse)
     keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
 
-    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink))
+    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
     lse: Tensor | None
     if torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
         # One opaque op per call: dynamo never traces a backend's Python, and zero sizes (some only

@@ -386,7 +386,7 @@ def forward(
         out = q.new_zeros(B, Hq, Lq, Dv)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
         if sinks is not None:
-            lse = lse + _sinks.expand(sinks, lse.dtype)  # −inf + sink: a row with no key has lse = sink
+            lse = torch.logaddexp(lse, _sinks.expand(sinks, lse.dtype))  # a row with no key: lse = sink
         return out, lse, _kept_shapes(name, q, Lk, kw["dropout_p"])
     if D == 0:  # every score is 0 (+ bias)
         q, k = _zero_column(q), _zero_column(k)

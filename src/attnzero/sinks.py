@@ -35,12 +35,15 @@ def expand(sinks: Tensor, dtype: torch.dtype) -> Tensor:
 
 def fold(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """``(O₂, lse₂)``: the attention ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` with the sink added to
-    every row's softmax. The output keeps out's dtype; the rescaling is done in lse's dtype."""
-    sink = expand(sinks, lse.dtype)  # (1, Hq, 1) or (B, Hq, Lq)
-    lse2 = torch.logaddexp(lse, sink)  # (B, Hq, Lq); −inf only where both are −inf
-    factor = torch.where(lse2 == NEG_INF, 0.0, torch.exp(lse - lse2))  # (B, Hq, Lq), in [0, 1]
-    out2 = (out.to(lse.dtype) * factor.unsqueeze(-1)).to(out.dtype)  # (B, Hq, Lq, Dv)
-    return out2, lse2
+    every row's softmax, in out's and lse's dtypes. The factor ``exp(lse − lse₂)`` is computed as
+    ``sigmoid(lse − sink)`` (one rounding of a difference, not of two logs) and in float64, so that
+    O₂ is rounded once, like any output."""
+    sink = expand(sinks, torch.float64)  # (1, Hq, 1) or (B, Hq, Lq)
+    lse64 = lse.to(torch.float64)  # (B, Hq, Lq)
+    lse2 = torch.logaddexp(lse64, sink)  # −inf only where both are −inf
+    factor = torch.where(lse2 == NEG_INF, 0.0, torch.sigmoid(lse64 - sink))  # exp(lse − lse₂), in [0, 1]
+    out2 = (out.to(torch.float64) * factor.unsqueeze(-1)).to(out.dtype)  # (B, Hq, Lq, Dv)
+    return out2, lse2.to(lse.dtype)
 
 
 def grad(dout: Tensor, out2: Tensor, lse2: Tensor, sinks: Tensor) -> Tensor:

@@ -1,0 +1,160 @@
+"""Masks carry their block structure (masks.py): every claim a mask makes about a block — SKIP, FULL,
+its key range, its segments — is checked against the mask's own dense tensor, for every builder and
+their combinations, over random block partitions; and attention with a structured Mask equals
+attention with the dense tensor, while the flash backend visits only the blocks the mask keeps."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from conftest import check_against_golden, qkv
+
+import attnzero as az
+from attnzero import flash, geometry
+from attnzero import masks as M
+
+
+def _docs(L: int, n: int, B: int = 1, sorted_: bool = True) -> torch.Tensor:
+    ids = torch.sort(torch.randint(0, n, (B, L)), dim=-1).values if sorted_ else torch.randint(0, n, (B, L))
+    return ids if B > 1 else ids[0]
+
+
+def _masks(Lq: int, Lk: int) -> dict[str, M.Mask]:
+    L = Lq
+    out = {
+        "causal": M.causal(Lq, Lk),
+        "causal_tl": M.causal(Lq, Lk, align="top_left"),
+        "window": M.window(Lq, Lk, 3, 2),
+        "window_left": M.window(Lq, Lk, 4, None),
+        "padding": M.padding([Lk, max(1, Lk // 3), 0], Lk),
+    }
+    if Lq == Lk:
+        out |= {
+            "document": M.document(_docs(L, 4)),
+            "document_b": M.document(_docs(L, 3, B=3)),
+            "document_unsorted": M.document(_docs(L, 3, sorted_=False)),
+            "document_cu": M.document(cu_seqlens=[0, L // 3, L // 3, L]),
+            "causal&document": M.and_(M.causal(L), M.document(_docs(L, 5))),
+            "document&padding": M.and_(M.document(_docs(L, 3, B=3)), M.padding([L, L // 2, 1], L)),
+            "window&document&tensor": M.and_(M.window(L, L, 5), M.document(_docs(L, 2)), torch.rand(L, L) < 0.7),
+            "causal|window": M.or_(M.causal(L), M.window(L, L, 2, 3)),
+            "document|causal": M.or_(M.document(_docs(L, 3)), M.causal(L)),
+            "not causal": ~M.causal(L),
+        }
+    return out
+
+
+def _partition(n: int, rng: random.Random) -> list[tuple[int, int]]:
+    cuts = sorted({0, n, *(rng.randrange(1, n) for _ in range(rng.randrange(0, 4)) if n > 1)})
+    return list(itertools.pairwise(cuts))
+
+
+@pytest.mark.parametrize(("Lq", "Lk"), [(1, 1), (17, 17), (40, 40), (9, 30), (30, 9)])
+def test_every_block_claim_holds_on_the_dense_mask(Lq: int, Lk: int) -> None:
+    rng = random.Random(Lq * 100 + Lk)
+    for name, m in _masks(Lq, Lk).items():
+        m = m.at(Lq, Lk)
+        dense = m.to_tensor().expand(m.shape[0], 1, Lq, Lk)  # (B, 1, Lq, Lk)
+        B = dense.shape[0]
+        for _ in range(6):
+            for b0, b1 in _partition(B, rng):
+                for rows in _partition(Lq, rng):
+                    sub = dense[b0:b1, :, rows[0] : rows[1]]  # (nb, 1, r, Lk)
+                    lo, hi = m.key_range((b0, b1), rows)
+                    outside = torch.ones(Lk, dtype=torch.bool)
+                    outside[max(0, lo) : min(hi, Lk)] = False
+                    assert not sub[..., outside].any(), f"{name}: keys outside {lo, hi} are kept for rows {rows}"
+                    for cols in _partition(Lk, rng):
+                        block = sub[..., cols[0] : cols[1]]
+                        kind = m.classify((b0, b1), rows, cols)
+                        if kind is geometry.SKIP:
+                            assert not block.any(), f"{name}: SKIP block {rows, cols} keeps a pair"
+                        elif kind is geometry.FULL:
+                            assert block.all(), f"{name}: FULL block {rows, cols} blocks a pair"
+
+
+def test_segments_are_exactly_the_mask_and_ranges_are_its_key_ranges() -> None:
+    L = 45
+    for m in (M.document(_docs(L, 4, B=2)), M.padding([3, 45], 45), M.document(cu_seqlens=[0, 10, 10, 45])):
+        seg = m.segments
+        assert seg is not None and seg.sorted
+        dense = m.to_tensor()
+        b = torch.arange(m.shape[0]).view(-1, 1, 1, 1)
+        i = torch.arange(m.shape[2]).view(1, 1, -1, 1)
+        j = torch.arange(m.shape[3]).view(1, 1, 1, -1)
+        assert torch.equal(seg.keep(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), i, j).expand_as(dense), dense)
+        r = seg.ranges(16, 2, L)  # (B, n_row_blocks, 2)
+        assert r.dtype == torch.int32 and r.shape == (2, 3, 2)
+        full = dense.expand(2, 1, L, L)
+        for bb in range(2):
+            for blk in range(3):
+                lo, hi = r[bb, blk].tolist()
+                rows = full[bb, 0, blk * 16 : (blk + 1) * 16]
+                kept_cols = rows.any(dim=0).nonzero().flatten()
+                if len(kept_cols):
+                    assert lo <= int(kept_cols.min()) and int(kept_cols.max()) < hi
+
+
+def test_structure_of_each_builder() -> None:
+    assert M.causal(5, 8).band == (None, 3) and M.causal(5, 8).exact
+    assert M.causal(5, 8, align="top_left").band == (None, 0)
+    assert M.window(6, 6, 2, 1).band == (-2, 1)
+    assert M.window(6, 6, None, None).band is None
+    assert M.causal(6).without_band() is None  # a pure band leaves nothing to evaluate
+    cd = M.and_(M.causal(6), M.document([0, 0, 0, 1, 1, 1]))
+    rest = cd.without_band()
+    assert cd.band == (None, 0) and rest is not None and rest.segments is not None and rest.band is None
+    mixed = M.and_(M.document([0, 0, 1, 1]), torch.ones(4, 4, dtype=torch.bool))
+    assert mixed.segments is None and not mixed.exact  # a dense part: segments only as a bound
+    assert M.from_tensor(torch.ones(3, 3)).band is None
+    assert M.causal(1, 1).at(4, 4).band is None  # broadcast along the rows: its band means nothing there
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        M.document(cu_seqlens=[1, 4])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        M.document([0, 1], cu_seqlens=[0, 2])
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+@pytest.mark.parametrize(("Lq", "Lk"), [(17, 17), (40, 40), (9, 30), (30, 9)])
+def test_attention_with_a_structured_mask_equals_the_dense_one(backend: str, Lq: int, Lk: int) -> None:
+    q, k, v = qkv(3, 2, 1, Lq, Lk, 8)
+    with flash.block_sizes(rows=8, cols=8):  # many blocks: skip, full and partial ones
+        for name, m in _masks(Lq, Lk).items():
+            dense = m.to_tensor()
+            check_against_golden(backend, torch.float64, q, k, v, mask=m, grads=True)
+            a = az.attention(q, k, v, mask=m, backend=backend, return_lse=True)
+            b = az.attention(q, k, v, mask=dense, backend="reference", return_lse=True)
+            torch.testing.assert_close(a[0], b[0], msg=lambda s, n=name: f"{n}: {s}")
+            torch.testing.assert_close(a[1], b[1], msg=lambda s, n=name: f"{n}: {s}")
+
+
+def _blocks(**kw: object) -> tuple[int, int]:
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 64, 64, 8))
+    flash.COUNTS.update(forward=0, backward=0)
+    with flash.block_sizes(rows=8, cols=8, softmax=False):
+        out = az.attention(q, k, v, backend="flash", **kw)
+        out.sum().backward()  # type: ignore[union-attr]
+    return flash.COUNTS["forward"], flash.COUNTS["backward"]
+
+
+def test_a_causal_mask_costs_what_causal_costs() -> None:
+    causal = _blocks(causal=True)
+    assert _blocks(mask=M.causal(64)) == causal
+    assert _blocks(mask=M.causal(64, align="top_left")) == causal
+    full = _blocks()
+    assert causal[0] < 0.6 * full[0]
+
+
+def test_the_drop_in_is_causal_costs_what_causal_costs() -> None:
+    q, k, v = qkv(1, 2, 2, 48, 64, 8)
+    with flash.block_sizes(rows=8, cols=8, softmax=False):
+        flash.COUNTS.update(forward=0)
+        az.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left, Lq != Lk: a Mask
+        tl = flash.COUNTS["forward"]
+        flash.COUNTS.update(forward=0)
+        az.attention(q, k, v, mask=M.causal(48, 64, align="top_left").to_tensor(), backend="flash")
+        dense = flash.COUNTS["forward"]
+    assert tl < 0.6 * dense
