@@ -11,7 +11,9 @@ mappings, about 300 — is built from its own default config shrunk to a tiny si
   ``ValueError`` saying why and what to use instead): its attention bypasses transformers'
   AttentionInterface (REFUSED_AT_LOAD says which and why, from its source);
 * or **raises naming the keyword** on its first forward: it asks attnzero for something attnzero
-  cannot compute yet (logit soft-capping, attention sinks; REFUSED_AT_FORWARD).
+  cannot compute yet (REFUSED_AT_FORWARD; none at present — logit soft-capping and attention sinks,
+  per head or per query, are computed: Gemma 2, T5Gemma, VaultGemma, gpt-oss, Flint, Granite-SWA,
+  HY-V4, MiMo-V2-Flash and Inkling 2 are matched).
 
 Which one is expected is written down here for every architecture, so a model that starts to be
 refused, or to run, fails the test. A few architectures need more than a shrunk default config
@@ -275,6 +277,8 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "cpmant": _NO_CALL,
     "cvt": _NO_CALL,
     "data2vec-vision": "own table DATA2VEC_VISION_SELF_ATTENTION_CLASSES",
+    # appends its compressor's additive block bias to the mask it is handed, cast to the mask's dtype
+    "deepseek_v4": "attention layer DeepseekV4Attention",
     "deberta": _NO_CALL,
     "deberta-v2": _NO_CALL,
     "donut-swin": _NO_CALL,
@@ -323,21 +327,15 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "yoso": _NO_CALL,
 }
 
-#: Refused on the first forward, naming the keyword attnzero cannot compute yet.
-REFUSED_AT_FORWARD: dict[str, str] = {
-    "deepseek_v4": "s_aux",
-    "flint": "s_aux",
-    "gemma2": "softcap",
-    "gpt_oss": "s_aux",
-    "granite_swa": "s_aux",
-    "granitemoe_swa": "s_aux",
-    "hy_v4": "s_aux",
-    "inkling2_loop_text": "sinks",
-    "inkling2_text": "sinks",
-    "mimo_v2_flash": "s_aux",
-    "t5gemma": "softcap",
-    "vaultgemma": "softcap",
-}
+#: Refused on the first forward, naming the keyword attnzero cannot compute yet (the keywords of
+#: ``hf.UNSUPPORTED_KEYWORDS``). Empty since softcap and s_aux / sinks are computed; the models that
+#: pass them (gemma2, t5gemma, vaultgemma; gpt_oss, flint, granite_swa, granitemoe_swa, hy_v4,
+#: mimo_v2_flash; inkling2_text and inkling2_loop_text with per-query sinks) are swept as matched.
+REFUSED_AT_FORWARD: dict[str, str] = {}
+
+#: Architectures whose attention passes softcap or sinks: swept, and expected to match eager.
+SOFTCAP_OR_SINKS = ["flint", "gemma2", "gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4", "inkling2_loop_text",
+                    "inkling2_text", "mimo_v2_flash", "t5gemma", "vaultgemma"]  # fmt: skip
 
 _DRAFTER = "a drafter that runs only inside a target model's generate() (its shared key/value states)"
 _CONV = "convolutional, no attention; its downsampling stages need images larger than 32x32"
@@ -383,12 +381,21 @@ def test_the_sweep_covers_the_auto_mappings() -> None:
     universe = set(_sweep_types())
     assert len(universe) > 200, "transformers' LM auto mappings were not enumerated"
     assert set(NOT_SWEPT) <= universe, f"stale: {sorted(set(NOT_SWEPT) - universe)}"
-    assert set(REFUSED_AT_LOAD) | set(REFUSED_AT_FORWARD) <= set(SWEEP)
+    assert set(REFUSED_AT_LOAD) | set(REFUSED_AT_FORWARD) | set(SOFTCAP_OR_SINKS) <= set(SWEEP)
+    assert set(SOFTCAP_OR_SINKS).isdisjoint(set(REFUSED_AT_LOAD) | set(REFUSED_AT_FORWARD))
     assert len(SWEEP) >= 0.9 * len(universe)
 
 
 @pytest.mark.parametrize("model_type", SWEEP)
-def test_sweep(model_type: str) -> None:
+def test_sweep(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[bool] = []  # per attention call: whether softcap or sinks reached attnzero
+    real = hf.attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("softcap") is not None or kwargs.get("sinks") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "attention", spy)
     outcome, detail = sweep(model_type)
     if model_type in REFUSED_AT_LOAD:
         assert outcome == "load", f"{model_type}: expected a refusal at load, got {outcome}: {detail}"
@@ -399,6 +406,9 @@ def test_sweep(model_type: str) -> None:
         assert str(detail).startswith(f"{keyword}:") and "not support" in str(detail) and "'eager'" in str(detail)
     else:
         assert outcome == "matched", f"{model_type}: {outcome}: {detail}"
+    assert any(asked) == (model_type in SOFTCAP_OR_SINKS), (
+        f"{model_type}: softcap / sinks {'reached' if any(asked) else 'did not reach'} attnzero"
+    )
 
 
 # ------------------------------------------------------------------------------ the named zoo

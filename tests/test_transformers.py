@@ -358,14 +358,22 @@ def test_deepseek_v32_top_k_attention_equals_eager() -> None:
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("keyword", ["softcap", "s_aux", "sinks", "block_indices"])
+@pytest.mark.parametrize("keyword", list(hf.UNSUPPORTED_KEYWORDS))
 def test_keywords_attnzero_cannot_compute_yet_are_refused(keyword: str) -> None:
     forward = hf.make_attention_forward("reference")
     q = torch.randn(1, 2, 3, 8)
     out, _ = forward(_Module(), q, q, q, None, **{keyword: None})  # None: the feature is off
     torch.testing.assert_close(out, _dense(q, q, q, torch.ones(3, 3, dtype=torch.bool), 8**-0.5))
     with pytest.raises(ValueError, match=rf"^{keyword}: .*not support.*attn_implementation='eager'"):
-        forward(_Module(), q, q, q, None, **{keyword: torch.zeros(2) if keyword != "softcap" else 30.0})
+        forward(_Module(), q, q, q, None, **{keyword: torch.zeros(2)})
+
+
+def test_softcap_and_sinks_are_honoured_not_refused() -> None:
+    """Gemma 2's ``softcap`` and gpt-oss's ``s_aux`` / ``sinks`` left UNSUPPORTED_KEYWORDS: the
+    interface computes them (tests/test_transformers_modern.py checks the values)."""
+    assert {"softcap", "s_aux", "sinks"}.isdisjoint(hf.UNSUPPORTED_KEYWORDS)
+    assert {"softcap", "s_aux", "sinks"}.isdisjoint(hf.IGNORED_KEYWORDS)
+    assert "block_indices" in hf.UNSUPPORTED_KEYWORDS
 
 
 def test_unknown_keywords_are_refused_naming_them() -> None:

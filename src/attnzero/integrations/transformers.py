@@ -28,12 +28,25 @@ biases) is additive: it goes to ``bias=``, never to ``mask=``.
 
 **Every keyword a model passes is accounted for.** Honoured: ``attention_mask``, ``scaling``,
 ``dropout``, ``is_causal``, ``position_bias`` (added to the bias), ``output_attentions``,
-``indices`` (DeepSeek-V3.2-style top-k key selection: the keys each query may attend, combined with
-the mask), ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``seq_idx`` (packed sequences: a query attends
-only within its own sequence). Refused with an error naming them while attnzero cannot compute them
-(:data:`UNSUPPORTED_KEYWORDS`: ``softcap``, ``s_aux``, ``sinks``, ``block_indices``), unless None.
-Ignored: only the keywords of :data:`IGNORED_KEYWORDS`, each with the reason it cannot change the
-result. Any other keyword raises ``TypeError`` naming it, rather than being dropped.
+``softcap`` (Gemma 2's logit soft-capping, ``softcap·tanh(s/softcap)`` before the mask),
+``s_aux`` / ``sinks`` (attention sinks: a virtual key of value 0 whose logit joins each softmax
+denominator — one per query head, gpt-oss's ``s_aux`` ``(Hq,)``, or one per query, Inkling 2's
+``sinks`` ``(B, Hq, Lq, 1)``; the weights returned for ``output_attentions`` are those of the real
+keys, as eager's, which drop the sink's column), ``indices`` (DeepSeek-V3.2-style top-k key
+selection: the keys each query may attend, combined with the mask), ``cu_seq_lens_q``/
+``cu_seq_lens_k`` and ``seq_idx`` (packed sequences: a query attends only within its own sequence).
+Refused with an error naming them while attnzero cannot compute them (:data:`UNSUPPORTED_KEYWORDS`:
+``block_indices``), unless None. Ignored: only the keywords of :data:`IGNORED_KEYWORDS`, each with the
+reason it cannot change the result. Any other keyword raises ``TypeError`` naming it, rather than
+being dropped.
+
+**Packed sequences cost what the sequences cost.** A batch flattened into one row
+(``DataCollatorWithFlattening``: positions that restart, optionally ``cu_seq_lens_q/k``) runs through
+:func:`attnzero.attention_varlen` — Σ Lᵢ² work instead of the packed length squared — when the call
+is exactly what it computes: one row, the sequences from ``cu_seq_lens_q/k`` (or from where
+``position_ids`` restart), and the mask transformers built for the layer equal to those sequences' blocks
+cut by the layer's causal triangle and sliding window (it is compared, not assumed). Anything else
+— padding inside the row, another pattern, a bias — takes the dense path with the same result.
 
 **Models whose own code bypasses the interface are refused when the implementation is set** —
 ``from_pretrained`` / ``from_config`` / the model's constructor / ``set_attn_implementation`` raise
@@ -62,7 +75,7 @@ import torch
 from torch import Tensor
 
 from .. import masks
-from ..functional import BACKENDS, attention, attention_weights
+from ..functional import BACKENDS, attention, attention_varlen, attention_weights
 
 INSTALL_HINT = 'transformers is not installed: pip install -e ".[hf]" (or pip install "transformers>=5")'
 
@@ -73,10 +86,12 @@ INSTALL_HINT = 'transformers is not installed: pip install -e ".[hf]" (or pip in
 IGNORED_KEYWORDS: Mapping[str, str] = MappingProxyType(
     {
         "sliding_window": "the window is already in the mask: transformers' mask builder draws it for the "
-        "sliding layers through attnzero's mask function (eager and sdpa ignore the keyword too)",
+        "sliding layers through attnzero's mask function (eager and sdpa ignore the keyword too); it is only "
+        "read to recognise a packed row's mask for attention_varlen, which the mask must then equal",
         "position_ids": "positions are applied to the queries and keys before attention; packed sequences "
         "(positions that restart, no cache, no 2-D mask) are already in the mask transformers builds from them "
-        "(otherwise eager and sdpa ignore the restarts too; cu_seq_lens_q/k are honoured)",
+        "(otherwise eager and sdpa ignore the restarts too; cu_seq_lens_q/k are honoured); where they restart is "
+        "only read to recognise a packed row's mask for attention_varlen, which the mask must then equal",
         "max_length_q": "a size hint for FlashAttention's varlen kernels, implied by cu_seq_lens_q",
         "max_length_k": "a size hint for FlashAttention's varlen kernels, implied by cu_seq_lens_k",
         "deterministic": "selects deterministic FlashAttention kernels; the value computed is the same",
@@ -96,9 +111,6 @@ IGNORED_KEYWORDS: Mapping[str, str] = MappingProxyType(
 #: with what they are and which implementation to use meanwhile.
 UNSUPPORTED_KEYWORDS: Mapping[str, tuple[str, str]] = MappingProxyType(
     {
-        "softcap": ("logit soft-capping (as in Gemma 2)", "attn_implementation='eager'"),
-        "s_aux": ("attention sinks (as in gpt-oss)", "attn_implementation='eager'"),
-        "sinks": ("attention sinks", "attn_implementation='eager'"),
         "block_indices": ("block-sparse key selection (as in MiniMax-M3)", "attn_implementation='eager' or 'sdpa'"),
     }
 )
@@ -206,10 +218,10 @@ def _sequence_ids(name: str, cu_seqlens: Any, length: int, device: torch.device)
     return torch.searchsorted(cu[1:].contiguous(), torch.arange(length, device=device), right=True)
 
 
-def _packed_keep(cu_q: Any, cu_k: Any, B: int, Lq: int, Lk: int, device: torch.device) -> Tensor:
+def _packed_ids(cu_q: Any, cu_k: Any, B: int, Lq: int, Lk: int, device: torch.device) -> Tensor:
     """FlashAttention's varlen keywords on a packed batch (transformers' DataCollatorWithFlattening):
     the sequences ``cu_seq_lens_q`` delimits lie back to back in one row, and a query attends only
-    keys of its own sequence. (1, 1, L, L) bool."""
+    keys of its own sequence. (L,) the sequence of each token, after checking the keywords."""
     name = "cu_seq_lens_q" if cu_q is not None else "cu_seq_lens_k"
     if B != 1 or Lq != Lk:
         raise ValueError(
@@ -224,7 +236,101 @@ def _packed_keep(cu_q: Any, cu_k: Any, B: int, Lq: int, Lk: int, device: torch.d
         )
     ids = ids_q if ids_q is not None else ids_k
     assert ids is not None
-    return (ids[:, None] == ids[None, :])[None, None]
+    return ids
+
+
+def _restarts(position_ids: Any, L: int, device: torch.device) -> Tensor | None:
+    """(L,) the sequence of each token of one row whose positions restart — where transformers'
+    mask builder finds packed sequences (a step other than +1 starts one) — or None: not one row
+    of L positions, or a single sequence."""
+    if not isinstance(position_ids, Tensor) or position_ids.dtype.is_floating_point or position_ids.numel() != L:
+        return None
+    if position_ids.dim() > 2 or (position_ids.dim() == 2 and position_ids.shape[0] != 1) or L < 2:
+        return None  # several rows, or multimodal (3, B, L) positions: no packed row to read
+    pos = position_ids.reshape(L).to(device)  # (1, L) -> (L,)
+    starts = torch.cat([pos.new_zeros(1), (pos.diff() != 1).long()])  # 1 where a sequence starts
+    ids = starts.cumsum(0)
+    return ids if bool(ids[-1] > 0) else None
+
+
+def _varlen_plan(
+    attention_mask: Tensor | None,
+    ids: Tensor,
+    causal: bool,
+    sliding_window: Any,
+    from_positions: bool,
+) -> tuple[Tensor, bool, int | tuple[int, int] | None] | None:
+    """How to run one packed row (sequence ids ``ids`` (L,)) through :func:`attention_varlen`, or
+    None when the call is not exactly what it computes.
+
+    The mask transformers built for the layer decides: None — nothing beyond the layer's causal
+    triangle, within each sequence (only when the sequences come from ``cu_seq_lens``, which
+    transformers' mask never shows: sequences read from restarting positions are only real if
+    transformers drew them in the mask too) — or a bool keep-mask (1, 1, L, L) equal to the
+    sequences' blocks cut by the causal triangle and, when the layer says ``sliding_window`` w,
+    by the window of transformers' mask (a query sees the w keys up to itself). Returns
+    (cu_seqlens int32 (N + 1,), causal, window)."""
+    L = ids.shape[0]
+    if L == 0:
+        return None  # nothing packed: the dense path answers zero sizes
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=ids.device), ids.diff() != 0])  # (L,)
+    ends = torch.cat([starts.nonzero().flatten(), torch.full((1,), L, device=ids.device)])
+    cu = ends.to(torch.int32)  # (N + 1,): 0, ..., L
+    if attention_mask is None:
+        return None if from_positions else (cu, causal, None)
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape != (1, 1, L, L):
+        return None
+    windows: list[int | tuple[int, int] | None] = [None]
+    if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window > 0:
+        reach = sliding_window - 1  # transformers' sliding mask: key j is seen from i iff j > i - sliding_window
+        windows.insert(0, reach if causal else (reach, reach))
+    i = torch.arange(L, device=ids.device)
+    keep = ids[:, None] == ids[None, :]  # (L, L): within one sequence
+    if causal:
+        keep &= i[None, :] <= i[:, None]
+    given = attention_mask.reshape(L, L)  # (1, 1, L, L) -> (L, L)
+    for window in windows:
+        expected = keep
+        if window is not None:
+            left, right = (window, 0) if isinstance(window, int) else window
+            gap = i[:, None] - i[None, :]  # (L, L): query minus key position
+            expected = keep & (gap <= left) & (-gap <= right)
+        if torch.equal(given, expected):
+            return cu, causal, window
+    return None
+
+
+def _sink_logits(s_aux: Any, sinks: Any, B: int, Hq: int, Lq: int) -> Tensor | None:
+    """The attention sinks a model passes — gpt-oss-style ``s_aux`` (Hq,), one logit per query
+    head (a parameter of the layer), or ``sinks``, per head or per query (Inkling 2's
+    (B, Hq, Lq, 1)) — as :func:`attnzero.attention` takes them: (Hq,) or (B|1, Hq, Lq)."""
+    if s_aux is not None and sinks is not None:
+        raise ValueError("s_aux: expected attention sinks as s_aux or as sinks, got both")
+    name, given = ("s_aux", s_aux) if s_aux is not None else ("sinks", sinks)
+    if given is None:
+        return None
+    if not isinstance(given, Tensor) or not given.dtype.is_floating_point:
+        got = f"{given.dtype} tensor" if isinstance(given, Tensor) else type(given).__name__
+        raise TypeError(f"{name}: expected a floating-point tensor of sink logits, got {got}")
+    if given.dim() == 4 and given.shape[-1] == 1:
+        given = given.squeeze(-1)  # (B, Hq, Lq, 1) -> (B, Hq, Lq): one sink column beside the keys
+    if not (
+        (given.dim() == 1 and given.shape[0] == Hq)
+        or (given.dim() == 3 and given.shape[0] in (1, B) and given.shape[1:] == (Hq, Lq))
+    ):
+        raise ValueError(
+            f"{name}: expected sink logits of shape ({Hq},) or ({B}, {Hq}, {Lq}[, 1]), got {tuple(given.shape)}"
+        )
+    return given
+
+
+def _document_keep(ids: Tensor, causal: bool) -> Tensor:
+    """(1, 1, L, L) bool: a query attends only keys of its own packed sequence (``ids`` (L,)), and
+    only those up to itself when ``causal``."""
+    keep = ids[:, None] == ids[None, :]  # (L, L)
+    if causal:
+        keep = keep.tril()
+    return keep[None, None]
 
 
 def _seq_idx_keep(seq_idx: Any, B: int, Lq: int, Lk: int, device: torch.device) -> Tensor:
@@ -260,6 +366,9 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
         cu_seq_lens_q: Tensor | None = None,
         cu_seq_lens_k: Tensor | None = None,
         seq_idx: Tensor | None = None,
+        softcap: float | None = None,
+        s_aux: Tensor | None = None,
+        sinks: Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
         """query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv) ->
@@ -267,14 +376,53 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
         _check_keywords(module, kwargs)
         B, Hq, Lq = query.shape[0], query.shape[1], query.shape[2]
         Lk = key.shape[2]
+        sink = _sink_logits(s_aux, sinks, B, Hq, Lq)  # (Hq,) or (B|1, Hq, Lq), or None
+        wants_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        want_weights = output_attentions or _collecting_attentions()
+
+        packed = (
+            None
+            if cu_seq_lens_q is None and cu_seq_lens_k is None
+            else _packed_ids(cu_seq_lens_q, cu_seq_lens_k, B, Lq, Lk, query.device)
+        )  # (L,) sequence of each token of the one packed row
+        if indices is None and seq_idx is None and position_bias is None:
+            ids = packed
+            if ids is None and B == 1 and Lq == Lk and attention_mask is not None:
+                ids = _restarts(kwargs.get("position_ids"), Lq, query.device)
+            plan = (
+                None
+                if ids is None
+                else _varlen_plan(attention_mask, ids, wants_causal, kwargs.get("sliding_window"), packed is None)
+            )
+            if plan is not None and ids is not None:
+                cu, causal, window = plan
+                packed_sinks = sink if sink is None or sink.dim() == 1 else sink[0]  # (1, Hq, L) -> (Hq, L)
+                out = attention_varlen(
+                    query[0].transpose(0, 1),  # (1, Hq, L, D) -> (L, Hq, D)
+                    key[0].transpose(0, 1),  # (1, Hkv, L, D) -> (L, Hkv, D)
+                    value[0].transpose(0, 1),  # (1, Hkv, L, Dv) -> (L, Hkv, Dv)
+                    cu,
+                    cu,
+                    causal=causal,
+                    window=window,
+                    scale=scaling,
+                    softcap=softcap,
+                    sinks=packed_sinks,
+                    dropout_p=dropout,
+                    backend=backend,  # type: ignore[arg-type]
+                )
+                assert isinstance(out, Tensor)
+                weights = None
+                if want_weights:
+                    keep_w = attention_mask if attention_mask is not None else _document_keep(ids, causal)
+                    weights = attention_weights(query, key, mask=keep_w, scale=scaling, softcap=softcap, sinks=sink)
+                return out.unsqueeze(0), weights  # (L, Hq, Dv) -> (1, L, Hq, Dv)
 
         # Keep-masks the keywords add to the model's mask: top-k selections, packed sequences.
         extra: Tensor | None = None
         for part in (
             None if indices is None else _selected_keys(indices, B, Hq, Lq, Lk, query.device),
-            None
-            if cu_seq_lens_q is None and cu_seq_lens_k is None
-            else _packed_keep(cu_seq_lens_q, cu_seq_lens_k, B, Lq, Lk, query.device),
+            None if packed is None else _document_keep(packed, False),
             None if seq_idx is None else _seq_idx_keep(seq_idx, B, Lq, Lk, query.device),
         ):
             if part is not None:
@@ -287,7 +435,6 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
             # No mask built (no padding): the causal pattern, if any, is ours to draw. A single query
             # (decoding with a cache) sees every key; a block of queries is top-left aligned, which
             # is the lower triangle when Lq == Lk and correct for a prefill into a static cache.
-            wants_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
             if wants_causal and Lq > 1:
                 if Lq == Lk:
                     causal = True
@@ -313,14 +460,18 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
             bias=bias,
             causal=causal,
             scale=scaling,
+            softcap=softcap,
+            sinks=sink,
             dropout_p=dropout,
             backend=backend,  # type: ignore[arg-type]
         )
         assert isinstance(out, Tensor)
         out = out.transpose(1, 2).contiguous()  # (B, Hq, Lq, Dv) -> (B, Lq, Hq, Dv)
         weights = None
-        if output_attentions or _collecting_attentions():
-            weights = attention_weights(query, key, mask=keep, bias=bias, causal=causal, scale=scaling)
+        if want_weights:
+            weights = attention_weights(
+                query, key, mask=keep, bias=bias, causal=causal, scale=scaling, softcap=softcap, sinks=sink
+            )
         return out, weights
 
     attention_forward.__name__ = f"attnzero_{backend}_attention_forward"
@@ -391,6 +542,13 @@ _MASK_BUILDERS = re.compile(
 #: Code that turns scores into attention probabilities, or calls a fused attention, by itself.
 _OWN_ATTENTION = re.compile(
     r"\bsoftmax\(|scaled_dot_product_attention\(|flex_attention\(|flash_attn_(?:varlen_)?func\("
+)
+#: A layer that rewrites the mask it is handed by concatenating or padding it — values in eager's
+#: additive convention (DeepSeek-V4 appends its compressor's float block bias, cast to the mask's
+#: dtype: with a bool keep-mask, every blocked slot becomes kept and every kept one blocked).
+_MASK_REWRITE = re.compile(
+    r"\b(?:attention_mask|causal_mask)\s*=\s*(?:torch\.cat|(?:torch\.nn\.functional|nn\.functional|F)\.pad)\("
+    r"\s*\[?\s*(?:attention_mask|causal_mask)\b"
 )
 #: A lookup keyed by the implementation name: ``FALCON_ATTENTION_CLASSES[config._attn_implementation]``.
 _NAME_TABLE = re.compile(r"\b([A-Za-z_]\w*)\[\s*(?:self\.)?(?:config\.)?_?attn_implementation\s*\]")
@@ -526,6 +684,25 @@ def _computes_own_attention(cls: type) -> bool:
     return bool(parameters & _MASK_PARAMETERS) and bool(_MASK_BUILDERS.search(_module_source(cls.__module__)))
 
 
+_REWRITES: dict[type, bool] = {}  # class -> rewrites the built mask before the interface call
+
+
+def _rewrites_mask(cls: type) -> bool:
+    """Whether a layer of class ``cls`` calls the interface on a mask it first rewrote in eager's
+    convention: its name says attention, its code calls ``ALL_ATTENTION_FUNCTIONS`` and extends
+    the mask it is handed with ``torch.cat`` / ``pad`` (see ``_MASK_REWRITE``), and its modeling
+    file builds masks with ``masking_utils`` (so the mask it rewrites is the one built for the
+    implementation's name)."""
+    if cls not in _REWRITES:
+        source = _class_source(cls) if re.search("attention|attn", cls.__name__, re.IGNORECASE) else ""
+        _REWRITES[cls] = (
+            "ALL_ATTENTION_FUNCTIONS" in source
+            and bool(_MASK_REWRITE.search(source))
+            and bool(_MASK_BUILDERS.search(_module_source(cls.__module__)))
+        )
+    return _REWRITES[cls]
+
+
 def _own_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``model`` and its submodules, without the submodels (PreTrainedModels) inside it that have a
     config of their own (a vision tower, ...): those are checked on their own."""
@@ -559,7 +736,9 @@ def refusal(model: torch.nn.Module, name: str = "attnzero") -> str | None:
     implementation name (``FALCON_ATTENTION_CLASSES[config._attn_implementation]``: no entry for
     attnzero), or when one of its layers computes attention itself on the mask that
     ``masking_utils`` builds for the implementation named in its config (see ``_bypassing_layer``; layers
-    verified to build their own masks are listed in :data:`OWN_MASK_ATTENTION`), or when its
+    verified to build their own masks are listed in :data:`OWN_MASK_ATTENTION`), or when one of its
+    attention layers extends the built mask with values of eager's additive convention before
+    calling the interface (see ``_rewrites_mask``), or when its
     modeling file has attention layer classes and never calls ``ALL_ATTENTION_FUNCTIONS`` — the
     check transformers' own ``_can_set_attn_implementation`` makes — so attnzero would not run.
     Submodels inside ``model`` (a vision tower, ...) are judged on their own.
@@ -581,6 +760,14 @@ def refusal(model: torch.nn.Module, name: str = "attnzero") -> str | None:
                 f"({layer.__module__}) computes attention in its own code instead of calling transformers' "
                 f"AttentionInterface, and would receive the mask transformers builds for {name!r} (attnzero's bool "
                 f"keep-mask) where it expects another convention, which gives wrong results. "
+                f"Use {_instead(cls)} for this model"
+            )
+        if _rewrites_mask(type(module)):
+            return (
+                f"{cls.__name__} cannot use attn_implementation={name!r}: its attention layer {type(module).__name__} "
+                f"({type(module).__module__}) extends the mask transformers builds for {name!r} with values in eager's "
+                f"additive convention before calling transformers' AttentionInterface; on attnzero's bool keep-mask "
+                f"that would keep blocked keys and block kept ones, which gives wrong results. "
                 f"Use {_instead(cls)} for this model"
             )
     source = _module_source(cls.__module__)
