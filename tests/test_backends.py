@@ -132,7 +132,7 @@ def test_attention_runs_the_chosen_backend(monkeypatch: pytest.MonkeyPatch) -> N
     az.attention(q, q, q)
     az.attention(q, q, q, backend="reference")
     assert names == ["flash", "reference"]
-    monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad: "flash")
+    monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad, v=None: "flash")
     az.attention(q, q, q, backend="reference")
     assert names[-1] == "flash"  # a patched choice is honoured
 

@@ -42,3 +42,16 @@ def test_runtime_ab_variants_switch_one_piece_and_restore_it() -> None:
     assert seen["no pause"] == (True, True, False)
     assert seen["fresh scratch"] == (False, True, True)
     assert seen["ops on torch's threads"] == (True, False, True)
+
+
+def test_features_benchmark_runs_each_table_at_a_small_size() -> None:
+    import features
+
+    rows = features.softcap_sinks(64, repeats=1)
+    assert [r[0] for r in rows] == [
+        "softcap, full", "sinks, full", "both, full", "softcap, causal", "sinks, causal", "both, causal"
+    ]
+    assert all(r[1] > 0 and r[2] > 0 for r in rows)
+    skip = {name: blocks for name, _, _, blocks in features.skipping(256, repeats=1)}
+    assert skip["causal Mask"] == skip["causal=True"] == skip["drop-in is_causal=True"]
+    assert all(r[2] > 0 for r in features.varlen(64, repeats=1))

@@ -158,3 +158,8 @@ def test_the_drop_in_is_causal_costs_what_causal_costs() -> None:
         az.attention(q, k, v, mask=M.causal(48, 64, align="top_left").to_tensor(), backend="flash")
         dense = flash.COUNTS["forward"]
     assert tl < 0.6 * dense
+def test_a_document_mask_visits_only_its_documents() -> None:
+    ids = torch.arange(8).repeat_interleave(8)  # 8 documents of 8 tokens
+    docs = _blocks(mask=M.document(ids))
+    full = _blocks()
+    assert docs[0] <= full[0] / 8 and docs[1] <= full[1] / 8

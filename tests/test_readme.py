@@ -30,3 +30,12 @@ def test_readme_decoding_example_runs() -> None:
     cache, step = scope["cache"], scope["step"]
     assert len(cache) == 21  # type: ignore[arg-type]
     assert isinstance(step, torch.Tensor) and step.shape == (1, 1, 256)
+
+
+def test_readme_modern_attention_example_runs() -> None:
+    for path in (README, README.with_name("README.zh-CN.md")):
+        block = next(b for b in python_blocks(path) if "softcap" in b)
+        scope: dict[str, object] = {}
+        exec(compile(block, str(path), "exec"), scope)
+        out = scope["out"]
+        assert isinstance(out, torch.Tensor) and out.shape == (1, 8, 512, 64) and torch.isfinite(out).all()

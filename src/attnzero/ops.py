@@ -222,13 +222,6 @@ def _reference_plain(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor
         return reference.attention(q, k, v, **kw)
 
 
-def _pending(kw: dict[str, Any]) -> dict[str, Any]:
-    """TEMPORARY (issue 13, until flash and triton take ``softcap``): drop ``softcap=None``."""
-    if kw.get("softcap", 0) is None:
-        kw = {key: value for key, value in kw.items() if key != "softcap"}
-    return kw
-
-
 def _flash() -> Any:
     from . import flash
 
@@ -246,15 +239,15 @@ def _flash_attention(
 ) -> tuple[Tensor, Tensor | None]:
     if sinks is not None:
         return _with_sinks("flash", q, k, v, sinks, **kw)
-    return _flash().attention(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
+    return _flash().attention(q, k, v, **kw)  # type: ignore[no-any-return]
 
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
-    return _flash().forward(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
+    return _flash().forward(q, k, v, **kw)  # type: ignore[no-any-return]
 
 
 def _flash_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    return _flash().backward(*args, **_pending(kw))  # type: ignore[no-any-return]
+    return _flash().backward(*args, **kw)  # type: ignore[no-any-return]
 
 
 def _triton_attention(
@@ -262,22 +255,22 @@ def _triton_attention(
 ) -> tuple[Tensor, Tensor]:
     if sinks is not None:
         return _with_sinks("triton", q, k, v, sinks, **kw)
-    return _triton().attention(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
+    return _triton().attention(q, k, v, **kw)  # type: ignore[no-any-return]
 
 
 def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
-    return _triton().forward(q, k, v, **_pending(kw))  # type: ignore[no-any-return]
+    return _triton().forward(q, k, v, **kw)  # type: ignore[no-any-return]
 
 
 def _triton_decode(
     q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, sinks: Tensor | None = None, **kw: Any
 ) -> tuple[Tensor, Tensor]:
-    out, lse = _triton().decode(q, k, v, **_pending(kw))
+    out, lse = _triton().decode(q, k, v, **kw)
     return (out, lse) if sinks is None else _sinks.fold(out, lse, sinks)
 
 
 def _triton_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    return _triton().backward(*args, **_pending(kw))  # type: ignore[no-any-return]
+    return _triton().backward(*args, **kw)  # type: ignore[no-any-return]
 
 
 BACKENDS: dict[str, Backend] = {

@@ -1,0 +1,135 @@
+"""What issue 13's features cost on the flash backend (CPU, float32), each as a ratio against the
+plain call in the same run (interleaved, medians):
+
+* softcap and sinks: forward + backward at L = 2048 (B = 1, H = 8, D = 64), causal and not —
+  ``× plain`` is the time with the feature over the time without (1.00 = free);
+* masks that skip: the forward at L = 4096 (B = 1, H = 8, D = 64) with a document mask of 8 equal
+  documents, a causal ``Mask`` and the drop-in's ``is_causal``, against full attention and
+  ``causal=True`` — with the blocks each visited (``flash.COUNTS``);
+* packed sequences: ``attention_varlen`` over 8 sequences against the same tokens as one sequence.
+
+    .venv/bin/python benchmarks/features.py [--repeats 7] [--length 2048] [--mask-length 4096]
+
+Results: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import attnzero as az
+from attnzero import flash
+from attnzero.bench import machine
+
+Run = Callable[[], None]
+
+
+def _discard(_: object) -> None:
+    """A call's result, dropped (the tables time calls, not their results)."""
+
+
+def _timed(fns: dict[str, Run], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run interleaved (one of each per round) after a warm-up."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _blocks(fn: Run) -> int:
+    flash.COUNTS["forward"] = 0
+    fn()
+    return flash.COUNTS["forward"]
+
+
+def softcap_sinks(L: int, repeats: int) -> list[tuple[str, float, float]]:
+    """(case, seconds of the plain call, time with the feature / plain) for fwd+bwd."""
+    B, H, D = 1, 8, 64
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(H, requires_grad=True)
+    dout = torch.randn(B, H, L, D)
+    rows = []
+    for causal in (False, True):
+
+        def step(causal: bool = causal, **kw: object) -> Run:
+            def run() -> None:
+                out = az.attention(q, k, v, causal=causal, backend="flash", **kw)  # type: ignore[arg-type]
+                out.backward(dout)  # type: ignore[union-attr]
+
+            return run
+
+        t = _timed({"plain": step(), "softcap": step(softcap=30.0), "sinks": step(sinks=sinks),
+                    "both": step(softcap=30.0, sinks=sinks)}, repeats)  # fmt: skip
+        for name in ("softcap", "sinks", "both"):
+            rows.append((f"{name}, {'causal' if causal else 'full'}", t["plain"], t[name] / t["plain"]))
+    return rows
+
+
+def skipping(L: int, repeats: int) -> list[tuple[str, float, float, int]]:
+    """(case, seconds, time / full attention's, blocks visited) for the forward."""
+    B, H, D = 1, 8, 64
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    docs = az.masks.document(torch.arange(8).repeat_interleave(L // 8))
+    causal_mask = az.masks.causal(L)
+    cases: dict[str, Run] = {
+        "full attention": lambda: _discard(az.attention(q, k, v, backend="flash")),
+        "document mask, 8 equal documents": lambda: _discard(az.attention(q, k, v, mask=docs, backend="flash")),
+        "causal=True": lambda: _discard(az.attention(q, k, v, causal=True, backend="flash")),
+        "causal Mask": lambda: _discard(az.attention(q, k, v, mask=causal_mask, backend="flash")),
+        "drop-in is_causal=True": lambda: _discard(az.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "dense causal tensor": lambda: _discard(az.attention(q, k, v, mask=causal_mask.to_tensor(), backend="flash")),
+    }
+    blocks = {name: _blocks(fn) for name, fn in cases.items()}
+    t = _timed(cases, repeats)
+    return [(name, t[name], t[name] / t["full attention"], blocks[name]) for name in cases]
+
+
+def varlen(L: int, repeats: int) -> list[tuple[str, float, float]]:
+    """Packed: 8 sequences of L / 8 tokens through attention_varlen, against one sequence of L."""
+    H, D = 8, 64
+    q, k, v = (torch.randn(L, H, D) for _ in range(3))
+    cu = torch.arange(0, L + 1, L // 8, dtype=torch.int32)
+    one = torch.tensor([0, L], dtype=torch.int32)
+    cases: dict[str, Run] = {
+        "one sequence of L": lambda: _discard(az.attention_varlen(q, k, v, one, one, causal=True, backend="flash")),
+        "8 packed sequences": lambda: _discard(az.attention_varlen(q, k, v, cu, cu, causal=True, backend="flash")),
+    }
+    t = _timed(cases, repeats)
+    return [(name, t[name], t[name] / t["one sequence of L"]) for name in cases]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--length", type=int, default=2048, help="L of the softcap / sinks cases")
+    parser.add_argument("--mask-length", type=int, default=4096, help="L of the mask and varlen cases")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    info = machine()
+    print(f"{info['date']} · {info['cpu']} · {info['cores']} · torch {info['torch']}\n")
+    print(f"## softcap and sinks: flash forward + backward, B=1, H=8, L={args.length}, D=64\n")
+    print("| case | plain call | × plain |\n|---|---|---|")
+    for name, secs, ratio in softcap_sinks(args.length, args.repeats):
+        print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.2f} |")
+    print(f"\n## masks that skip: flash forward, B=1, H=8, L={args.mask_length}, D=64\n")
+    print("| case | time | × full attention | blocks visited |\n|---|---|---|---|")
+    for name, secs, ratio, blocks in skipping(args.mask_length, args.repeats):
+        print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} | {blocks} |")
+    print(f"\n## packed sequences: attention_varlen, causal, H=8, D=64, {args.mask_length} tokens\n")
+    print("| case | time | × one sequence |\n|---|---|---|")
+    for name, secs, ratio in varlen(args.mask_length, args.repeats):
+        print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
