@@ -632,3 +632,19 @@ def test_padding_masks_visit_only_the_real_keys(evaluated: list[tuple[Any, Any]]
     want = az.attention(q, k, v, mask=mask.to_tensor(), backend="reference")
     assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
     judge({"out": got}, {"out": want})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_rows_whose_whole_bias_is_finfo_min_get_the_references_gradients(dtype: torch.dtype, with_sinks: bool) -> None:
+    """An additive mask writes a fully masked row as finfo.min everywhere: its scores all round to one
+    number and the reference's P is uniform. The lse (≈ finfo.min) keeps none of log Lk's bits, so a
+    backward that took P from it would be off by a factor of Lk — flash recomputes that row's lse."""
+    from conftest import check_against_golden, randn
+
+    q, k, v = (randn(1, 2, 9, 8) for _ in range(3))
+    bias = torch.zeros(1, 1, 9, 9, dtype=torch.float64)
+    bias[..., 3, :] = torch.finfo(dtype).min  # a fully masked row, as an additive mask writes it
+    bias[..., 5, 4:] = torch.finfo(dtype).min
+    extra = {"sinks": randn(2)} if with_sinks else {}
+    check_against_golden("flash", dtype, q, k, v, bias=bias, **extra)

@@ -518,6 +518,16 @@ def forward(
         assert lse1 is not None
         return out1, lse1
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed, softcap)
+    out, lse = _forward_problem(pb)
+    if pb.row_shift is not None:
+        lse.add_(pb.row_shift)  # the constant taken out of the bias (see _huge_bias)
+    return out, lse
+
+
+def _forward_problem(pb: _Problem) -> tuple[Tensor, Tensor]:
+    """``forward`` on the problem: out, and the lse of its scores as ``_Problem.scores`` computes
+    them (in natural mode, less the per-row ``row_shift``)."""
+    q, k, v = pb.q, pb.k, pb.v
     out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=q.device)
     chunks = pb.chunks(0 if k.dtype == pb.acc else pb.D + pb.Dv)
@@ -531,8 +541,6 @@ def forward(
 
     # every task is a group of its own: the workers take them in order, costliest first
     run_tasks(list(enumerate(pb.tasks(chunks))), rows_of, pb.arena, pb.threads(mutex=False), pb.split)
-    if pb.row_shift is not None:
-        lse.add_(pb.row_shift)  # the constant taken out of the bias (see _huge_bias)
     return out, lse
 
 
@@ -756,7 +764,7 @@ def backward(
     (or when ``bias_grad`` is False)."""
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed, softcap)
     if pb.row_shift is not None:
-        lse = lse - pb.row_shift  # the lse of the scores with the bias as _huge_bias shifted it
+        lse = _shifted_lse(pb, q, k, v, lse)
     dq = torch.empty_like(q)
     # dK / dV, zeroed chunk by chunk by the worker that owns the chunk, on its first task there
     # (so both threads zero, and touch fresh pages, in parallel)
@@ -797,6 +805,21 @@ def backward(
     dk.mul_(pb.dk_factor)  # dk was accumulated against the scaled q (q · scale · log2 e, or see dk_factor)
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
+
+
+def _shifted_lse(pb: _Problem, q: Tensor, k: Tensor, v: Tensor, lse: Tensor) -> Tensor:
+    """The lse of the scores as ``_huge_bias`` shifted them, for the backward, from the ``lse`` given.
+
+    ``lse − row_shift`` would do, except where the shift is so large that ``lse = lse_s + row_shift``
+    kept none of ``lse_s``'s bits (a row whose every bias is ``finfo.min``, as additive padding masks
+    write a fully padded row: its scores all round to the same number, P is uniform, and lse_s is
+    log Lk). So the forward's own ``lse_s`` is computed again (no dropout: the lse does not depend on
+    it), and what the given lse adds to this forward's — a sink, a ring's other keys — is added back:
+    nothing, bitwise, when the lse is this forward's own."""
+    own = _forward_problem(_Problem(q, k, v, pb.mask, pb.bias, pb.causal, pb.window, pb.scale, 0.0, 0, pb.softcap))[1]
+    assert pb.row_shift is not None
+    given_extra = lse - (own + pb.row_shift)  # 0 for this forward's lse; a row with no key: NaN, not used
+    return torch.where(own == NEG_INF, lse - pb.row_shift, own + given_extra)
 
 
 def _backward_rows(
