@@ -197,3 +197,19 @@ def test_triton_refuses_head_dims_beyond_its_tiles() -> None:
     q, k, v = qkv(1, 1, 1, 4, 4, 512)
     with pytest.raises(ValueError, match="head dims up to 256"):
         az.attention(q.float(), k.float(), v.float(), backend="triton")
+
+
+def test_the_split_kv_decode_path_takes_softcap_and_sinks() -> None:
+    """One query against many keys without gradients takes the triton backend's split-KV decode
+    kernel (``functional.choose``); the sinks are added after its merge of the splits."""
+    need("triton")
+    from attnzero.kernels import triton_backend as tb
+
+    q, k, v = (t.float() for t in qkv(1, 4, 2, 1, tb.DECODE_MIN_LK + 37, 8))
+    assert az.functional.choose("triton", q, k, needs_grad=False) == "triton_decode"
+    for sk in (randn(4).float(), randn(1, 4, 1).float()):
+        got = az.attention(q, k, v, softcap=3.0, sinks=sk, backend="triton", return_lse=True)
+        want = az.attention(q.double(), k.double(), v.double(), softcap=3.0, sinks=sk.double(), backend="reference",
+                            return_lse=True)  # fmt: skip
+        torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
