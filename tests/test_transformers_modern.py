@@ -75,7 +75,8 @@ def _eager(
         s = softcap * torch.tanh(s / softcap)
     s = s + torch.zeros_like(s).masked_fill(~keep, torch.finfo(s.dtype).min)
     if sinks is not None:
-        column = sinks.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1) if sinks.dim() == 1 else sinks
+        per_head = sinks.reshape(1, -1, 1, 1) if sinks.dim() == 1 else sinks
+        column = per_head.expand(*s.shape[:3], 1)
         p = torch.softmax(torch.cat([s, column.to(s.dtype)], -1), -1)[..., :-1]  # the sink's column dropped
     else:
         p = torch.softmax(s, -1)
@@ -119,7 +120,7 @@ def test_softcap_through_the_interface_is_eagers(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("per", ["head", "query", "query (B, Hq, Lq, 1)"])
+@pytest.mark.parametrize("per", ["head", "query", "query (B, Hq, Lq, 1)", "query (1, Hq, Lq, 1)"])
 def test_sinks_through_the_interface_are_eagers_forward_and_backward(backend: str, per: str) -> None:
     """gpt-oss's ``s_aux`` (Hq,) and Inkling 2's per-query ``sinks`` (B, Hq, Lq, 1), also given as
     (B, Hq, Lq): a virtual key of value 0 in every softmax. Output, weights (the real keys' columns,
@@ -127,7 +128,8 @@ def test_sinks_through_the_interface_are_eagers_forward_and_backward(backend: st
     key included: the sink takes all their weight, output 0, in both."""
     x = _inputs()
     B, Hq, L = x["q"].shape[:3]
-    shape = {"head": (Hq,), "query": (B, Hq, L), "query (B, Hq, Lq, 1)": (B, Hq, L, 1)}[per]
+    shape = {"head": (Hq,), "query": (B, Hq, L), "query (B, Hq, Lq, 1)": (B, Hq, L, 1),
+             "query (1, Hq, Lq, 1)": (1, Hq, L, 1)}[per]  # fmt: skip
     sinks = (torch.randn(*shape, dtype=torch.float64) * 2).requires_grad_()
     leaves = [t.clone().requires_grad_() for t in (x["q"], x["k"], x["v"])]
     forward = hf.make_attention_forward(backend)

@@ -34,6 +34,7 @@ def _per_sequence(q, k, v, cu_q, cu_k, sinks=None, **kw):  # type: ignore[no-unt
 
 CASES = {
     "self": ([5, 0, 17, 1, 9], None),
+    "all empty": ([0, 0, 0], None),
     "cross": ([3, 0, 12, 7], [9, 4, 0, 7]),
     "one": ([13], [20]),
 }
@@ -98,6 +99,7 @@ def test_varlen_cost_is_that_of_the_sequences() -> None:
         ({"cu_seqlens_q": torch.tensor([0, 5, 3, 9], dtype=torch.int32)}, ValueError, "non-decreasing"),
         ({"cu_seqlens_k": torch.tensor([0, 9], dtype=torch.int32)}, ValueError, "as many sequences"),
         ({"max_seqlen_q": 2}, ValueError, "max_seqlen_q"),
+        ({"v": torch.zeros(10, 2, 4)}, ValueError, "10 packed keys"),
         ({"q": torch.zeros(1, 9, 2, 4)}, ValueError, r"\(T, H, D\)"),
         ({"sinks": torch.zeros(2, 3)}, ValueError, "sinks"),
     ],

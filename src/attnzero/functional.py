@@ -554,6 +554,8 @@ def attention_varlen(
         if x.ndim != 3:
             raise ArgumentError(f"{name}: expected 3 dims (T, H, D), got {tuple(x.shape)}")
     Tq, Hq, Tk = q.shape[0], q.shape[1], k.shape[0]
+    if v.shape[0] != Tk:
+        raise ArgumentError(f"v: {v.shape[0]} packed keys do not match k's {Tk}")
     cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, q.device)
     cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, q.device)
     if len(cu_q) != len(cu_k):
@@ -588,7 +590,7 @@ def attention_varlen(
             return sinks
         return sinks[:, a:b].unsqueeze(0)  # (Hq, Tq) → (1, Hq, b − a)
 
-    if cu_q == cu_k and len(cu_q) > 2:
+    if cu_q == cu_k and len(cu_q) > 2 and cu_q[-1] > 0:
         # Queries and keys packed alike: one call over the packed row, with the documents as a mask
         # whose segments let every backend skip the blocks between sequences. Per sequence, causal /
         # window around the bottom-right position is the same band as on the whole row (each

@@ -321,6 +321,8 @@ def _sink_logits(s_aux: Any, sinks: Any, B: int, Hq: int, Lq: int) -> Tensor | N
         raise ValueError(
             f"{name}: expected sink logits of shape ({Hq},) or ({B}, {Hq}, {Lq}[, 1]), got {tuple(given.shape)}"
         )
+    if given.dim() == 3 and given.shape[0] != B:
+        given = given.expand(B, Hq, Lq)  # one row of sinks for the whole batch: az.attention takes (B, Hq, Lq)
     return given
 
 
