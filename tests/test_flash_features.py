@@ -244,15 +244,14 @@ def test_softcap_the_edge_tile_is_added_after_the_tanh(causal: bool) -> None:
 
 def test_softcap_with_a_huge_bias_in_natural_units() -> None:
     """A bias with finfo.min entries (a float mask) takes flash's natural-unit scores
-    (``_huge_bias``); the cap applies before that bias. (Rows whose every entry is huge are left
-    out: there the lse itself rounds away the scores, and the lse-based backward cannot recover
-    them — with or without softcap.)"""
+    (``bias_row_shift``); the cap applies before that bias. (Rows whose every entry is huge: see
+    ``test_rows_whose_whole_bias_is_huge_get_the_references_gradients``.)"""
     B, H, Lq, Lk = 2, 2, 13, 17
     q, k, v = qkv(B, H, 1, Lq, Lk, 8)
     bias = torch.randn(B, 1, Lq, Lk, dtype=F64)
     bias[torch.rand(B, 1, Lq, Lk) < 0.3] = torch.finfo(F64).min
     bias[0, 0, 4, 1:] = torch.finfo(F64).min  # all but one key of a row
-    assert flash._huge_bias(bias, F64) is not None
+    assert flash.bias_row_shift(bias, F64) is not None
     dout = torch.randn(B, H, Lq, 8, dtype=F64)
     for causal in (False, True):
         gold = formula_grads(q, k, v, dout, bias, scale=0.5, softcap=2.0,
@@ -634,9 +633,17 @@ def test_padding_masks_visit_only_the_real_keys(evaluated: list[tuple[Any, Any]]
     judge({"out": got}, {"out": want})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+FINFO32_MIN = -3.4028234663852886e38
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"), [(torch.float32, FINFO32_MIN), (torch.float64, FINFO32_MIN), (torch.float64, -1e20)],
+    ids=["f32-finfo", "f64-finfo32", "f64-1e20"],
+)
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
-def test_rows_whose_whole_bias_is_finfo_min_get_the_references_gradients(dtype: torch.dtype, with_sinks: bool) -> None:
+def test_rows_whose_whole_bias_is_huge_get_the_references_gradients(
+    dtype: torch.dtype, value: float, with_sinks: bool
+) -> None:
     """An additive mask writes a fully masked row as finfo.min everywhere: its scores all round to one
     number and the reference's P is uniform. The lse (≈ finfo.min) keeps none of log Lk's bits, so a
     backward that took P from it would be off by a factor of Lk — flash recomputes that row's lse."""
@@ -644,7 +651,27 @@ def test_rows_whose_whole_bias_is_finfo_min_get_the_references_gradients(dtype: 
 
     q, k, v = (randn(1, 2, 9, 8) for _ in range(3))
     bias = torch.zeros(1, 1, 9, 9, dtype=torch.float64)
-    bias[..., 3, :] = torch.finfo(dtype).min  # a fully masked row, as an additive mask writes it
-    bias[..., 5, 4:] = torch.finfo(dtype).min
+    bias[..., 3, :] = value  # a fully masked row, as an additive mask writes it
+    bias[..., 5, 4:] = value
     extra = {"sinks": randn(2)} if with_sinks else {}
     check_against_golden("flash", dtype, q, k, v, bias=bias, **extra)
+
+
+@pytest.mark.parametrize("value", [-1e9, -1e6, -3e4])
+def test_rows_whose_whole_bias_is_large_round_as_the_reference_does(value: float) -> None:
+    """float32 rows whose every bias is −1e9 (the seeds' masked_fill value used additively): the
+    reference's scores q·k + bias round q·k away (an ulp of 64), the golden's do not — so flash is
+    held to the float32 reference, whose rounding it reproduces (scores in natural units, less the
+    row's bias max), forward and backward. Before, the backward folded −lse into the score matmul
+    before the bias and its gradients were off by 1e6."""
+    from conftest import run_attention
+
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    bias = torch.zeros(1, 1, 9, 9, dtype=torch.float64)
+    bias[..., 3, :] = value
+    dout = torch.randn(1, 2, 9, 8, dtype=torch.float64)
+    ref = run_attention("reference", torch.float32, q, k, v, dout, bias=bias)
+    got = run_attention("flash", torch.float32, q, k, v, dout, bias=bias)
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-5, atol=1e-5)
+    for name in ("q", "k", "v", "bias"):
+        torch.testing.assert_close(got.grads[name], ref.grads[name], rtol=1e-4, atol=1e-4)

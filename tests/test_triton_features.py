@@ -562,3 +562,36 @@ def test_varlen_packed_documents(monkeypatch: pytest.MonkeyPatch) -> None:
     refuse_dense(monkeypatch)  # the triton backend must not
     got = run("triton", F32)
     judge(got, ref, gold, F32, float(dout.abs().max()) * float(v.abs().max()))
+
+
+@pytest.mark.parametrize("value", [-1e9, -1e6])
+def test_rows_whose_whole_bias_is_huge_get_the_goldens_gradients(value: float) -> None:
+    """A fully masked row written additively (−1e6, −1e9): its lse ≈ the bias keeps no bits of
+    log Lk in float32, so the kernels run on the bias less its row max and the backward gets that lse.
+    The float32 reference itself rounds q·k away in such a row (s = q·k + bias has an ulp of 64 at
+    −1e9), so the kernels are held to the float64 golden directly: within float32 roundings."""
+    from conftest import run_attention
+
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    bias = torch.zeros(1, 1, 9, 9, dtype=torch.float64)
+    bias[..., 3, :] = value
+    bias[..., 5, 4:] = value
+    qr, kr, vr = (t.float().double() for t in (q, k, v))
+    dout = torch.randn(1, 2, 9, 8, dtype=torch.float64).float().double()
+    gold = run_attention("reference", torch.float64, qr, kr, vr, dout, bias=bias)
+    got = run_attention("triton", torch.float32, qr, kr, vr, dout, bias=bias)
+    torch.testing.assert_close(got.out.double(), gold.out, rtol=1e-5, atol=1e-5)
+    for name in ("q", "k", "v"):
+        torch.testing.assert_close(got.grads[name].double(), gold.grads[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [-1e9, float(torch.finfo(torch.float32).min)], ids=["1e9", "finfo"])
+def test_the_plain_backward_recovers_the_shifted_lse(value: float) -> None:
+    """The backend interface's backward gets only (out, lse) — here with a sink folded in — and
+    recomputes the lse of the shifted bias (plus what the given lse adds: the sink)."""
+    from conftest import check_against_golden
+
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    bias = torch.zeros(1, 1, 9, 9, dtype=torch.float64)
+    bias[..., 3, :] = value
+    check_against_golden("triton", torch.float32, q, k, v, bias=bias, sinks=torch.randn(2, dtype=torch.float64))

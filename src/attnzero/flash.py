@@ -191,21 +191,30 @@ def _edges_safe(q: Tensor, k: Tensor, factor: float, acc: torch.dtype) -> bool:
     return bound < torch.finfo(acc).max / 16
 
 
-def _huge_bias(bias: Tensor | None, acc: torch.dtype) -> Tensor | None:
-    """None, or — when some finite entry of the bias is so large that ``· log2 e`` would overflow
-    (a float mask of ``finfo.min``, say) — a per-row constant ``c`` (the bias's finite row max,
-    (B|1, H|1, Lq|1)) for ``_Problem.scores`` to take out before converting to base 2. The scores
-    are then the reference's, ``scale·q·k + bias`` rounded in natural units, shifted per row: the
-    softmax does not change, each row's largest entry is near 0, and the lse is ``c`` larger. One
-    read-back per call with a bias."""
+# A row whose bias lies farther than this from 0 everywhere (natural units) is computed with its
+# bias's row max taken out (``bias_row_shift``).
+_ROW_SHIFT_MIN = 32.0
+
+
+def bias_row_shift(bias: Tensor | None, acc: torch.dtype) -> Tensor | None:
+    """None, or a per-row constant ``c`` (the bias's finite row max, (B|1, H|1, Lq|1)) for
+    ``_Problem.scores`` to take out before converting to base 2 — when some row's bias is far from 0
+    everywhere (``|c| > _ROW_SHIFT_MIN``: an additive mask's fully masked row, −1e9 or ``finfo.min``)
+    or some entry would overflow in base 2. Such a row's scores, and the −lse that the backward folds
+    into the score matmul, would otherwise be numbers near ``c`` whose rounding (128 at c = −1e9 in
+    float32) swamps q·k. With it, the scores are the reference's, ``scale·q·k + bias`` rounded in
+    natural units, shifted per row: the softmax does not change, each row's largest entry is near 0,
+    and the lse is ``c`` larger. One read-back per call with a bias."""
     if bias is None:
         return None
     limit = torch.finfo(acc).max / LOG2E / 2
-    lo, hi = (float(x) for x in torch.aminmax(bias))
-    if -limit <= lo and hi <= limit:  # (False for NaN too: harmless, the row is NaN either way)
+    c = bias.amax(dim=-1).to(acc)  # (B|1, H|1, Lq|1)
+    c = torch.where(torch.isfinite(c), c, 0.0)
+    lo, hi = torch.aminmax(bias)
+    worst, low, high = torch.stack([c.abs().amax().double(), lo.double(), hi.double()]).tolist()
+    if worst <= _ROW_SHIFT_MIN and -limit <= low and high <= limit:  # (False for NaN: harmless, NaN either way)
         return None
-    c = bias.to(acc).amax(dim=-1)  # (B|1, H|1, Lq|1)
-    return torch.where(torch.isfinite(c), c, 0.0)
+    return c
 
 
 def _five(t: Tensor, G: int) -> Tensor:
@@ -260,8 +269,8 @@ class _Problem:
         self.mask, self.causal, self.window = mask, causal, window
         self.bias = bias
         # a bias too large for base 2: scores in natural units first, less this per-row constant
-        # (given back in the lse; see _huge_bias and scores)
-        self.row_shift = _huge_bias(bias, self.acc)
+        # (given back in the lse; see bias_row_shift and scores)
+        self.row_shift = bias_row_shift(bias, self.acc)
         self.natural = self.row_shift is not None
         # softcap: the matmul gives tanh's argument x = q·k·scale/softcap, and the score is
         # s₂ = cap_factor · tanh(x) (+ bias · log2 e): see ``scores``
@@ -513,15 +522,26 @@ def forward(
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))`` by an online softmax over key blocks.
     A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
+    out, lse, _ = _forward_parts(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed, softcap)
+    return out, lse
+
+
+def _forward_parts(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, dropout_seed: int,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``forward``'s (out, lse), and the lse before the bias's row shift was added back (None
+    without one: see ``bias_row_shift``), which the backward needs and cannot get back from the lse."""
     if _softmax_applies(q, k, mask, bias, causal, window, dropout_p):
         out1, lse1 = _forward_softmax(q, k, v, causal, scale, with_lse=True, softcap=softcap)
         assert lse1 is not None
-        return out1, lse1
+        return out1, lse1, None
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed, softcap)
     out, lse = _forward_problem(pb)
-    if pb.row_shift is not None:
-        lse.add_(pb.row_shift)  # the constant taken out of the bias (see _huge_bias)
-    return out, lse
+    if pb.row_shift is None:
+        return out, lse, None
+    return out, lse + pb.row_shift, lse  # the constant taken out of the bias, given back (see bias_row_shift)
 
 
 def _forward_problem(pb: _Problem) -> tuple[Tensor, Tensor]:
@@ -758,13 +778,15 @@ def backward(
     dropout_seed: int,
     bias_grad: bool = True,
     softcap: float | None = None,
+    shifted_lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` from the saved ``out`` and ``lse``, recomputing P block by block.
     dk / dv are summed over each GQA group; dbias has bias's (broadcast) shape, None without bias
-    (or when ``bias_grad`` is False)."""
+    (or when ``bias_grad`` is False). ``shifted_lse``: the forward's lse before a bias's row shift
+    was added back, when the caller kept it (else it is recovered from ``lse``, ``_shifted_lse``)."""
     pb = _Problem(q, k, v, mask, bias, causal, window, scale, dropout_p, dropout_seed, softcap)
     if pb.row_shift is not None:
-        lse = _shifted_lse(pb, q, k, v, lse)
+        lse = shifted_lse if shifted_lse is not None else _shifted_lse(pb, q, k, v, lse)
     dq = torch.empty_like(q)
     # dK / dV, zeroed chunk by chunk by the worker that owns the chunk, on its first task there
     # (so both threads zero, and touch fresh pages, in parallel)
@@ -808,7 +830,7 @@ def backward(
 
 
 def _shifted_lse(pb: _Problem, q: Tensor, k: Tensor, v: Tensor, lse: Tensor) -> Tensor:
-    """The lse of the scores as ``_huge_bias`` shifted them, for the backward, from the ``lse`` given.
+    """The lse of the scores as ``bias_row_shift`` shifted them, for the backward, from the ``lse`` given.
 
     ``lse − row_shift`` would do, except where the shift is so large that ``lse = lse_s + row_shift``
     kept none of ``lse_s``'s bits (a row whose every bias is ``finfo.min``, as additive padding masks
@@ -816,8 +838,10 @@ def _shifted_lse(pb: _Problem, q: Tensor, k: Tensor, v: Tensor, lse: Tensor) -> 
     log Lk). So the forward's own ``lse_s`` is computed again (no dropout: the lse does not depend on
     it), and what the given lse adds to this forward's — a sink, a ring's other keys — is added back:
     nothing, bitwise, when the lse is this forward's own."""
-    own = _forward_problem(_Problem(q, k, v, pb.mask, pb.bias, pb.causal, pb.window, pb.scale, 0.0, 0, pb.softcap))[1]
     assert pb.row_shift is not None
+    if float(pb.row_shift.abs().max()) <= _ROW_SHIFT_MIN:  # small shifts (an overflow guard): nothing lost
+        return lse - pb.row_shift
+    own = _forward_problem(_Problem(q, k, v, pb.mask, pb.bias, pb.causal, pb.window, pb.scale, 0.0, 0, pb.softcap))[1]
     given_extra = lse - (own + pb.row_shift)  # 0 for this forward's lse; a row with no key: NaN, not used
     return torch.where(own == NEG_INF, lse - pb.row_shift, own + given_extra)
 
@@ -922,8 +946,11 @@ class _FlashAttention(torch.autograd.Function):
         bias: Tensor | None,
         options: dict[str, Any],
     ) -> tuple[Tensor, Tensor]:
-        out, lse = forward(q, k, v, bias=bias, **options)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        out, lse, shifted = _forward_parts(
+            q, k, v, options["mask"], bias, options["causal"], options["window"], options["scale"],
+            options["dropout_p"], options["dropout_seed"], options["softcap"],
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, bias, out, lse, shifted)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -931,12 +958,12 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse, shifted = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
             needs = tuple(ctx.needs_input_grad[:4])
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)
         dq, dk, dv, dbias = backward(
-            dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3], **ctx.options
+            dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3], shifted_lse=shifted, **ctx.options
         )
         return dq, dk, dv, dbias, None
 

@@ -568,30 +568,47 @@ def attention(
     (a ValueError beyond): ``functional.choose`` sends float64 to the flash backend and short
     queries without gradients to ``decode``.
     """
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    bias, shift = _shifted_bias(bias)
     args = _args(
         q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=dropout_seed,
     )
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     # 16-bit outputs: keep the float32 output for the backward's Δ = rowsum(dO·O) when training
     keep_f32 = needs_grad and q.dtype != torch.float32
-    out, lse, _ = triton_fwd(q, k, v, *args, keep_f32)
-    return out, lse
+    out, lse, _ = triton_fwd(q, k, v, *args, keep_f32)  # the op's backward sees this lse, before the shift
+    return out, (lse if shift is None else lse + shift)
+
+
+def _shifted_bias(bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """``(bias − c, c)`` with ``c`` the bias's per-row shift (``flash.bias_row_shift``: rows whose bias
+    is far from 0 everywhere, as an additive mask writes a fully masked row), else ``(bias, None)``.
+    The softmax does not change; the lse of the shifted bias is ``c`` smaller, and keeps the bits
+    that ``lse ≈ c`` (−1e9, say) cannot: the backward's P = exp(s − lse) needs them."""
+    from ..flash import bias_row_shift
+
+    shift = bias_row_shift(bias, torch.float32)
+    if bias is None or shift is None:
+        return bias, None
+    return bias - shift.unsqueeze(-1).to(bias.dtype), shift  # (differentiable in bias: the identity)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     """``attention`` as a plain function (the backend interface's forward): the forward kernel, no
     autograd."""
     with torch.no_grad():
-        out, lse, _ = triton_fwd(q, k, v, *_args(q, k, v, **kw), False)
-    return out, lse
+        bias, shift = _shifted_bias(kw.pop("bias", None))
+        out, lse, _ = triton_fwd(q, k, v, *_args(q, k, v, bias=bias, **kw), False)
+    return out, (lse if shift is None else lse + shift)
 
 
 def decode(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     """The split-KV decode kernel (``attnzero::triton_decode``), the same ``(out, lse)`` as
     ``forward``; no backward (``functional.choose`` takes it only when no input requires grad, for
     the shapes it serves: ``DECODE_MAX_LQ``, ``DECODE_MIN_LK``, ``DECODE_MAX_ROWS``)."""
-    return triton_decode(q, k, v, *_args(q, k, v, **kw))  # type: ignore[no-any-return]
+    bias, shift = _shifted_bias(kw.pop("bias", None))
+    out, lse = triton_decode(q, k, v, *_args(q, k, v, bias=bias, **kw))
+    return out, (lse if shift is None else lse + shift)
 
 
 def backward(
@@ -605,10 +622,18 @@ def backward(
     own dtype, as in the flash backend (the eager path keeps a float32 copy of a 16-bit output for
     it). dbias None unless ``bias_grad``."""
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+    bias, shift = _shifted_bias(bias)
     args = _args(
         q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=dropout_seed,
     )
+    if shift is not None:
+        # the lse of the shifted bias: ``lse − c`` loses its bits where c is huge, so this forward's own
+        # is computed again, and what the given lse adds to it (a sink, a ring's keys) added back
+        with torch.no_grad():
+            own = triton_fwd(q, k, v, *args, False)[1]
+        extra = lse - (own + shift)  # 0 for this forward's lse; a row with no key: NaN, not used
+        lse = torch.where(own == float("-inf"), lse - shift, own + extra)
     grad_b = bias_grad and bias is not None
     dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
     return dq, dk, dv, (dbias if grad_b else None)
