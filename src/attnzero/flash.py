@@ -443,7 +443,7 @@ class _Problem:
         softcap: ``s₂ = softcap · log2 e · tanh(x) + bias · log2 e`` with ``x = q kᵀ · scale /
         softcap`` the matmul's result (``qa`` is scaled so); the edge tile and the shift are added
         only after the tanh. ``t_name``: keep ``t = tanh(x)`` (laid out as the block) in that
-        arena buffer, squared: ``t²``, for the backward's ``1 − t²``."""
+        arena buffer, for the backward's ``1 − t²``."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
@@ -463,8 +463,6 @@ class _Problem:
                 torch.add(extra, t, alpha=self.cap_factor, out=buf)
             else:
                 torch.mul(t, self.cap_factor, out=buf)
-            if t_name is not None:
-                t.mul_(t)  # t², what the backward needs (now, while t is fresh in the cache)
         elif add is not None and edge is not None:
             torch.add(add, edge, out=buf).baddbmm_(x, y)
         elif (extra := add if add is not None else edge) is not None:
@@ -879,7 +877,7 @@ def _backward_rows(
     dq_acc = ar.get("dq", N, GR, pb.D).zero_()
     # The blocks are computed transposed, (N, c, G·r): then three of the four matmuls that read them
     # (dV, dp, dK) take them as they are laid out, and only dQ reads a transposed operand.
-    t_name = None if pb.softcap is None else "t"  # softcap: tanh²(x)ᵀ kept for 1 − t²: (N, c, G·r)
+    t_name = None if pb.softcap is None else "t"  # softcap: tanh(x)ᵀ kept for 1 − t²: (N, c, G·r)
     for cols, masked in blocks:
         _count("backward")
         j0, j1 = cols
@@ -899,12 +897,16 @@ def _backward_rows(
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds_t.transpose(1, 2))
         if t_name is not None:  # softcap: the score's gradient times d(softcap·tanh(x))/d(scale·q·k) = 1 − t²
-            t2_t = ar.get(t_name, *ds_t.shape)  # (t²)ᵀ, as ``scores`` left it: (N, c, G·r)
-            ds_t.addcmul_(ds_t, t2_t, value=-1.0)  # ds − ds·t²
+            t_t = ar.get(t_name, *ds_t.shape)  # tᵀ, as ``scores`` left it: (N, c, G·r)
+            _TANH_BACKWARD(ds_t, t_t, grad_input=ds_t)  # ds · (1 − t²), one pass
         dq_acc.baddbmm_(ds_t.transpose(1, 2), kc[:, j0:j1])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
         _add_bmm(dk[:, j0:j1], ds_t, qs, ar)  # dK_j += Σ_i ds_ij q_i · scale · log2 e   (or see dk_factor)
     g = c.block(dq, rows)  # (nb, nh·G, r, D), a view
     torch.mul(dq_acc.view(g.shape), pb.scale, out=g)  # dQ_i = scale · Σ_j ds_ij k_j
+
+
+# ds · (1 − t²) in one pass (ATen's derivative of tanh, given its output t), written into ds
+_TANH_BACKWARD = torch.ops.aten.tanh_backward.grad_input
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
