@@ -2,11 +2,16 @@
 
 Each case is drawn from one integer seed (``draw(seed)``): shapes (GQA/MQA, Lq != Lk, Dv != D),
 dtype, memory layout, a keep-mask (none; tensors of any dtype and broadcast shape, non-zero = keep;
-``az.masks`` builders, custom ``az.Mask`` predicates, their ``and_`` / ``or_`` / ``~``), a bias
-(none; broadcast float tensors, ALiBi, -inf entries), causal, window, scale, and extreme values
-(scores far below -88, sharp or huge scores, v scaled by 1e±30, tiny q). The golden below is written
-from DESIGN.md's definitions alone, in float64 (its gradients by float64 autograd); attnzero's
-reference backend is used only as the same-precision baseline of DESIGN.md's tolerance rule:
+``az.masks`` builders, custom ``az.Mask`` predicates, their ``and_`` / ``or_`` / ``~``; masks with
+block structure: documents from ids sorted or not and from cu_seqlens, padding, packed batches,
+with causal (both alignments) or a window, under flash blocks small enough that blocks are skipped,
+kept whole and partial), a bias (none; broadcast float tensors, ALiBi, -inf entries), causal,
+window, scale, softcap (0.3 to 50, and 1e-3, 1e4), sinks (per head or per query: ordinary, ±30,
+-inf, 1e4; with their gradient), and extreme values (scores far below -88, sharp or huge scores,
+v scaled by 1e±30, tiny q). The golden below is written from DESIGN.md's definitions alone, in
+float64 (its gradients by float64 autograd; the sink as an explicit term of the denominator);
+attnzero's reference backend is used only as the same-precision baseline of DESIGN.md's tolerance
+rule:
 
     err(backend in dtype X) <= 2 × err(reference in dtype X) + floor      (3× for gradients)
 
@@ -21,15 +26,17 @@ A failing case prints every failure of the case and a reproducer::
 
     PYTHONPATH=src:tests python -c "import test_fuzz as f; f.replay(SEED)"
 
-Environment: ``ATTNZERO_FUZZ_EXAMPLES`` (random cases of the main test, default 160; the triton,
-dropout and SDPA tests scale with it) and ``ATTNZERO_FUZZ_SEED`` (offset of the seeds) to run many
-more or other cases by hand, e.g. ``ATTNZERO_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py -q -x``.
+Environment: ``ATTNZERO_FUZZ_EXAMPLES`` (random cases of the main test, default 160; the
+structured-mask, triton, dropout and SDPA tests scale with it) and ``ATTNZERO_FUZZ_SEED`` (offset
+of the seeds) to run many more or other cases by hand, e.g.
+``ATTNZERO_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py -q -x``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import math
 import os
 import random
@@ -44,7 +51,7 @@ from conftest import absent
 
 import attnzero as az
 from attnzero.flash import block_sizes
-from attnzero.testing import Kind, accumulator_dtype, magnitude, reference_verdict, sanity_bound, verdict
+from attnzero.testing import FLOOR, Kind, accumulator_dtype, magnitude, reference_verdict, sanity_bound, verdict
 
 EXAMPLES = int(os.environ.get("ATTNZERO_FUZZ_EXAMPLES", "160"))
 BASE_SEED = int(os.environ.get("ATTNZERO_FUZZ_SEED", "0"))
@@ -113,11 +120,16 @@ def per_kv_head(t: torch.Tensor, Hkv: int) -> torch.Tensor:
 @dataclass
 class Golden:
     out: torch.Tensor  # (B, Hq, Lq, Dv)
-    lse: torch.Tensor  # (B, Hq, Lq), -inf on rows with no kept key
+    lse: torch.Tensor  # (B, Hq, Lq), -inf on rows with no kept key (the sink's logit with sinks)
     p: torch.Tensor  # (B, Hq, Lq, Lk)
     grads: dict[str, torch.Tensor]
     mags: dict[str, float]  # per result: the size of the terms it sums (the floor's unit)
-    score_size: float  # max over kept pairs of |scale|·Σ_d |q_d k_d| + |b| (how far scores may round)
+    score_size: float  # how far scores may round: see ``golden``
+    score_sizes: dict[str, float] = field(default_factory=dict)  # per result, where not score_size
+    # what a sum's subnormal roundings add to every result's size: (terms) × the accumulator's
+    # smallest normal (below it a partial sum keeps only its absolute subnormal spacing; float32
+    # outputs of 1e-43, a sink far above every key and v of 1e-30, are good to 10%)
+    underflow: float = 0.0
 
 
 def golden(
@@ -128,65 +140,152 @@ def golden(
     bias: torch.Tensor | None,
     scale: float | None,
     dout: torch.Tensor | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Golden:
     """softmax(scale·q·kᵀ + bias) v over kept pairs, float64. ``keep`` bool, broadcastable to
     (B, Hq, Lq, Lk); a pair whose score is -inf (a -inf bias) is not kept either; rows without a
-    kept pair give out 0, lse -inf, p 0. Gradients of <out, dout> w.r.t. q, k, v (and bias)."""
+    kept pair give out 0, lse -inf, p 0. ``softcap``: each score s = scale·q·k becomes
+    softcap·tanh(s / softcap) before the bias. ``sinks`` ((Hq,) or (B, Hq, Lq)): one more term
+    exp(sink) in each row's denominator, written out (a key of value 0): p_ij = exp(s_ij) /
+    (exp(sink) + Σ_j exp(s_ij)), lse includes it; a row with no kept key gives out 0, lse = sink.
+    Gradients of <out, dout> w.r.t. q, k, v (and bias, sinks).
+
+    ``score_size``: how far the scores may round, as one number for the rule's ``scores``: a kept
+    pair's size is |scale|·Σ_d |q_d k_d| + |b| (the product's roundings) — with softcap
+    max((1 − t²)·that product size, |softcap·t|) + |b| (t = tanh(s / softcap): the product's
+    roundings pass through the tanh times its slope 1 − t², the capped score rounds relative to
+    itself); a row's size is the largest of its pairs', and with a sink in the row at least |lse|
+    (what every weight of the row is taken relative to). Rows count by the weight of their keys
+    (Σ_j p_ij; 1 without sinks): a row whose sink leaves its keys e^-29 of the weight adds e^-29 of
+    a result's terms, whatever its scores. The sinks' gradient, -Σ p_sink·Δ, is judged with its
+    rows' |sink| too (``score_sizes["sinks"]``)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = Hq // Hkv if Hkv > 0 else 1
+    acc_eps, acc_tiny = torch.finfo(accumulator_dtype(q.dtype)).eps, torch.finfo(accumulator_dtype(q.dtype)).tiny
+    x_floor, tiny = FLOOR[q.dtype], torch.finfo(q.dtype).tiny
     want_grad = dout is not None
     q = q.detach().to(F64).requires_grad_(want_grad)
     k = k.detach().to(F64).requires_grad_(want_grad)
     v = v.detach().to(F64).requires_grad_(want_grad)
     b = None if bias is None else bias.detach().to(F64).requires_grad_(want_grad)
+    sk = None if sinks is None else sinks.detach().to(F64).requires_grad_(want_grad)
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0  # D = 0: every score is 0 whatever the scale
     kk = k.repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): query head h reads kv head h // G
     vv = v.repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
     s = torch.einsum("bhid,bhjd->bhij", q, kk) * scale  # (B, Hq, Lq, Lk)
+    tanh: torch.Tensor | None = None  # t = tanh(s / softcap), (B, Hq, Lq, Lk)
+    capped = torch.zeros(())  # |softcap·t|
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)  # capped into (-softcap, softcap), before the bias
+        tanh, capped = (s / softcap).detach(), s.detach().abs()
     if b is not None:
         s = s + b
     kept = keep.expand(B, Hq, Lq, Lk) & (s.detach() > NEG_INF)
     row = kept.any(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
-    m = torch.where(kept, s.detach(), NEG_INF).amax(dim=-1, keepdim=True) if Lk > 0 else torch.zeros(B, Hq, Lq, 1)
-    m = torch.where(row, m, 0.0).to(F64)
+    m = (
+        torch.where(kept, s.detach(), NEG_INF).amax(dim=-1, keepdim=True)
+        if Lk > 0
+        else torch.full((B, Hq, Lq, 1), NEG_INF, dtype=F64)
+    )
+    sink: torch.Tensor | None = None
+    has_sink = torch.zeros(B, Hq, Lq, 1, dtype=torch.bool)  # rows with a finite sink
+    if sk is not None:
+        sink = (sk.view(1, Hq, 1, 1) if sk.ndim == 1 else sk.unsqueeze(-1)).expand(B, Hq, Lq, 1)  # (B, Hq, Lq, 1)
+        has_sink = sink.detach() > NEG_INF
+        m = torch.maximum(m, sink.detach())
+    live = row | has_sink  # rows with something in the denominator: a kept key or a finite sink
+    m = torch.where(live, m, 0.0).to(F64)
     # exp only ever sees kept scores (blocked ones are replaced by m, then zeroed): no inf, no NaN
     e = torch.where(kept, torch.exp(torch.where(kept, s, m) - m), 0.0)
-    l = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(row, l, 1.0)
+    l = e.sum(dim=-1, keepdim=True)  # (B, Hq, Lq, 1)
+    e_sink: torch.Tensor | None = None
+    if sink is not None:  # the sink's own term of the denominator (its value is 0: nothing in out)
+        e_sink = torch.where(has_sink, torch.exp(torch.where(has_sink, sink, m) - m), 0.0)  # (B, Hq, Lq, 1)
+        l = l + e_sink
+    p = e / torch.where(live, l, 1.0)
     out = torch.einsum("bhij,bhjd->bhid", p, vv)
-    lse = torch.where(row, m + torch.log(torch.where(row, l, 1.0)), NEG_INF).squeeze(-1)
+    lse = torch.where(live, m + torch.log(torch.where(live, l, 1.0)), NEG_INF).squeeze(-1)
 
     grads: dict[str, torch.Tensor] = {}
     mags: dict[str, float] = {}
+    score_sizes: dict[str, float] = {}
 
     def amax(t: torch.Tensor) -> float:
         return float(t.abs().max()) if t.numel() else 0.0
 
     pd = p.detach()
-    mags["out"] = amax(pd @ vv.detach().abs())
+    # the weights as the accumulator holds them: one below its smallest normal keeps only the
+    # absolute precision of its subnormals (a row whose weights are all 1e-43, as a sink far above
+    # every key makes them, is good to 1% in float32)
+    p_acc = torch.where(kept, pd.clamp_min(acc_tiny), 0.0)
+    pv = p_acc @ vv.detach().abs()  # (B, Hq, Lq, Dv): sizes of the terms of out
+    mags["out"] = amax(pv)
+    # how far each kept pair's score may round (see the docstring), and each row's
+    prod = (scale * torch.einsum("bhid,bhjd->bhij", q.detach().abs(), kk.detach().abs())).abs()
+    sz = prod
+    if tanh is not None:
+        sz = torch.maximum((1 - tanh * tanh) * prod, capped)
+    if b is not None:
+        sz = sz + torch.where(torch.isfinite(b.detach()), b.detach().abs(), 0.0)
+    row_size = torch.where(kept, sz, 0.0).amax(dim=-1) if Lk > 0 else torch.zeros(B, Hq, Lq, dtype=F64)  # (B, Hq, Lq)
+    if sink is not None:
+        row_size = torch.where(has_sink.squeeze(-1), torch.maximum(row_size, lse.detach().abs()), row_size)
+    mass = pd.sum(dim=-1)  # (B, Hq, Lq): the weight of a row's keys (1 without a sink; 0 if none kept)
+
+    def weighted(size: torch.Tensor, weight: torch.Tensor) -> float:
+        """max over rows of size·weight / max weight: rows count by their share of the terms."""
+        top = amax(weight)
+        return amax(size * weight) / top if top > 0 else 0.0
+
+    score_size = weighted(row_size, mass)
     if dout is not None:
-        leaves = {"q": q, "k": k, "v": v} | ({} if b is None else {"bias": b})
+        leaves = {"q": q, "k": k, "v": v} | ({} if b is None else {"bias": b}) | ({} if sk is None else {"sinks": sk})
         gs = torch.autograd.grad(out, list(leaves.values()), dout.to(F64), allow_unused=True)
         grads = {n: (torch.zeros_like(t) if g is None else g) for (n, t), g in zip(leaves.items(), gs)}
         # sizes of the terms of each gradient (error analysis of the sums: ds = p (dp - Δ), ...)
         do = dout.to(F64).abs()
         dp = dout.to(F64) @ vv.detach().transpose(-1, -2)  # (B, Hq, Lq, Lk)
-        delta = (dout.to(F64) * out.detach()).sum(-1, keepdim=True)
-        t = pd * (dp.abs() + delta.abs())  # |terms of ds|
-        mags["q"] = abs(scale) * amax(t @ kk.detach().abs())
-        dk_terms = abs(scale) * (t.transpose(-1, -2) @ q.detach().abs())  # (B, Hq, Lk, D)
+        # Δ = Σ_d dO·O as a backward computes it, from the output rounded to X: its terms' size,
+        # each O relative to X's smallest normal at least (a float16 O of 1e-7 is a subnormal,
+        # rounded by 3e-8), not |Δ| (which cancels: 0.004 from terms of 12)
+        delta = (do * out.detach().abs().clamp_min(tiny)).sum(-1, keepdim=True)  # (B, Hq, Lq, 1)
+        t = p_acc * (dp.abs() + delta)  # |terms of ds|
+        tq = t  # |terms of ds| as dq and dk see them: through the tanh's slope 1 - t² with softcap
+        if tanh is not None:
+            # t carries about 1.5 roundings of the accumulator (tanh's and its argument's), so the
+            # slope 1 - t² carries an absolute 2·eps·t² (not relative to 1 - t², which the
+            # rounding of t near ±1 swamps): in units of the floor, FLOOR[X]
+            tq = t * ((1 - tanh * tanh) + 2 * acc_eps / x_floor * tanh * tanh)
+        mags["q"] = abs(scale) * amax(tq @ kk.detach().abs())
+        dk_terms = abs(scale) * (tq.transpose(-1, -2) @ q.detach().abs())  # (B, Hq, Lk, D)
         mags["k"] = amax(per_kv_head(dk_terms, Hkv))  # (B, Hkv, Lk, D)
-        dv_terms = pd.transpose(-1, -2) @ do  # (B, Hq, Lk, Dv)
+        if tanh is not None and softcap is not None:
+            # the slope moves relatively by d log(1 - t²) = -2t·ds / softcap: a score rounded by
+            # eps·(its product's size) moves dq's and dk's terms by eps·2|t|·product / softcap
+            # more (1e6 / 0.3 with huge scores: beyond the score's own size). Per row (dq) and
+            # key (dk), the mean of each pair's size over its terms; rows / keys by their terms
+            gsz = torch.where(kept, sz + 2 * tanh.abs() * prod / softcap, 0.0)  # (B, Hq, Lq, Lk)
+            for name, dim in (("q", -1), ("k", -2)):
+                den = tq.sum(dim)
+                mean = (tq * gsz).sum(dim) / torch.where(den > 0, den, 1.0)
+                score_sizes[name] = max(score_size, weighted(mean, den))
+        dv_terms = p_acc.transpose(-1, -2) @ do  # (B, Hq, Lk, Dv)
         mags["v"] = amax(per_kv_head(dv_terms, Hkv))  # (B, Hkv, Lk, Dv)
         if b is not None:
             mags["bias"] = amax(t.sum_to_size(b.shape))
-    sz = (scale * torch.einsum("bhid,bhjd->bhij", q.detach().abs(), kk.detach().abs())).abs()
-    if b is not None:
-        sz = sz + torch.where(torch.isfinite(b.detach()), b.detach().abs(), 0.0)
-    score_size = float(torch.where(kept, sz, 0.0).max()) if sz.numel() else 0.0
-    return Golden(out.detach(), lse.detach(), pd, grads, mags, score_size)
+        if sk is not None and sink is not None and e_sink is not None:
+            # dsink = -Σ_rows p_sink·Δ: terms p_sink·(the size of Δ's terms, as above)
+            p_sink = (e_sink / torch.where(live, l, 1.0)).detach().squeeze(-1)  # (B, Hq, Lq)
+            w = p_sink * delta.squeeze(-1)  # (B, Hq, Lq)
+            mags["sinks"] = amax(w.sum(dim=(0, 2)) if sk.ndim == 1 else w)
+            # p_sink = exp(sink - lse) rounds with |sink| and |lse|
+            sink_size = torch.where(has_sink, sink.detach().abs(), 0.0).squeeze(-1)  # (B, Hq, Lq)
+            score_sizes["sinks"] = weighted(torch.maximum(row_size, sink_size), w)
+    underflow = max(Lk, B * Hq * Lq) * acc_tiny
+    return Golden(out.detach(), lse.detach(), pd, grads, mags, score_size, score_sizes, underflow)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,13 +319,14 @@ def judge(
         return f"{name}: dtype {got.dtype}, expected {rdt}"
     coarser = rdt if torch.finfo(rdt).eps > torch.finfo(dtype).eps else dtype
     fdt = rdt if kind == "lse" else coarser
-    size = None if kind == "lse" else 1.0 if kind == "weights" else gold.mags[name.removeprefix("d")]
+    size = None if kind == "lse" else 1.0 if kind == "weights" else gold.mags[name.removeprefix("d")] + gold.underflow
     sums = kind in ("out", "grad")
-    opts: dict[str, Any] = dict(kind=kind, name=name, size=size, scores=gold.score_size, subnormal=sums)
+    scores = gold.score_sizes.get(name.removeprefix("d"), gold.score_size)
+    opts: dict[str, Any] = dict(kind=kind, name=name, size=size, scores=scores, subnormal=sums)
     if ref is None:
         v = reference_verdict(got, gval, bound_dtype=fdt, **opts)
     else:
-        cap = sanity_bound(fdt, magnitude(gval) if size is None else size, kind=kind, scores=gold.score_size,
+        cap = sanity_bound(fdt, magnitude(gval) if size is None else size, kind=kind, scores=scores,
                            subnormal=sums)  # fmt: skip
         v = verdict(got, ref, gval, floor_dtype=fdt, ref_cap=cap, **opts)
     return None if v.ok else v.message
@@ -299,6 +399,8 @@ class MaskLeaf:
     arg: Any  # what attnzero gets: a tensor or an az.Mask
     dense: torch.Tensor  # the golden keep-mask, bool, 4-D broadcastable to (B, Hq, Lq, Lk)
     desc: str
+    structured: bool = False  # segments (documents, padding) with or without a band
+    packed: bool = False  # among them document_mask(packed=True)
 
 
 def tensor_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int]) -> MaskLeaf:
@@ -321,39 +423,139 @@ def tensor_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, 
     return MaskLeaf(arg, to4(keep), f"tensor{tuple(shape)}:{str(dtype).replace('torch.', '')}:p{p_keep}")
 
 
-def builder_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int]) -> MaskLeaf:
-    B, Hq, Lq, Lk = full
-    kind = rng.choice(["causal", "window", "padding", "document", "custom", "custom", "from_tensor"])
-    if kind == "causal":
+def cu_seqlens(rng: random.Random, L: int, n: int) -> list[int]:
+    """(n + 1,) cumulative lengths of n documents packed into L tokens, about a quarter of them empty
+    (a sequence without queries, or without keys: the other side's blocks between are skipped)."""
+    w = [0.0 if rng.random() < 0.25 else rng.random() for _ in range(n)]
+    if sum(w) == 0:
+        w[rng.randrange(n)] = 1.0
+    cu = [0] + [round(L * x / sum(w)) for x in itertools.accumulate(w)]
+    cu[-1] = L
+    return cu
+
+
+def ids_of(cu: list[int]) -> torch.Tensor:
+    """(1, L) the document index of each token, from cumulative lengths ``cu``."""
+    lengths = [b - a for a, b in itertools.pairwise(cu)]
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(1, -1)
+
+
+def doc_ids(
+    rng: random.Random,
+    gen: torch.Generator,
+    nb: int,
+    L: int,
+    ndoc: int,
+    order: str,
+    some: bool = False,
+    lead: bool = False,
+) -> torch.Tensor:
+    """(nb, L) document ids: "sorted" (documents back to back, ids increasing), "runs" (back to back,
+    ids in a shuffled order, so some decrease) or "scattered" (every token a random document).
+    ``some``: each batch of a random subset of the ndoc documents only (the others have no token
+    there: the same document then sits at different keys in different batches, and a block of
+    keys between may be kept by no batch). ``lead``: each batch starts with a run of id -1 (of
+    its own length, 0 to 3/4 of L: left padding, keys that no query sees)."""
+    rows = []
+    for _ in range(nb):
+        docs = torch.tensor(sorted(rng.sample(range(ndoc), rng.randint(1, ndoc)))) if some else torch.arange(ndoc)
+        pad = rng.choice([0, L // 4, L // 2, 3 * L // 4]) if lead else 0
+        if order == "scattered":
+            rest = docs[torch.randint(len(docs), (L - pad,), generator=gen)]
+        else:  # documents of random lengths (some empty), back to back: each batch its own layout
+            rest = docs[ids_of(cu_seqlens(rng, L - pad, len(docs)))[0]]
+        rows.append(torch.cat([torch.full((pad,), -1), rest]))
+    ids = torch.stack(rows)  # (nb, L)
+    if order == "runs":
+        relabel = torch.tensor(rng.sample(range(ndoc), ndoc))
+        ids = torch.where(ids >= 0, relabel[ids.clamp_min(0)], ids)  # (the padding keeps its -1)
+    return ids
+
+
+def document_mask(
+    rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int], packed: bool = False
+) -> MaskLeaf:
+    """az.masks.document from ids (sorted or not; per batch or one row) or from cu_seqlens.
+    ``packed``: a batch of packed sequences whose queries are laid out alike and whose keys too, but
+    left-padded by a different length in each batch (and right-padded to Lk): a document's keys
+    sit at different places in different batches, and a block of keys between is kept by no batch
+    of a chunk (skipped)."""
+    B, _, Lq, Lk = full
+    ndoc = rng.randint(1, 6)
+    if packed:
+        ndoc = rng.randint(3, 8)
+        qi = ids_of(cu_seqlens(rng, Lq, ndoc)).expand(B, Lq)  # (B, Lq)
+        pads = rng.sample([0, Lk // 4, Lk // 2, 3 * Lk // 4], min(B, 4)) + [0] * max(0, B - 4)
+        base = ids_of(cu_seqlens(rng, Lk - max(pads), ndoc))[0]  # (Lk - max pad,)
+        fill = [torch.full((p,), -1) for p in pads], [torch.full((max(pads) - p,), ndoc) for p in pads]
+        ki = torch.stack([torch.cat([a, base, z]) for a, z in zip(*fill)])  # (B, Lk)
+        dense = qi.reshape(B, 1, Lq, 1) == ki.view(B, 1, 1, Lk)
+        return MaskLeaf(az.masks.document(qi, ki), dense, f"document(packed batch, ndoc={ndoc}, key pads {pads})")
+    if rng.random() < 0.3:  # FlashAttention's varlen layout: cumulative lengths (a list or a tensor)
+        cq = cu_seqlens(rng, Lq, ndoc)
+        same = Lq == Lk and rng.random() < 0.6
+        ck = cq if same else cu_seqlens(rng, Lk, rng.choice([ndoc, rng.randint(1, 6)]))
+        as_t = rng.random() < 0.5
+
+        def conv(c: list[int]) -> Any:
+            # (int64: az.masks refuses narrower integer tensors at present, int32 included)
+            return torch.tensor(c, dtype=torch.int64) if as_t else c
+
+        arg = (
+            az.masks.document(cu_seqlens=conv(cq))
+            if same
+            else az.masks.document(cu_seqlens=conv(cq), cu_seqlens_kv=conv(ck))
+        )
+        qi, ki = ids_of(cq), ids_of(ck)  # (1, Lq), (1, Lk)
+        dense = qi.view(1, 1, Lq, 1) == ki.view(1, 1, 1, Lk)
+        return MaskLeaf(arg, dense, f"document(cu_seqlens={cq}" + ("" if same else f", cu_seqlens_kv={ck}") + ")")
+    nb = B if rng.random() < 0.7 else 1
+    order = rng.choice(["sorted", "sorted", "sorted", "runs", "scattered"])
+    qi = doc_ids(rng, gen, nb, Lq, ndoc, order, some=rng.random() < 0.4)
+    ki = doc_ids(rng, gen, nb, Lk, ndoc, order, some=rng.random() < 0.5, lead=nb > 1 and rng.random() < 0.4)
+    flat = nb == 1 and rng.random() < 0.5
+    if Lq == Lk and rng.random() < 0.5:
+        ki = qi
+        arg = az.masks.document(qi[0] if flat else qi)
+    else:
+        arg = az.masks.document(qi[0] if flat else qi, ki[0] if flat else ki)
+    dense = qi.view(nb, 1, Lq, 1) == ki.view(nb, 1, 1, Lk)
+    return MaskLeaf(arg, dense, f"document(nb={nb}, ndoc={ndoc}, {order}{', 1-D' if flat else ''})")
+
+
+def padding_mask(rng: random.Random, full: tuple[int, int, int, int]) -> MaskLeaf:
+    B, _, _, Lk = full
+    nb = rng.choice([B, B, 1])
+    lengths = [rng.choice([0, 1, rng.randint(0, Lk), Lk]) for _ in range(nb)]
+    if max(lengths) == 0:
+        lengths[0] = Lk
+    kv_len = None if max(lengths) == Lk and rng.random() < 0.5 else Lk
+    dense = torch.arange(Lk).view(1, 1, 1, Lk) < torch.tensor(lengths).view(nb, 1, 1, 1)
+    return MaskLeaf(az.masks.padding(lengths, kv_len), dense, f"padding({lengths}, kv_len={kv_len})")
+
+
+def band_mask(rng: random.Random, full: tuple[int, int, int, int]) -> MaskLeaf:
+    """az.masks.causal (either alignment) or az.masks.window."""
+    Lq, Lk = full[2], full[3]
+    if rng.random() < 0.6:
         align = rng.choice(["bottom_right", "top_left"])
         return MaskLeaf(az.masks.causal(Lq, Lk, align=align), to4(causal_keep(Lq, Lk, align)), f"causal({align})")
-    if kind == "window":
-        left = rng.choice([None, 0, 1, 3, 16, 40])
-        right = rng.choice([None, 0, 0, 2, 17])
-        return MaskLeaf(
-            az.masks.window(Lq, Lk, left, right), to4(window_keep(Lq, Lk, left, right)), f"window({left}, {right})"
-        )
+    left = rng.choice([None, 0, 1, 3, 16, 40])
+    right = rng.choice([None, 0, 0, 2, 17])
+    return MaskLeaf(
+        az.masks.window(Lq, Lk, left, right), to4(window_keep(Lq, Lk, left, right)), f"window({left}, {right})"
+    )
+
+
+def builder_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int]) -> MaskLeaf:
+    B, Hq, Lq, Lk = full
+    kind = rng.choice(["band", "band", "padding", "document", "custom", "custom", "from_tensor"])
+    if kind == "band":
+        return band_mask(rng, full)
     if kind == "padding":
-        nb = rng.choice([B, B, 1])
-        lengths = [rng.choice([0, 1, rng.randint(0, Lk), Lk]) for _ in range(nb)]
-        if max(lengths) == 0:
-            lengths[0] = Lk
-        kv_len = None if max(lengths) == Lk and rng.random() < 0.5 else Lk
-        dense = torch.arange(Lk).view(1, 1, 1, Lk) < torch.tensor(lengths).view(nb, 1, 1, 1)
-        return MaskLeaf(az.masks.padding(lengths, kv_len), dense, f"padding({lengths}, kv_len={kv_len})")
+        return padding_mask(rng, full)
     if kind == "document":
-        nb = rng.choice([B, 1])
-        ndoc = rng.randint(1, 4)
-        qi = torch.sort(torch.randint(ndoc, (nb, Lq), generator=gen), dim=-1).values
-        ki = torch.sort(torch.randint(ndoc, (nb, Lk), generator=gen), dim=-1).values
-        flat = nb == 1 and rng.random() < 0.5
-        if Lq == Lk and rng.random() < 0.5:
-            ki = qi
-            arg = az.masks.document(qi[0] if flat else qi)
-        else:
-            arg = az.masks.document(qi[0] if flat else qi, ki[0] if flat else ki)
-        dense = qi.view(nb, 1, Lq, 1) == ki.view(nb, 1, 1, Lk)
-        return MaskLeaf(arg, dense, f"document(nb={nb}, ndoc={ndoc}{', 1-D' if flat else ''})")
+        return document_mask(rng, gen, full)
     if kind == "custom":
         name, fn = rng.choice(PREDICATES)
         shape = (
@@ -367,24 +569,8 @@ def builder_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int,
     return MaskLeaf(az.masks.from_tensor(leaf.arg), leaf.dense, f"from_tensor({leaf.desc})")
 
 
-def draw_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int]) -> MaskLeaf | None:
-    r = rng.random()
-    if r < 0.2:
-        return None
-    if r < 0.45:
-        return tensor_mask(rng, gen, full)
-    if r < 0.75:
-        leaf = builder_mask(rng, gen, full)
-        if isinstance(leaf.arg, az.Mask) and rng.random() < 0.1:
-            return MaskLeaf(~leaf.arg, ~leaf.dense, f"~{leaf.desc}")
-        return leaf
-    # a combination of 2-3 leaves
-    leaves = [builder_mask(rng, gen, full) for _ in range(rng.randint(1, 2))]
-    if rng.random() < 0.5:
-        leaves.append(tensor_mask(rng, gen, full))
-    if len(leaves) == 1:
-        leaves.append(builder_mask(rng, gen, full))
-    op = rng.choice(["and_", "or_", "&", "|"])
+def combine(leaves: list[MaskLeaf], op: str) -> MaskLeaf:
+    """The leaves joined by ``op``: "and_" / "or_" (az.masks') or "&" / "|" (Mask's operators)."""
     if op in ("&", "|"):
         arg = leaves[0].arg
         for lf in leaves[1:]:
@@ -395,6 +581,48 @@ def draw_mask(rng: random.Random, gen: torch.Generator, full: tuple[int, int, in
     for lf in leaves[1:]:
         dense = dense & lf.dense if op in ("and_", "&") else dense | lf.dense
     return MaskLeaf(arg, dense, f" {op} ".join(f"[{lf.desc}]" for lf in leaves))
+
+
+def draw_mask(
+    rng: random.Random, gen: torch.Generator, full: tuple[int, int, int, int], structured: bool = False
+) -> MaskLeaf | None:
+    """A random mask (None: no mask); ``structured``: one with segments (the branch below)."""
+    r = rng.uniform(0.6, 0.85) if structured else rng.random()
+    if r < 0.15:
+        return None
+    if r < 0.35:
+        return tensor_mask(rng, gen, full)
+    if r < 0.6:
+        leaf = builder_mask(rng, gen, full)
+        if isinstance(leaf.arg, az.Mask) and rng.random() < 0.1:
+            return MaskLeaf(~leaf.arg, ~leaf.dense, f"~{leaf.desc}")
+        return leaf
+    if r < 0.85:
+        # documents / padding (segments) with causal or a window (a band): masks with the structure
+        # backends skip blocks by, kept whole, skipped and partial blocks side by side (draw() adds
+        # causal=True to these more often)
+        r = rng.random()
+        packed = full[0] > 1 and r < (0.8 if structured else 0.4)
+        leaves = [document_mask(rng, gen, full, packed) if r < 0.7 else padding_mask(rng, full)]
+        if rng.random() < 0.6:
+            leaves.append(band_mask(rng, full))
+        if rng.random() < 0.2:
+            leaves.append(padding_mask(rng, full) if rng.random() < 0.5 else document_mask(rng, gen, full))
+        rng.shuffle(leaves)
+        if rng.random() < 0.1:
+            leaves.append(tensor_mask(rng, gen, full))  # last: ``tensor | Mask`` is not defined
+        leaf = leaves[0] if len(leaves) == 1 else combine(leaves, rng.choice(["and_", "and_", "&", "or_", "|"]))
+        if rng.random() < 0.05:
+            leaf = MaskLeaf(~leaf.arg, ~leaf.dense, f"~({leaf.desc})")
+        leaf.structured, leaf.packed = True, packed
+        return leaf
+    # a combination of 2-3 leaves
+    leaves = [builder_mask(rng, gen, full) for _ in range(rng.randint(1, 2))]
+    if rng.random() < 0.5:
+        leaves.append(tensor_mask(rng, gen, full))
+    if len(leaves) == 1:
+        leaves.append(builder_mask(rng, gen, full))
+    return combine(leaves, rng.choice(["and_", "or_", "&", "|"]))
 
 
 @dataclass
@@ -415,17 +643,55 @@ class Problem:
     flash_cfgs: list[dict[str, int]] = field(default_factory=list)
     infer_cfg: dict[str, int] | None = None
     alibi: tuple[int, int, int] | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # (Hq,) or (B, Hq, Lq); a leaf with a gradient where the case has them
 
     def kwargs(self) -> dict[str, Any]:
-        return dict(mask=self.mask, causal=self.causal, window=self.window, scale=self.scale)
+        return dict(mask=self.mask, causal=self.causal, window=self.window, scale=self.scale, softcap=self.softcap)
 
 
-def draw(seed: int, *, small: bool = False, dtypes: tuple[torch.dtype, ...] = (F16, BF16, F32, F64)) -> Problem:
-    """The case of ``seed``. ``small``: shapes the Triton interpreter runs in well under a second."""
+def bf16_faithful(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    bias: torch.Tensor | None,
+    bias_dtype: torch.dtype,
+    scale: float | None,
+    dout: torch.Tensor | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> bool:
+    """Whether a bfloat16 case keeps clear of bfloat16's subnormals (below 2^-126), which the tools
+    the fuzz runs on do not compute faithfully: torch's bfloat16 matmul on CPU treats them as 0
+    (the dot-product instructions flush them: the reference's P·V of a row whose every weight lies
+    there is 0), and Triton's CPU interpreter, which the triton cases run under, converts a
+    float32 there to bfloat16 wrongly (1e-43 becomes 1.3e-39: triton 3.9's
+    ``interpreter._convert_float`` keeps the significand of an output subnormal unshifted). Either
+    is off by up to 2^-126 per value, which no rounding of the result excuses only when the whole
+    result is that small: every weight (a sink far above every key), or every term of a result (a
+    sink and tiny values), below 2^-100. Only a sink leads there; bfloat16 cases do without such
+    sinks."""
+    bb = None if bias is None else bias.to(bias_dtype)
+    gold = golden(q, k, v, keep, bb, scale, dout, softcap, sinks)
+    sizes = [float(gold.p.max()) if gold.p.numel() else 0.0, *gold.mags.values()]
+    return all(x == 0.0 or x >= 2.0**-100 for x in sizes)
+
+
+def draw(
+    seed: int,
+    *,
+    small: bool = False,
+    structured: bool = False,
+    dtypes: tuple[torch.dtype, ...] = (F16, BF16, F32, F64),
+) -> Problem:
+    """The case of ``seed``. ``small``: shapes the Triton interpreter runs in well under a second.
+    ``structured``: a mask with segments (documents, padding; with causal / a window more often),
+    lengths of 17 and more (several blocks of 16)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     dtype = rng.choice(dtypes)
-    B = rng.choice([1, 2, 3])
+    B = rng.choice([2, 3] if structured else [1, 2, 3])
     Hq, Hkv = rng.choice(HEADS)
     if small:
         lens = [1, 2, 7, 17, 33]
@@ -435,7 +701,7 @@ def draw(seed: int, *, small: bool = False, dtypes: tuple[torch.dtype, ...] = (F
         B = min(B, 2)
         Hq, Hkv = rng.choice([(1, 1), (2, 1), (2, 2), (3, 1), (4, 2), (4, 1)])
     else:
-        Lq, Lk = rng.choice(LENGTHS), rng.choice(LENGTHS)
+        Lq, Lk = rng.choice(LENGTHS[3:] if structured else LENGTHS), rng.choice(LENGTHS[3:] if structured else LENGTHS)
         if rng.random() < 0.25:
             Lk = Lq
         D = rng.choice(HEAD_DIMS)
@@ -529,11 +795,11 @@ def draw(seed: int, *, small: bool = False, dtypes: tuple[torch.dtype, ...] = (F
     v = laid_out(vv, dtype, layouts[2])
     assert bool(q.abs().max() < lim) and bool(v.abs().max() < lim)
 
-    mleaf = draw_mask(rng, gen, full)
+    mleaf = draw_mask(rng, gen, full, structured)
     keep = torch.ones(1, 1, 1, 1, dtype=torch.bool) if mleaf is None else mleaf.dense
     if mleaf is not None:
         desc.append(f"mask {mleaf.desc}")
-    causal = rng.random() < 0.3
+    causal = rng.random() < (0.5 if mleaf is not None and mleaf.structured else 0.3)
     window: Any = None
     if rng.random() < 0.2:
         left, right = rng.choice([None, 0, 1, 5, 16, 50]), rng.choice([None, 0, 3, 20])
@@ -563,11 +829,57 @@ def draw(seed: int, *, small: bool = False, dtypes: tuple[torch.dtype, ...] = (F
             ]
         ),
     ]
+    if mleaf is not None and mleaf.structured:
+        # segments: small blocks (kept whole, partial, and, in a chunk of several batches whose
+        # documents sit at different keys, skipped by every batch: one thread, so that the
+        # (batch, head) pairs stay in one chunk; or one pair per chunk)
+        ts = 16 if B * Hkv * Lq * Lk <= 80_000 else 32
+        flash_cfgs[1] = rng.choice(
+            [
+                {"rows": ts, "cols": ts, "threads": 1},
+                {"rows": ts, "cols": ts, "threads": 1},
+                {"rows": ts, "cols": ts, "threads": 1},
+                {"rows": ts, "cols": ts, "kv": 64},
+                {"rows": 2 * ts, "cols": ts},
+            ]
+        )
+        if mleaf.packed:
+            flash_cfgs[1] = {"rows": ts, "cols": ts, "threads": 1}
     infer_cfg = rng.choice([{"rows": t, "cols": t, "threads": 2}, {"threads": 2}]) if rng.random() < 0.3 else None
+
+    # softcap (Gemma 2), ordinary and extreme: 1e-3 caps every score to about ±1e-3 (uniform
+    # weights, the slope 1 - t² vanishing), 1e4 caps nothing (t = s / 1e4 must keep its digits)
+    softcap = rng.choice([0.3, 2.0, 2.0, 20.0, 50.0, 1e-3, 1e4]) if rng.random() < 0.3 else None
+    if softcap is not None:
+        desc.append(f"softcap={softcap:g}")
+    # sinks (gpt-oss), per head or per query: ordinary, ±30, -inf (no sink), 1e4 (the sink takes
+    # all: out 0, lse = sink), in the case's dtype or a finer one (then their gradient is in that)
+    sinks: torch.Tensor | None = None
+    if rng.random() < 0.3:
+        per_query = rng.random() < 0.5
+        sshape = (B, Hq, Lq) if per_query else (Hq,)
+        sv = torch.randn(sshape, generator=gen, dtype=F64) * rng.choice([1.0, 3.0])
+        specials = rng.sample([30.0, -30.0, NEG_INF, 1e4], k=rng.choice([0, 1, 1, 2]))
+        for x in specials:
+            if rng.random() < 0.15:
+                sv.fill_(x)  # every row the same extreme
+            elif per_query:
+                sv = sv.masked_fill(torch.rand(sshape, generator=gen) < 0.3, x)
+            else:
+                sv[rng.randrange(Hq)] = x
+        sinks_dtype = dtype if rng.random() < 0.7 else (F32 if dtype != F64 else F64)
+        sinks = sv.to(sinks_dtype)
+        desc.append(
+            f"sinks {'(B, Hq, Lq)' if per_query else '(Hq,)'}:{DTYPE_NAMES[sinks_dtype]}"
+            + (f" with {','.join(f'{x:g}' for x in specials)}" if specials else "")
+        )
+        if dtype == BF16 and not bf16_faithful(q, k, v, keep, bias, bias_dtype, scale, dout, softcap, sinks):
+            sinks = None
+            desc[-1] += " (dropped: see bf16_faithful)"
     return Problem(
         seed, dtype, q, k, v, None if mleaf is None else mleaf.arg, keep,
         None if bias is None else bias.to(bias_dtype), causal, window, scale, dout, desc, flash_cfgs, infer_cfg,
-        alibi,
+        alibi, softcap, sinks,
     )  # fmt: skip
 
 
@@ -596,14 +908,17 @@ def run(pb: Problem, backend: str, *, grads: bool, cfg: dict[str, int] | None = 
     xs = {"q": relayout(pb.q), "k": relayout(pb.k), "v": relayout(pb.v)}
     if pb.bias is not None:
         xs["bias"] = pb.bias.clone()
+    if pb.sinks is not None:
+        xs["sinks"] = pb.sinks.clone()
     if grads:
         for t in xs.values():
             t.requires_grad_(True)
     mode = torch.inference_mode() if infer else contextlib.nullcontext()
     with flash_cfg(cfg), mode:
         out, lse = az.attention(
-            xs["q"], xs["k"], xs["v"], bias=xs.get("bias"), backend=backend, return_lse=True, **pb.kwargs()
-        )
+            xs["q"], xs["k"], xs["v"], bias=xs.get("bias"), sinks=xs.get("sinks"), backend=backend, return_lse=True,
+            **pb.kwargs(),
+        )  # fmt: skip
         gs: dict[str, torch.Tensor] = {}
         if grads:
             names = list(xs)
@@ -627,7 +942,8 @@ def compare(label: str, pb: Problem, gold: Golden, got: Run, ref: Run | None, gr
     ]
     if grads:
         for n, g in gold.grads.items():
-            dt = pb.bias.dtype if n == "bias" and pb.bias is not None else pb.dtype
+            leaf = {"bias": pb.bias, "sinks": pb.sinks}.get(n)
+            dt = pb.dtype if leaf is None else leaf.dtype  # a bias's or the sinks' gradient: their dtype
             if n not in got.grads:
                 fails.append(f"{label}: no gradient for {n}")
                 continue
@@ -647,7 +963,7 @@ def reproducer(pb: Problem, extra: str = "") -> str:
 
 
 def snapshot(pb: Problem) -> list[torch.Tensor]:
-    ts = [pb.q, pb.k, pb.v] + ([pb.bias] if pb.bias is not None else [])
+    ts = [pb.q, pb.k, pb.v] + [t for t in (pb.bias, pb.sinks) if t is not None]
     if isinstance(pb.mask, torch.Tensor):
         ts.append(pb.mask)
     return [t.clone() for t in ts]
@@ -656,11 +972,10 @@ def snapshot(pb: Problem) -> list[torch.Tensor]:
 def check_case(pb: Problem, backends: list[str]) -> list[str]:
     """Run ``backends`` (and always the reference, the baseline) on the case; every failure."""
     grads = pb.dout is not None
-    flush = torch.set_flush_denormal(True)  # the golden only: subnormal float64 arithmetic is slow
-    try:
-        gold = golden(pb.q, pb.k, pb.v, pb.keep, pb.bias, pb.scale, pb.dout)
-    finally:
-        torch.set_flush_denormal(False) if flush else None
+    # (no torch.set_flush_denormal around the golden: torch's worker threads that start inside it
+    # keep flushing subnormals after it is switched off, so a backend run later lost them in
+    # some chunks of its ops, at random; the golden costs the same without it)
+    gold = golden(pb.q, pb.k, pb.v, pb.keep, pb.bias, pb.scale, pb.dout, pb.softcap, pb.sinks)
     assert not any(torch.isnan(t).any() for t in (gold.out, gold.lse, *gold.grads.values())), "golden has NaN"
     fails: list[str] = []
     before = snapshot(pb)
@@ -705,7 +1020,7 @@ def check_case(pb: Problem, backends: list[str]) -> list[str]:
     # the probabilities: az.attention_weights against the golden p
     try:
         w = az.attention_weights(pb.q, pb.k, mask=pb.mask, bias=pb.bias, causal=pb.causal, window=pb.window,
-                                 scale=pb.scale)  # fmt: skip
+                                 scale=pb.scale, softcap=pb.softcap, sinks=pb.sinks)  # fmt: skip
         msg = judge("p", "weights", w, gold.p, None, gold, dtype=pb.dtype, rdt=pb.dtype)
         if msg:
             fails.append(f"attention_weights: {msg}")
@@ -722,10 +1037,13 @@ def check_case(pb: Problem, backends: list[str]) -> list[str]:
 TRITON_DTYPES = (F16, BF16, F32, F16, BF16, F32, F64)  # float64 on backend="triton" is computed by flash
 
 
-def replay(seed: int, small: bool = False, backends: tuple[str, ...] = ("flash", "auto")) -> None:
+def replay(
+    seed: int, small: bool = False, backends: tuple[str, ...] = ("flash", "auto"), structured: bool = False
+) -> None:
     """Rerun one case by hand and print what fails."""
-    pb = draw(seed, small=small, dtypes=TRITON_DTYPES if small else (F16, BF16, F32, F64))
-    print(reproducer(pb))
+    pb = draw(seed, small=small, structured=structured, dtypes=TRITON_DTYPES if small else (F16, BF16, F32, F64))
+    extra = (", small=True" if small else "") + (", structured=True" if structured else "")
+    print(reproducer(pb, extra + (f", backends={backends!r}" if backends != ("flash", "auto") else "")))
     with contextlib.ExitStack() as stack:
         if "triton" in backends:
             from attnzero.kernels import triton_backend as tb
@@ -753,6 +1071,19 @@ def test_random_case(i: int) -> None:
     every fourth case; attention_weights; against the golden."""
     pb = draw(BASE_SEED + i)
     fail_with(check_case(pb, ["flash"] + (["auto"] if i % 4 == 0 else [])), pb)
+
+
+STRUCTURED_EXAMPLES = max(4, EXAMPLES // 10)
+
+
+@pytest.mark.parametrize("i", range(STRUCTURED_EXAMPLES))
+def test_random_structured_case(i: int) -> None:
+    """As test_random_case, every case with a mask that carries block structure (documents from
+    ids or cu_seqlens, padding, packed batches; with causal or a window, and_ / or_ / ~) and
+    lengths of 17 and more, so that flash's small blocks are skipped, kept whole and partial."""
+    seed = 4_000_003 + BASE_SEED + i
+    pb = draw(seed, structured=True)
+    fail_with(check_case(pb, ["flash"]), pb, ", structured=True")
 
 
 TRITON_EXAMPLES = max(6, EXAMPLES // 7)
@@ -974,7 +1305,7 @@ def test_dropout_between_backends(i: int) -> None:
         torch.manual_seed(seed)
         try:
             with flash_cfg(cfg):
-                out = az.attention(q, k, v, bias=bias, dropout_p=p, backend=backend, **pb.kwargs())
+                out = az.attention(q, k, v, bias=bias, sinks=pb.sinks, dropout_p=p, backend=backend, **pb.kwargs())
                 grads = torch.autograd.grad(out, (q, k, v), dout)
             res.setdefault(backend, []).append((out.detach(), grads))
         except Exception as e:
