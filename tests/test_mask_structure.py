@@ -163,3 +163,12 @@ def test_a_document_mask_visits_only_its_documents() -> None:
     docs = _blocks(mask=M.document(ids))
     full = _blocks()
     assert docs[0] <= full[0] / 8 and docs[1] <= full[1] / 8
+
+
+def test_narrow_integer_ids_and_cu_seqlens_are_taken() -> None:
+    """int32 cu_seqlens (varlen's own dtype) and int16 ids: 2**62 must not wrap in their dtype."""
+    a = M.document(cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32)).to_tensor()
+    b = M.document([0, 0, 1, 1, 1]).to_tensor()
+    assert torch.equal(a, b)
+    assert torch.equal(M.document(torch.tensor([0, 0, 1, 1, 1], dtype=torch.int16)).to_tensor(), b)
+    assert M.padding(torch.tensor([2, 3], dtype=torch.int32)).shape == (2, 1, 1, 3)

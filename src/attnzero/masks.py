@@ -312,7 +312,7 @@ def _ints(name: str, values: Tensor | Sequence[int], expected: str) -> Tensor:
         raise ValueError(f"{name}: expected {expected} within ±2**62, got {values!r}") from e
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ValueError(f"{name}: expected {expected}, got {tuple(t.shape)} {t.dtype}")
-    if t.numel() and bool((t.abs() > MAX_INT).any()):
+    if t.numel() and bool((t.to(torch.int64).abs() > MAX_INT).any()):  # int64: 2**62 wraps in narrower ints
         raise ValueError(f"{name}: expected {expected} within ±2**62, got {t.tolist()}")
     return t
 
