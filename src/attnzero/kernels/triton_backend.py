@@ -590,6 +590,11 @@ def _shifted_bias(bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
     shift = bias_row_shift(bias, torch.float32)
     if bias is None or shift is None:
         return bias, None
+    # only rows far from 0 are shifted: 0 is subtracted exactly elsewhere, even from a 16-bit bias
+    # (the shift is also asked for when the bias holds -inf or an overflowing entry)
+    from ..flash import _ROW_SHIFT_MIN
+
+    shift = torch.where(shift.abs() > _ROW_SHIFT_MIN, shift, 0.0)  # (B|1, H|1, Lq|1)
     return bias - shift.unsqueeze(-1).to(bias.dtype), shift  # (differentiable in bias: the identity)
 
 
