@@ -13,7 +13,8 @@ import importlib.util
 import math
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,17 @@ def qkv(
     """float64 q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)."""
     Dv = D if Dv is None else Dv
     return randn(B, Hq, Lq, D, layout=layout), randn(B, Hkv, Lk, D, layout=layout), randn(B, Hkv, Lk, Dv, layout=layout)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def random_keep(*shape: int, p_keep: float = 0.7) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import absent, qkv
+from conftest import absent, qkv, torch_threads
 
 import attnzero as az
 from attnzero import flash, functional, parallel, reference
@@ -45,17 +45,6 @@ def options(**kw: Any) -> dict[str, Any]:
         "dropout_seed": 0,
     }
     return {**base, **kw}
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` for the block, restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def assert_close(a: torch.Tensor | None, b: torch.Tensor | None, tol: float = 1e-12, name: str = "") -> None:

@@ -8,13 +8,11 @@ boundary, skip and fallback is crossed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
-from conftest import dense_keep, qkv
+from conftest import dense_keep, qkv, torch_threads
 
 import attnzero as az
 from attnzero import dropout, flash, geometry
@@ -123,16 +121,6 @@ def flash_run(
 def reset_counts() -> None:
     for key in flash.COUNTS:
         flash.COUNTS[key] = 0
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_the_formula_is_the_plain_softmax_without_softcap_and_caps_with_it() -> None:
