@@ -10,8 +10,8 @@
 ``pip install -e ".[hf]"``. Without it they say so and exit with status 2 — never a traceback.
 
 This module only reads the arguments; each command lives beside what it shows: ``attnzero.demo``,
-``attnzero.tour``, ``attnzero.selfcheck``, ``attnzero.bench``, ``attnzero.ladder`` (each a ``main`` that returns the exit
-status).
+``attnzero.tour``, ``attnzero.selfcheck``, ``attnzero.bench``, ``attnzero.ladder`` (each a ``main``
+that returns the exit status).
 """
 
 from __future__ import annotations

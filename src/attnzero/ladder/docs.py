@@ -42,11 +42,9 @@ def source_of(ref: str) -> str:
     text = file.read_text(encoding="utf-8")
     body: list[ast.stmt] = ast.parse(text).body
     node: ast.stmt | None = None
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     for part in name.split("."):
-        node = next(
-            (n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part),
-            None,
-        )
+        node = next((n for n in body if isinstance(n, kinds) and n.name == part), None)
         if node is None:
             raise ValueError(f"include: {path} has no function or class {name!r}")
         body = node.body if isinstance(node, ast.ClassDef) else []
