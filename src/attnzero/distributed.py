@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import checks, functional, geometry, ops
+from . import checks, functional, geometry, ops, trace
 from . import sinks as sinks_
 from .reference import accum_dtype
 
@@ -254,6 +254,24 @@ def _blocks(rank: int, src: int, L: int, causal: bool, layout: str, world: int) 
     return [(mine[a][0], theirs[b][0], False) for a, b in full]
 
 
+def _note_step(pass_: str, ring: _Ring, step: int, src: int, L: int, layout: str, blocks: list[_Block]) -> None:
+    """Instrumentation (``attnzero.trace``, drawn by the ladder's rung 9): one "ring.step" event —
+    which block this rank holds at this step and the pieces of it that it computes. ``blocks`` in
+    local indices (rows of this rank's slice, columns of the held block) and kind "full" or
+    "diagonal" (causal inside); empty when the whole block is skipped. ``q_at`` / ``kv_at``: the
+    global starts of the chunks (of ``chunk`` positions) that the local indices run through. Free
+    when nothing records."""
+    if not trace.active():
+        return
+    chunks = _chunks_of(ring.rank, L, ring.world, layout)
+    trace.note(
+        "ring.step", pass_=pass_, rank=ring.rank, world=ring.world, step=step, src=src, layout=layout,
+        rows=L, cols=L, chunk=chunks[0][0].stop - chunks[0][0].start, q_at=[g for _, g in chunks],
+        kv_at=[g for _, g in _chunks_of(src, L, ring.world, layout)],
+        blocks=[(r.start, r.stop, c.start, c.stop, "diagonal" if d else "full") for r, c, d in blocks],
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward and backward around the ring
 
@@ -290,7 +308,9 @@ def _ring_forward(
         # Post the exchange of the block for step + 1 first, then compute with the one we hold.
         nxt = ring.start(kv, _TAG_KV, "key/value blocks") if step + 1 < ring.world else None
         src = (ring.rank - step) % ring.world  # whose keys/values we hold now
-        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout, ring.world):
+        blocks = _blocks(ring.rank, src, L, causal, layout, ring.world)
+        _note_step("forward", ring, step, src, L, layout, blocks)  # a no-op unless recording
+        for rows, cols, blk_causal in blocks:
             out_b, lse_b = backend.forward(
                 _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
                 mask=None, bias=None, causal=blk_causal, window=None, scale=scale, softcap=softcap,
@@ -321,7 +341,9 @@ def _ring_backward(
         src = (ring.rank - step) % ring.world
         dk_b = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, Hkv, L, D) of src's block
         dv_b = torch.zeros(v.shape, dtype=acc, device=v.device)  # (B, Hkv, L, Dv)
-        for rows, cols, blk_causal in _blocks(ring.rank, src, L, causal, layout, ring.world):
+        blocks = _blocks(ring.rank, src, L, causal, layout, ring.world)
+        _note_step("backward", ring, step, src, L, layout, blocks)  # a no-op unless recording
+        for rows, cols, blk_causal in blocks:
             # The backward recomputes P = exp(s - lse) with the GLOBAL out and lse, which gives
             # exactly this block's share of dq, dk, dv.
             dq_p, dk_p, dv_p, _ = backend.backward(
