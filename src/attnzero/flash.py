@@ -24,7 +24,8 @@ blocked, and the causal / window edge enters the score matmul as an additive 0 /
 pass of its own). An ``az.masks.Mask`` says the same of itself (``Mask.key_range``,
 ``Mask.classify``): only its key range is visited, blocks it blocks whole are not computed, blocks it
 keeps whole are not masked — a document mask costs what its documents cost. ``COUNTS`` counts the
-blocks visited (for tests and curious readers).
+blocks visited (for tests and curious readers); while ``attnzero.trace`` records, each visited block
+is also noted as a "flash.tile" event (the ladder draws its pictures from them).
 
 Soft-capping (``softcap``): the matmul gives ``x = q·k·scale/softcap``, the score is
 ``softcap·tanh(x)``; the edge tile and any shift go in after the tanh, and the backward multiplies
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dropout, geometry, reference
+from . import dropout, geometry, reference, trace
 from .constants import LN2, LOG2E
 from .masks import Mask, block_of, keep_block
 from .parallel import Arena, arena, run_tasks
@@ -92,6 +93,20 @@ _LOCK = threading.Lock()
 def _count(key: str) -> None:
     with _LOCK:  # worker threads count too
         COUNTS[key] += 1
+
+
+def _note_tile(
+    pb: _Problem, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int], masked: bool, pass_: str, variant: str
+) -> None:
+    """Record one visited block in ``attnzero.trace`` (called only while a recording is open): which
+    pass and variant ran it, the chunk ``(b0, b1, n0, n1)``, its rows and key columns, whether the
+    mask was evaluated on it (``masked``), whether causal / window cut through it (``edge``), and
+    the thread that computed it."""
+    trace.note(
+        "flash.tile", pass_=pass_, variant=variant, chunk=(c.b0, c.b1, c.n0, c.n1), rows=rows, cols=cols,
+        masked=masked and pb.mask is not None, edge=pb.kind(rows, cols) is not geometry.FULL,
+        thread=threading.get_ident(),
+    )  # fmt: skip
 
 
 @contextmanager
@@ -595,6 +610,8 @@ def _forward_softmax(
     either way. ``softcap``: the scores are ``softcap · tanh(scale · Q Kᵀ / softcap)`` before the
     causal −inf (tanh(−inf) = −1 would keep a blocked pair)."""
     _count("softmax")
+    if trace.active():  # one step over all keys: no tiles to record
+        trace.note("flash.softmax", shape=(q.shape[0], q.shape[1], q.shape[2], k.shape[2]), causal=causal)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G, N = Hq // Hkv, B * Hkv
@@ -674,6 +691,8 @@ def _forward_rows(
     its check passes, which it does for scores of ordinary size); this is the path otherwise."""
     blocks = pb.col_blocks(c, rows)  # [(cols, masked)]
     if not blocks:  # no key to see (a Mask or causal / window block them all): O = 0, lse = −inf
+        if trace.active():
+            trace.note("flash.rows_empty", pass_="forward", chunk=(c.b0, c.b1, c.n0, c.n1), rows=rows)
         c.block(out, rows).zero_()
         c.block(lse, rows).fill_(NEG_INF)
         return
@@ -686,6 +705,8 @@ def _forward_rows(
     acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # unnormalised output: (N, G·r, Dv)
     for cols, masked in blocks:
         _count("forward")
+        if trace.active():
+            _note_tile(pb, c, rows, cols, masked, "forward", "online")
         s = pb.scores(c, qs, kc, rows, cols, ar, masked=masked)  # s₂, blocked pairs −inf: (N, G·r, c)
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # m_new = max(m, max_j s_ij)
         # A row that has met no kept key yet keeps m = −inf; inside exp2 it is 0 instead, so that
@@ -731,6 +752,8 @@ def _forward_rows_unshifted(
     acc = ar.get("acc", c.n, qs.shape[1], pb.Dv).zero_()  # Σ_j exp2(s_ij) v_j: (N, G·r, Dv)
     for cols, masked in blocks:
         _count("forward")
+        if trace.active():
+            _note_tile(pb, c, rows, cols, masked, "forward", "unshifted")
         p = pb.scores(c, qs, kc, rows, cols, ar, masked=masked).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
         l.add_(p.sum(dim=-1, keepdim=True))
         if pb.dropout_p > 0.0:
@@ -744,6 +767,8 @@ def _forward_rows_unshifted(
     ok = hi < _UNSHIFTED_MAX and math.isfinite(total) and (lo >= 1.0 or (lo >= 2.0**-64 and not pb.v_tiny()))
     if not ok:  # (False for NaN too)
         _count("fallback")
+        if trace.active():  # its blocks are visited again by the online softmax
+            trace.note("flash.fallback", chunk=(c.b0, c.b1, c.n0, c.n1), rows=rows)
         return False
     _finish_rows(c, rows, acc, l, torch.zeros((), dtype=l.dtype, device=l.device), out, lse)
     return True
@@ -864,6 +889,8 @@ def _backward_rows(
     Both shifts come out of the matmuls (see ``_Problem``): ``s₂ − lse₂`` and ``dp − D`` (with
     softcap the first is added after the tanh, see ``_Problem.scores``)."""
     blocks = pb.col_blocks(c, rows)  # [(cols, masked)]
+    if not blocks and trace.active():  # no key to see: dQ = 0 for these rows, nothing added to dK / dV
+        trace.note("flash.rows_empty", pass_="backward", chunk=(c.b0, c.b1, c.n0, c.n1), rows=rows)
     qs = pb.scaled_q(c, rows, ar)  # q · scale · log2 e (softcap: q · scale / softcap): (N, G·r, D)
     N, GR = qs.shape[0], qs.shape[1]
     lse2 = c.rows(lse.unsqueeze(-1), rows) * LOG2E  # (N, G·r, 1), base 2
@@ -880,6 +907,8 @@ def _backward_rows(
     t_name = None if pb.softcap is None else "t"  # softcap: tanh(x)ᵀ kept for 1 − t²: (N, c, G·r)
     for cols, masked in blocks:
         _count("backward")
+        if trace.active():
+            _note_tile(pb, c, rows, cols, masked, "backward", "recompute")
         j0, j1 = cols
         p_t = pb.scores(c, qs, kc, rows, cols, ar, "p", transposed=True, shift=neg_lse2, masked=masked, t_name=t_name)
         p_t.exp2_()  # pᵀ: exp(s − lse), in place
