@@ -106,7 +106,10 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
 
     # memory: what autograd keeps for the backward, and the extra peak of forward + backward
     Bm, Hm, Dm = 1, 8, 64
-    lengths = (128, 256, 512) if small else (256, 512, 1024)
+    lengths = (128, 256, 512) if small else (512, 1024, 2048)
+    # the extra peak, in a fresh process per case (seconds each): not when small, and only from L = 1024,
+    # where the L × L tensors dwarf what the allocator keeps from the warm-up run (below, it varies run to run)
+    peak_from = None if small else 1024
     say(f"memory, causal forward + backward, (B, H, D) = {(Bm, Hm, Dm)}, float32:")
     say("      L   saved: formula    flash   |  extra peak: formula    flash")
     mem: dict[str, list[tuple[int, float, float | None]]] = {"reference": [], "flash": []}
@@ -115,16 +118,17 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
         for impl in BACKENDS:
             qkv = [torch.randn(Bm, Hm, Lm, Dm, requires_grad=True) for _ in range(3)]  # q, k, v: (B, H, L, D)
             saved = saved_mb(partial(az.attention, *qkv, causal=True, backend=impl))
-            # extra peak resident memory of one forward + backward in a fresh process (bench.py); skipped
-            # when small (a new process costs seconds) or where /proc is not there
-            peak = None if small else bench.peak_memory_mb(bench.Case(impl, Lm, True, True, B=Bm, H=Hm, D=Dm))
+            # extra peak resident memory of one forward + backward in a fresh process (bench.py; None
+            # where /proc is not there)
+            case = bench.Case(impl, Lm, causal=True, backward=True, B=Bm, H=Hm, D=Dm)
+            peak = bench.peak_memory_mb(case) if peak_from is not None and Lm >= peak_from else None
             mem[impl].append((Lm, saved, peak))
             numbers[f"saved_{impl}_L{Lm}_mb"] = saved
             if peak is not None:
                 numbers[f"peak_{impl}_L{Lm}_mb"] = peak
             cells.append((saved, peak))
         (s_ref, p_ref), (s_fl, p_fl) = cells
-        peaks = "   (not measured)" if p_ref is None or p_fl is None else f"{p_ref:10.1f} MB {p_fl:7.1f} MB"
+        peaks = "     (not measured)" if p_ref is None or p_fl is None else f"{p_ref:10.1f} MB {p_fl:7.1f} MB"
         say(f"  {Lm:5d}   {s_ref:10.1f} MB {s_fl:7.1f} MB   |  {peaks}")
 
     # time at a fixed shape: forward + backward, the flash backend (its own block sizes) against the formula
@@ -149,10 +153,11 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
             ax = axes[0][0]
             for impl, colour, label in (("reference", "#d94801", "formula (autograd keeps P)"),
                                         ("flash", "#2171b5", "flash (keeps O and lse)")):  # fmt: skip
-                xs = [p[0] for p in mem[impl]]
-                ax.plot(xs, [p[1] for p in mem[impl]], "o-", color=colour, label=f"{label}: saved for backward")
-                if all(p[2] is not None for p in mem[impl]):
-                    ax.plot(xs, [p[2] for p in mem[impl]], "s--", color=colour, label=f"{label}: extra peak")
+                ax.plot([p[0] for p in mem[impl]], [p[1] for p in mem[impl]], "o-", color=colour,
+                        label=f"{label}: saved for backward")  # fmt: skip
+                measured = [(p[0], p[2]) for p in mem[impl] if p[2] is not None]
+                if measured:
+                    ax.plot(*zip(*measured, strict=True), "s--", color=colour, label=f"{label}: extra peak")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length L")
