@@ -78,6 +78,7 @@ def test_docs_included_code_exists() -> None:
         "attnzero/flash.py::_Problem.col_blocks",
         "attnzero/flash.py::_backward_rows",
         "attnzero/ladder/r5_tiles.py::tiled_forward",
+        "attnzero/ladder/r5_tiles.py::rung4_on_every_row",
         "attnzero/ladder/r5_tiles.py::tile_map",
         "attnzero/ladder/r6_backward.py::flash_grads",
         "attnzero/ladder/r6_backward.py::saved_mb",
