@@ -22,6 +22,12 @@ Softcap (``HAS_SOFTCAP``): the raw score ``x = scale·q·k`` becomes ``softcap·
 would un-block it). Segment ids (``HAS_SEGMENTS``, a document-style mask that is never densified):
 pair (i, j) is kept iff ``q_id[i] == k_id[j]``, compared in the block, and the blocks outside the
 key range ``[seg_lo, seg_hi)`` of the program's rows (computed on the host) are not visited.
+The record (``attnzero.trace``, drawn by the ladder's rung 7): the program's body is ``fwd_program``
+with a ``TRACE`` constexpr. ``fwd_kernel`` calls it with TRACE off (nothing of the record is
+compiled: the kernel a GPU runs, its signature unchanged); ``fwd_traced``, launched only while a
+recording is open, calls it with TRACE on and a Trace tensor in which each program writes the key
+blocks it visits.
+
 Letters: B batch, Hq / Hkv query / key-value heads, G = Hq // Hkv, Lq / Lk lengths, D / Dv head dims
 (padded to the powers of two BLOCK_D / BLOCK_DV with masked loads).
 """
@@ -232,17 +238,19 @@ def clip_blocks(start, f_lo, f_hi, end, lo, hi, BLOCK: tl.constexpr):
 def attend_keys(
     q, k_rows, v_rows, skn, svn, m0, Lq, Lk, k_lo, k_hi, offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
     mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, qk_scale, cap_in, cap_out,
-    q_ids, kid_rows, seg_lo, seg_hi,
+    q_ids, kid_rows, seg_lo, seg_hi, trace_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
 ):
     """The online softmax of query rows ``[m0, m0 + BLOCK_M)`` over every key block of
     ``[k_lo, k_hi)`` they can see; returns (acc, m, l) in base 2. ``k_rows`` / ``v_rows`` point at
     key/value row 0 of this head (d strides are 1); ``Lk`` is the full key length (dropout counters);
     ``pos`` / ``rows_ok`` are the rows' key positions and validity (BLOCK_M,). With segments:
     ``q_ids`` (BLOCK_M,) the rows' ids, ``kid_rows`` the keys' ids of this batch, and only the
-    blocks meeting ``[seg_lo, seg_hi)`` are visited."""
+    blocks meeting ``[seg_lo, seg_hi)`` are visited. With TRACE (instrumentation, compiled out
+    otherwise): ``trace_row[nb]`` = the part (LEADING / INTERIOR / TRAILING) in which key block
+    ``nb`` was visited; blocks not visited are left as they were."""
     start, f_lo, f_hi, end = key_blocks(m0, Lq, k_lo, k_hi, Lk - Lq, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                         HAS_RIGHT)
     if HAS_SEGMENTS:
@@ -253,6 +261,8 @@ def attend_keys(
     for part in tl.static_range(NUM_PARTS):  # unrolled: each part is its own loop
         lo, hi = part_range(part, start, f_lo, f_hi, end)
         for nb in range(lo, hi):
+            if TRACE:  # the record of what ran: this block, visited in this part (edge parts: masked)
+                tl.store(trace_row + nb, tl.full([], part, tl.int32))
             offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < k_hi
             # K block, transposed: (BLOCK_D, BLOCK_N)
@@ -314,8 +324,8 @@ def segment_rows(ids_row0, rows, rows_ok, range_ptr, HAS_SEGMENTS: tl.constexpr,
     return ids, lo, hi
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
-def fwd_kernel(
+@triton.jit
+def fwd_program(
     Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
@@ -324,13 +334,19 @@ def fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     STORE_F32: tl.constexpr,
+    Trace, TRACE: tl.constexpr,
 ):
-    """Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32, and
+    """One program of the forward (``fwd_kernel``, or ``fwd_traced`` under the ladder's record).
+    Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32, and
     with STORE_F32 the unrounded output to Out32 (B, Hq, Lq, Dv) float32, contiguous — for the
     backward's Δ = rowsum(dO·O), which a 16-bit O would perturb by one rounding.
     Head dims have stride 1; the strides of broadcast mask/bias dims are 0. With HAS_SEGMENTS:
     QIds (B, Lq) and KIds (B, Lk) int32 segment ids, contiguous, and Ranges (B, cdiv(Lq, BLOCK_M), 2)
-    int32, the key range [lo, hi) of each query block."""
+    int32, the key range [lo, hi) of each query block.
+    With TRACE (the ladder's instrumentation; ``fwd_traced``): Trace (grid, 2 + cdiv(Lk, BLOCK_N))
+    int32, filled with -1 by the launcher; program ``pid`` writes its query block and its batch·head
+    to ``Trace[pid, 0:2]`` and, for each key block ``nb`` it visits, the part it was visited in to
+    ``Trace[pid, 2 + nb]`` (``attend_keys``). Without TRACE nothing of it is compiled."""
     # One flat grid axis (no 65535 limit on B·Hq); query blocks of a head are neighbours (they share
     # K/V in L2), the last (under causal: longest) first.
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -353,14 +369,20 @@ def fwd_kernel(
                 other=0.0)  # (BLOCK_M, BLOCK_D)
     q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, rows_ok, Ranges + (b * num_m + pid_m) * 2,
                                          HAS_SEGMENTS, BLOCK_M)
+    trace_row = Trace  # not read without TRACE
+    if TRACE:
+        trace_row = Trace + pid * (2 + tl.cdiv(Lk, BLOCK_N))
+        tl.store(trace_row, pid_m)
+        tl.store(trace_row + 1, pid_bh.to(tl.int32))
+        trace_row += 2
     acc, m_i, l_i = attend_keys(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk, 0, Lk,
         offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
         Mask + b * smb + h * smh + offs_m * smm, smn, Bias + b * sbb + h * sbh + offs_m * sbm, sbn,
         pid_bh * Lq + offs_m, seed_lo, seed_hi, threshold, qk_scale,  # dropout counters / Lk: (BLOCK_M,) int64
-        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi,
+        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi, trace_row,
         BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
-        PRECISION,
+        PRECISION, TRACE,
     )
     out, lse = finish_rows(acc, m_i, l_i, keep_scale)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], out.to(Out.dtype.element_ty),
@@ -369,6 +391,54 @@ def fwd_kernel(
     if STORE_F32:
         tl.store(Out32 + (pid_bh * Lq + offs_m)[:, None] * Dv + offs_dv[None, :], out,
                  mask=rows_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
+def fwd_kernel(
+    Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
+    Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_F32: tl.constexpr,
+):
+    """The forward kernel: ``fwd_program`` without the trace (what runs on a GPU)."""
+    fwd_program(
+        Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
+        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+        smb, smh, smm, smn, sbb, sbh, sbm, sbn,
+        Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP,
+        HAS_DROPOUT, PRECISION, STORE_F32,
+        Lse, False,
+    )
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
+def fwd_traced(
+    Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
+    Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_F32: tl.constexpr,
+    Trace,
+):
+    """``fwd_kernel`` recording which key blocks each program visits into ``Trace`` (see
+    ``fwd_program``): launched instead of it only while an ``attnzero.trace`` recording is open."""
+    fwd_program(
+        Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
+        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+        smb, smh, smm, smn, sbb, sbh, sbm, sbn,
+        Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP,
+        HAS_DROPOUT, PRECISION, STORE_F32,
+        Trace, True,
+    )
 
 
 def next_pow2(n: int, floor: int = MIN_DOT_DIM) -> int:

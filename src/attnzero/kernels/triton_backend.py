@@ -54,11 +54,20 @@ to compute dQ in a separate kernel without atomics (bitwise reproducible, one mo
 
 Runs on CUDA tensors, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is
 imported (Triton's interpreter: slow, for tests).
+
+Instrumentation (``attnzero.trace``, for the ladder's rungs 7 and 8): only while a recording is open,
+the forward and split-KV launches run the traced variants of their kernels (``fwd_traced``,
+``split_traced``: the same program bodies, writing the key blocks each program visits into an int32
+tensor) and note one "triton.program" / "decode.split" event per program from that tensor (the
+split events also carry copies of the partial results). Otherwise the plain kernels run, unchanged.
+``decode_splits(n)`` forces the number of split-KV splits (the device decides otherwise).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,7 +81,7 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
         "(on a CUDA machine it comes with torch; for CPU tests install it and set TRITON_INTERPRET=1)"
     ) from e
 
-from .. import geometry, ops, reference
+from .. import geometry, ops, reference, trace
 from ..masks import Mask, Segments
 from . import backward as bwd_k
 from . import decode as dec_k
@@ -83,6 +92,25 @@ DECODE_MAX_LQ = 16  # the split-KV path serves at most this many queries
 DECODE_MIN_LK = 1024  # ... against at least this many keys
 DECODE_MAX_ROWS = 128  # ... and G·Lq query rows per key/value head (one program holds them all)
 DETERMINISTIC: bool = os.environ.get("ATTNZERO_DETERMINISTIC", "0") not in ("", "0")
+# Split-KV: force this many splits of the keys (``decode_splits``) instead of the device's choice
+# (``decode.splits_for``: about two waves over the GPU's multiprocessors; on the CPU interpreter,
+# which has none, it pretends there are 2). None: the device's choice.
+DECODE_SPLITS: int | None = None
+
+
+@contextmanager
+def decode_splits(n: int) -> Iterator[None]:
+    """Cut the keys of every split-KV launch into ``n`` splits (fewer when there are fewer key
+    blocks, see ``decode.split_keys``) while the block runs — for the ladder and tests, which show
+    the merge with several splits whatever the device."""
+    global DECODE_SPLITS
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"decode_splits: expected a positive int, got {n!r}")
+    before, DECODE_SPLITS = DECODE_SPLITS, n
+    try:
+        yield
+    finally:
+        DECODE_SPLITS = before
 
 
 def interpreting() -> bool:
@@ -293,15 +321,44 @@ def _forward(
     # the keys [lo, hi) of each (batch, query block): (B, cdiv(Lq, BLOCK_M), 2) int32
     ranges = _segment_ranges(q_ids, k_ids, cfg["BLOCK_M"]) if q_ids is not None and k_ids is not None else None
     grid = (triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)
-    fwd_k.fwd_kernel[grid](
+    args = (
         q, k, v, out, lse, out32 if keep_f32 else lse, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *_strides4(mask), *_strides4(bias),
         Hq, Hq // Hkv, Lq, Lk, D, Dv, scale * LOG2E, *scalars,
-        **_launch_opts(cfg), **flags, STORE_F32=keep_f32,
     )
+    if not trace.active():
+        fwd_k.fwd_kernel[grid](*args, **_launch_opts(cfg), **flags, STORE_F32=keep_f32)
+        return out, lse, out32
+    # Recording (attnzero.trace): the same program, writing down the key blocks it visits
+    record = _trace_buffer(grid[0], Lk, cfg["BLOCK_N"], q.device)
+    fwd_k.fwd_traced[grid](*args, Trace=record, **_launch_opts(cfg), **flags, STORE_F32=keep_f32)
+    bm = cfg["BLOCK_M"]
+    for pid, (pid_m, bh, blocks, masked) in enumerate(_trace_rows(record)):
+        trace.note(
+            "triton.program", kernel="fwd_traced", pid=pid, q_block=pid_m, batch=bh // Hq, head=bh % Hq,
+            rows=(pid_m * bm, min((pid_m + 1) * bm, Lq)), key_blocks=blocks, masked=masked,
+            block_m=bm, block_n=cfg["BLOCK_N"], Lq=Lq, Lk=Lk,
+        )
     return out, lse, out32
+
+
+def _trace_buffer(programs: int, Lk: int, block_n: int, device: torch.device) -> Tensor:
+    """The record a traced kernel fills: (programs, 2 + cdiv(Lk, block_n)) int32, -1 everywhere
+    (program ``pid`` writes its row: two ids, then the part in which it visited each key block)."""
+    return torch.full((programs, 2 + triton.cdiv(Lk, block_n)), -1, dtype=torch.int32, device=device)
+
+
+def _trace_rows(record: Tensor) -> list[tuple[int, int, list[int], list[bool]]]:
+    """Each program's row of a traced kernel's record: (first id, second id, the key blocks it
+    visited in order, whether each was an edge block — LEADING or TRAILING — with range checks)."""
+    rows = []
+    for row in record.cpu().tolist():
+        blocks = [nb for nb, part in enumerate(row[2:]) if part >= 0]
+        masked = [row[2 + nb] != fwd_k.INTERIOR.value for nb in blocks]
+        rows.append((row[0], row[1], blocks, masked))
+    return rows
 
 
 def _decode(
@@ -319,23 +376,46 @@ def _decode(
     cfg = _blocks("decode", D, Dv, q.dtype, q.device)
     # one program holds all Lq queries (of G heads): one key range per batch, (B, 1, 2) int32
     ranges = _segment_ranges(q_ids, k_ids, Lq) if q_ids is not None and k_ids is not None else None
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
-    S, chunk = dec_k.splits_for(B * Hkv, Lk, cfg["BLOCK_N"], num_sms)
+    if DECODE_SPLITS is not None:
+        S, chunk = dec_k.split_keys(Lk, cfg["BLOCK_N"], DECODE_SPLITS)
+    else:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
+        S, chunk = dec_k.splits_for(B * Hkv, Lk, cfg["BLOCK_N"], num_sms)
     opart = torch.empty((B, Hq, S, Lq, Dv), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq, Dv)
     lpart = torch.empty((B, Hq, S, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq)
-    dec_k.split_kernel[(S * B * Hkv,)](
+    grid = (S * B * Hkv,)
+    args = (
         q, k, v, opart, lpart, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *_strides4(mask), *_strides4(bias),
         Hq, G, Lq, Lk, D, Dv, S, chunk, scale * LOG2E, *scalars,
-        **{**_launch_opts(cfg), "BLOCK_M": fwd_k.next_pow2(G * Lq)}, **flags,
     )
+    opts = {**_launch_opts(cfg), "BLOCK_M": fwd_k.next_pow2(G * Lq)}
+    tracing = trace.active()
+    if tracing:  # recording (attnzero.trace): the same program, writing down the key blocks it visits
+        record = _trace_buffer(grid[0], Lk, cfg["BLOCK_N"], q.device)
+        dec_k.split_traced[grid](*args, Trace=record, **opts, **flags)
+    else:
+        dec_k.split_kernel[grid](*args, **opts, **flags)
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
     dec_k.merge_kernel[(B * Hq * Lq,)](
         opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), Hq, Lq, Dv, S,
         BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=triton.next_power_of_2(Dv),
     )
+    if tracing:
+        # one event per (split, batch, kv head) program: its keys, the blocks it visited, and copies of
+        # the partial results it wrote for its G query heads, with the merged ones they became
+        for pid, (s, bk, blocks, masked) in enumerate(_trace_rows(record)):
+            b, hk = bk // Hkv, bk % Hkv
+            heads = slice(hk * G, (hk + 1) * G)
+            trace.note(
+                "decode.split", kernel="split_traced", pid=pid, split=s, splits=S, batch=b, kv_head=hk,
+                heads=list(range(hk * G, (hk + 1) * G)), keys=(s * chunk, min((s + 1) * chunk, Lk)),
+                key_blocks=blocks, masked=masked, block_n=cfg["BLOCK_N"], Lk=Lk,
+                out_s=opart[b, heads, s].clone(), lse_s=lpart[b, heads, s].clone(),  # (G, Lq, Dv), (G, Lq)
+                out=out[b, heads].clone(), lse=lse[b, heads].clone(),  # merged: (G, Lq, Dv), (G, Lq)
+            )
     return out, lse
 
 
