@@ -56,5 +56,6 @@ def main() -> int:
     out = mha(x, x, x, mask=torch.tril(torch.ones(10, 10)).unsqueeze(0).unsqueeze(0))
     assert isinstance(out, torch.Tensor)
     print(f"   output {tuple(out.shape)}, finite: {bool(torch.isfinite(out).all())}")
-    print("\nNext: `attnzero demo` runs a real model (all-MiniLM-L6-v2) through attnzero.")
+    print("\nNext: `attnzero ladder` climbs from the seeds' code to the kernel, one checked step at a time;")
+    print("`attnzero demo` runs a real model (all-MiniLM-L6-v2) through attnzero.")
     return 0 if err < 1e-10 else 1
