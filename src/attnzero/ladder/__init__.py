@@ -46,7 +46,7 @@ def run(n: int, out: Path | None = None, *, small: bool = False, quiet: bool = F
     say(f"── Rung {n}: {mod.TITLE} ──")
     result: Result = mod.run(out, small=small, say=say)
     verdict = "OK" if result.ok else "FAILED"
-    say(f"check: {result.check}: max error {result.error:.2e} (bound {result.tol:.0e}) {verdict}")
+    say(f"check: {result.check}: max error {result.error:.2e} (bound {result.tol:.2g}) {verdict}")
     result.lines = say.lines
     return result
 

@@ -43,7 +43,7 @@ def seeds_keep(mask: Mask) -> Tensor:
 
 
 def attend_with_mask(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
-    """attnzero with the Mask itself (no dense tensor built): the reference formula.
+    """attnzero with the Mask itself (the caller builds no tensor; the reference formula evaluates it).
     q (B, H, Lq, D), k and v (B, H, Lk, D) → (B, H, Lq, D)."""
     out = attention(q, k, v, mask=mask, backend="reference")
     assert isinstance(out, Tensor)  # (no return_lse: the output alone)

@@ -166,7 +166,7 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
         pictures.append(path)
     return Result(
         rung=2, title=TITLE,
-        check="grouped reshape vs rung 1's per-head loop of the seeds' code, repeat_interleave, az.attention (float64)",
+        check="grouped reshape vs a per-head loop of rung 0's seeds' code, repeat_interleave, az.attention (float64)",
         error=error, tol=1e-12, pictures=pictures,
         numbers={**{f"time_{n}_s": t for n, t in times.items()}, "repeat_copy_mb": copy_mb,
                  "shape": (Bt, Hqt, Hkvt, Lt, Dt)},

@@ -48,8 +48,8 @@ SKIPPED, VISITED, MASKED = 0, 1, 2
 
 def mask_cases(L: int) -> dict[str, dict[str, Any]]:
     """The masks this rung runs, as keyword arguments of ``az.attention``: none, causal, a sliding
-    window of L/4 keys behind each query, and three packed documents whose borders do not fall on
-    tile borders (lengths 5/16, 7/16 and 4/16 of L)."""
+    window of L/4 keys behind each query, and three packed documents of lengths 5/16, 7/16 and 4/16
+    of L (the first border falls inside a tile, the second on a tile border)."""
     a, b = 5 * L // 16, 12 * L // 16
     ids = [0] * a + [1] * (b - a) + [2] * (L - b)  # (L,) document id of every token
     return {
