@@ -28,7 +28,8 @@ blocks visited (for tests and curious readers).
 
 Soft-capping (``softcap``): the matmul gives ``x = q·k·scale/softcap``, the score is
 ``softcap·tanh(x)``; the edge tile and any shift go in after the tanh, and the backward multiplies
-the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2).
+the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2). Where torch's tanh is slow (MKL's,
+on a CPU not Intel's) the matmul gives 2x instead and ``tanh(x) = e / (e + 2)``, ``e = expm1(2x)``.
 
 Cores: on CPU, every problem of two or more tasks runs on Python worker threads, one per core,
 each taking whole (chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``).
@@ -459,9 +460,10 @@ class _Problem:
         ``masked``: whether the mask is evaluated on this block (False: it keeps the whole block).
 
         softcap: ``s₂ = softcap · log2 e · tanh(x) + bias · log2 e`` with ``x = q kᵀ · scale /
-        softcap`` the matmul's result (``qa`` is scaled so); the edge tile and the shift are added
-        only after the tanh. ``t_name``: keep ``t = tanh(x)`` (laid out as the block) in that
-        arena buffer, for the backward's ``1 − t²``."""
+        softcap`` the matmul's result (``qa`` is scaled so; ``expm1``: 2x, and ``tanh(x) = e / (e + 2)``
+        with ``e = expm1(2x)``); the edge tile and the shift are added only after the tanh.
+        ``t_name``: keep ``t = tanh(x)`` (laid out as the block) in that arena buffer, for the
+        backward's ``1 − t²``."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
