@@ -6,9 +6,14 @@ plain call in the same run (interleaved, medians):
 * masks that skip: the forward at L = 4096 (B = 1, H = 8, D = 64) with a document mask of 8 equal
   documents, a causal ``Mask`` and the drop-in's ``is_causal``, against full attention and
   ``causal=True`` — with the blocks each visited (``flash.COUNTS``);
-* packed sequences: ``attention_varlen`` over 8 sequences against the same tokens as one sequence.
+* packed sequences: ``attention_varlen`` over 8 sequences against the same tokens as one sequence;
+* softcap's two ways to take tanh (``flash.block_sizes(expm1=...)``: torch's tanh, or
+  ``e / (e + 2)`` with ``e = expm1(2x)``), forward and forward + backward against the plain call, in
+  wall time (the default worker threads) and in CPU time of one thread (``threads=1``,
+  ``time.thread_time``: less noisy on a shared VM).
 
     .venv/bin/python benchmarks/features.py [--repeats 7] [--length 2048] [--mask-length 4096]
+        [--parts softcap-sinks skipping varlen tanh]
 
 Results: docs/benchmarks.md.
 """
@@ -33,16 +38,16 @@ def _discard(_: object) -> None:
     """A call's result, dropped (the tables time calls, not their results)."""
 
 
-def _timed(fns: dict[str, Run], repeats: int) -> dict[str, float]:
+def _timed(fns: dict[str, Run], repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median seconds of each function, run interleaved (one of each per round) after a warm-up."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -115,27 +120,66 @@ def varlen(L: int, repeats: int) -> list[tuple[str, float, float]]:
     return [(name, t[name], t[name] / base) for name in cases]
 
 
+def tanh_ways(L: int, repeats: int) -> list[tuple[str, float, float, float]]:
+    """(case, seconds of the plain call, softcap by torch's tanh / plain, by expm1 / plain), for
+    the forward and forward + backward, full and causal, in wall time and in one thread's CPU time."""
+    B, H, D = 1, 8, 64
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, L, D)
+    rows = []
+    for clock, threads in ((time.perf_counter, None), (time.thread_time, 1)):
+        for causal in (False, True):
+            for bwd in (False, True):
+
+                def step(expm1: int = 0, cap: float | None = None, causal: bool = causal, bwd: bool = bwd,
+                         threads: int | None = threads) -> Run:  # fmt: skip
+                    def run() -> None:
+                        with flash.block_sizes(expm1=expm1, threads=threads), torch.set_grad_enabled(bwd):
+                            out = az.attention(q, k, v, causal=causal, softcap=cap, backend="flash")
+                            if bwd:
+                                out.backward(dout)  # type: ignore[union-attr]
+
+                    return run
+
+                fns = {"plain": step(), "tanh": step(-1, 30.0), "expm1": step(1, 30.0)}
+                t = _timed(fns, repeats, clock)
+                name = f"{'wall' if threads is None else 'one thread, CPU'}, {'causal' if causal else 'full'}, "
+                name += "fwd+bwd" if bwd else "fwd"
+                rows.append((name, t["plain"], t["tanh"] / t["plain"], t["expm1"] / t["plain"]))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--length", type=int, default=2048, help="L of the softcap / sinks cases")
     parser.add_argument("--mask-length", type=int, default=4096, help="L of the mask and varlen cases")
+    parts = ("softcap-sinks", "skipping", "varlen", "tanh")
+    parser.add_argument("--parts", nargs="+", choices=parts, default=list(parts), help="which tables")
     args = parser.parse_args()
     torch.manual_seed(0)
     info = machine()
-    print(f"{info['date']} · {info['cpu']} · {info['cores']} · torch {info['torch']}\n")
-    print(f"## softcap and sinks: flash forward + backward, B=1, H=8, L={args.length}, D=64\n")
-    print("| case | plain call | × plain |\n|---|---|---|")
-    for name, secs, ratio in softcap_sinks(args.length, args.repeats):
-        print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.2f} |")
-    print(f"\n## masks that skip: flash forward, B=1, H=8, L={args.mask_length}, D=64\n")
-    print("| case | time | × full attention | blocks visited |\n|---|---|---|---|")
-    for name, secs, ratio, blocks in skipping(args.mask_length, args.repeats):
-        print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} | {blocks} |")
-    print(f"\n## packed sequences: attention_varlen, causal, H=8, D=64, {args.mask_length} tokens\n")
-    print("| case | time | × the batch |\n|---|---|---|")
-    for name, secs, ratio in varlen(args.mask_length, args.repeats):
-        print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} |")
+    print(f"{info['date']} · {info['cpu']} · {info['cores']} · torch {info['torch']}")
+    if "softcap-sinks" in args.parts:
+        print(f"\n## softcap and sinks: flash forward + backward, B=1, H=8, L={args.length}, D=64\n")
+        print("| case | plain call | × plain |\n|---|---|---|")
+        for name, secs, ratio in softcap_sinks(args.length, args.repeats):
+            print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.2f} |")
+    if "skipping" in args.parts:
+        print(f"\n## masks that skip: flash forward, B=1, H=8, L={args.mask_length}, D=64\n")
+        print("| case | time | × full attention | blocks visited |\n|---|---|---|---|")
+        for name, secs, ratio, blocks in skipping(args.mask_length, args.repeats):
+            print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} | {blocks} |")
+    if "varlen" in args.parts:
+        print(f"\n## packed sequences: attention_varlen, causal, H=8, D=64, {args.mask_length} tokens\n")
+        print("| case | time | × the batch |\n|---|---|---|")
+        for name, secs, ratio in varlen(args.mask_length, args.repeats):
+            print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} |")
+    if "tanh" in args.parts:
+        print(f"\n## softcap=30 by torch's tanh and by expm1: flash, B=1, H=8, L={args.length}, D=64\n")
+        print("| case | plain call | torch's tanh × plain | expm1 × plain |\n|---|---|---|---|")
+        for name, secs, by_tanh, by_expm1 in tanh_ways(args.length, args.repeats):
+            print(f"| {name} | {secs * 1e3:.0f} ms | {by_tanh:.2f} | {by_expm1:.2f} |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from conftest import BACKENDS, DTYPE_IDS, DTYPES, check_against_golden, dense_keep, naive_attention, need, qkv, randn
 
 import attnzero as az
+from attnzero import flash
 from attnzero import sinks as sinks_mod
 
 SHAPES = [  # (B, Hq, Hkv, Lq, Lk, D)
@@ -69,6 +70,45 @@ def test_window_and_dropout(backend: str) -> None:
     check_against_golden(
         backend, torch.float64, q, k, v, window=(5, 3), softcap=2.0, sinks=randn(1, 2, 41), dropout_p=0.3, seed=7
     )
+
+
+@pytest.mark.parametrize("expm1", [1, -1], ids=["expm1", "torch-tanh"])
+@pytest.mark.parametrize("case", ["mask-bias", "causal-gqa", "huge", "natural", "dropout", "blocks-threads", "bf16"])
+def test_flash_takes_tanh_either_way(expm1: int, case: str) -> None:
+    """flash's two ways to softcap (tanh(x) = e / (e + 2), e = expm1(2x), or torch's tanh; which one
+    runs by default depends on the CPU): both against the golden, with masks, a bias, a fully
+    blocked row, causal edge tiles, scores far past the cap (2x clamped before expm1), a bias large
+    enough for natural units, dropout, and many blocks on two threads."""
+    q, k, v = qkv(2, 4, 2, 37, 53, 16)
+    kw: dict[str, object] = {"softcap": 5.0, "sinks": randn(4)}
+    dtype, sizes = torch.float32, {}
+    if case == "mask-bias":
+        keep = torch.rand(2, 1, 37, 53) < 0.8
+        keep[..., 0, :] = False  # a fully blocked row
+        q, kw = q * 3, {**kw, "softcap": 0.7, "mask": keep, "bias": randn(1, 4, 37, 53)}
+    elif case == "causal-gqa":
+        kw = {**kw, "causal": True}
+    elif case == "huge":  # 2x in the thousands: clamped to ±40 before expm1 (the tanh is ±1 there)
+        q, kw = q * 300, {**kw, "causal": True}
+    elif case == "natural":  # a bias far from 0 (row shift, scores in natural units)
+        bias = randn(2, 4, 37, 53)
+        bias[:, :, 3] -= 1e9  # an additive padding row
+        kw = {**kw, "bias": bias, "causal": True}
+    elif case == "dropout":
+        dtype, kw = torch.float64, {**kw, "window": (5, 3), "dropout_p": 0.3, "seed": 7}
+    elif case == "blocks-threads":
+        sizes = {"rows": 16, "cols": 16, "threads": 2}
+        kw = {**kw, "causal": True}
+    else:
+        dtype = torch.bfloat16
+    bias = kw.pop("bias", None)
+    with flash.block_sizes(expm1=expm1, **sizes):  # type: ignore[arg-type]
+        check_against_golden("flash", dtype, q, k, v, bias=bias, **kw)  # type: ignore[arg-type]
+    if case == "huge":
+        qf, kf, vf = (t.float() for t in (q, k, v))
+        with flash.block_sizes(expm1=expm1):
+            pb = flash._Problem(qf, kf, vf, None, None, True, None, 0.25, 0.0, 0, 5.0)
+        assert pb.expm1 == (expm1 > 0) and pb.clamp == (expm1 > 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -29,7 +29,8 @@ is also noted as a "flash.tile" event (the ladder draws its pictures from them).
 
 Soft-capping (``softcap``): the matmul gives ``x = q·k·scale/softcap``, the score is
 ``softcap·tanh(x)``; the edge tile and any shift go in after the tanh, and the backward multiplies
-the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2).
+the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2). Where torch's tanh is slow (MKL's,
+on a CPU not Intel's) the matmul gives 2x instead and ``tanh(x) = e / (e + 2)``, ``e = expm1(2x)``.
 
 Cores: on CPU, every problem of two or more tasks runs on Python worker threads, one per core,
 each taking whole (chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``).
@@ -65,8 +66,11 @@ NEG_INF = float("-inf")
 # ``threads``: worker threads on CPU (0 = torch.get_num_threads(); see ``_threads``).
 # ``unshifted``: 1 = try the forward's no-max variant first, 0 = the online softmax only.
 # ``softmax``: 1 = problems whose keys fit one block take the single-step ``_forward_softmax``.
+# ``expm1``: softcap's tanh as ``e / (e + 2)``, ``e = expm1(2x)``: 1 = always (where safe), −1 = never
+# (torch's tanh), 0 = where that measures faster (``_expm1_faster``).
 _SIZES: dict[str, int] = {
     "rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0, "unshifted": 1, "softmax": 1,
+    "expm1": 0,
 }  # fmt: skip
 
 # The forward's single-step case (``_forward_softmax``) serves problems with at most this many
@@ -118,13 +122,15 @@ def block_sizes(
     threads: int | None = None,
     unshifted: bool | None = None,
     softmax: bool | None = None,
+    expm1: int | None = None,
 ) -> Iterator[None]:
-    """Temporarily force the block sizes, the worker threads, and whether the forward tries its
-    unshifted variant or its single-step softmax (tests use tiny blocks to hit every boundary)."""
+    """Temporarily force the block sizes, the worker threads, whether the forward tries its
+    unshifted variant or its single-step softmax (tests use tiny blocks to hit every boundary), and
+    how softcap's tanh is taken (``expm1``: 1 by expm1, −1 torch's tanh, 0 the faster here)."""
     old = dict(_SIZES)
     given = {
         "rows": rows, "cols": cols, "elems": elems, "kv": kv, "threads": threads, "unshifted": unshifted,
-        "softmax": softmax,
+        "softmax": softmax, "expm1": expm1,
     }  # fmt: skip
     for key, value in given.items():
         if value is not None:
@@ -199,11 +205,16 @@ def _edges_safe(q: Tensor, k: Tensor, factor: float, acc: torch.dtype) -> bool:
     is finite, so that adding a −inf edge tile never meets +inf or NaN: q and k finite with
     |q|·|k|·D·factor far below the accumulator's largest float. One read-back per call (q and k
     are O(L), the scores O(L²))."""
+    return _product_bound(q, k, factor) < torch.finfo(acc).max / 16
+
+
+def _product_bound(q: Tensor, k: Tensor, factor: float) -> float:
+    """A bound on every |q·k·factor| of the score matmul and on its partial sums: |q|·|k|·D·factor
+    (inf when q or k is not finite). One read-back."""
     v = torch.stack([x.to(torch.float64) for x in (*torch.aminmax(q), *torch.aminmax(k))]).tolist()
     if not all(math.isfinite(x) for x in v):  # a NaN anywhere in q or k makes its min and max NaN
-        return False
-    bound = max(-v[0], v[1]) * max(-v[2], v[3]) * q.shape[-1] * abs(factor)
-    return bound < torch.finfo(acc).max / 16
+        return math.inf
+    return max(-v[0], v[1]) * max(-v[2], v[3]) * q.shape[-1] * abs(factor)
 
 
 # A row whose bias lies farther than this from 0 everywhere (natural units) is computed with its
@@ -292,10 +303,18 @@ class _Problem:
         self.softcap = softcap
         to2 = 1.0 if self.natural else LOG2E  # scores in base 2, or in natural units (natural mode)
         self.cap_factor = 0.0 if softcap is None else softcap * to2
-        self.q_factor = scale * to2 if softcap is None else scale / softcap  # what scaled_q multiplies q by
+        # softcap by expm1 (``scores``): tanh(x) = e / (e + 2) with e = expm1(2x), so the matmul gives
+        # 2x — while every such product is finite; ``clamp``: some could reach expm1's overflow, so
+        # 2x is clamped to ±40 first (tanh(20) is ±1 exactly, in float32 and float64)
+        bound = math.inf if softcap is None else _product_bound(q, k, 2.0 * scale / softcap)
+        self.expm1 = bound < torch.finfo(self.acc).max / 16 and _expm1_wanted(q.device)
+        self.clamp = self.expm1 and bound > _EXPM1_CLAMP
+        self.zero = torch.zeros((), dtype=self.acc, device=q.device) if self.expm1 else None  # addcdiv's input
+        x_factor = 2.0 if self.expm1 else 1.0  # the matmul gives tanh's argument x, or 2x
+        self.q_factor = scale * to2 if softcap is None else x_factor * scale / softcap  # what scaled_q multiplies q by
         # dK is accumulated against the scaled q: this takes it back to ``scale · q`` (softcap:
-        # scale / q_factor = softcap; base 2: ln 2; natural: 1)
-        self.dk_factor = (1.0 if self.natural else LN2) if softcap is None else softcap
+        # scale / q_factor = softcap / x_factor; base 2: ln 2; natural: 1)
+        self.dk_factor = (1.0 if self.natural else LN2) if softcap is None else softcap / x_factor
         self.scale = scale
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
         self.keep_scale = 1.0 / (1.0 - dropout_p)  # what dropout multiplies a kept probability by
@@ -456,9 +475,10 @@ class _Problem:
         ``masked``: whether the mask is evaluated on this block (False: it keeps the whole block).
 
         softcap: ``s₂ = softcap · log2 e · tanh(x) + bias · log2 e`` with ``x = q kᵀ · scale /
-        softcap`` the matmul's result (``qa`` is scaled so); the edge tile and the shift are added
-        only after the tanh. ``t_name``: keep ``t = tanh(x)`` (laid out as the block) in that
-        arena buffer, for the backward's ``1 − t²``."""
+        softcap`` the matmul's result (``qa`` is scaled so; ``expm1``: 2x, and ``tanh(x) = e / (e + 2)``
+        with ``e = expm1(2x)``); the edge tile and the shift are added only after the tanh.
+        ``t_name``: keep ``t = tanh(x)`` (laid out as the block) in that arena buffer, for the
+        backward's ``1 − t²``."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
@@ -469,15 +489,27 @@ class _Problem:
         buf = ar.get(name, N, nc, GR) if transposed else ar.get(name, N, GR, nc)  # (N, c, G·r) or (N, G·r, c)
         x, y = (kb, qa.transpose(1, 2)) if transposed else (qa, kb.transpose(1, 2))
         if self.softcap is not None:
-            torch.bmm(x, y, out=buf)  # x = q·k·scale / softcap
-            t = buf.tanh_() if t_name is None else torch.tanh(buf, out=ar.get(t_name, *buf.shape))
+            torch.bmm(x, y, out=buf)  # x = q·k·scale / softcap (expm1: 2x)
             # s₂ = softcap · log2 e · t, then the edge tile and the shift: one pass when only one is there
-            if add is not None and edge is not None:
-                torch.add(add, t, alpha=self.cap_factor, out=buf).add_(edge)
-            elif (extra := add if add is not None else edge) is not None:
-                torch.add(extra, t, alpha=self.cap_factor, out=buf)
+            extra = add if add is not None else edge
+            if self.zero is not None and t_name is None:  # expm1, t not kept: s₂ = softcap · log2 e · e / (e + 2)
+                e = self._expm1(buf)
+                d = torch.add(e, 2.0, out=ar.get("d", *buf.shape))  # e + 2
+                torch.addcdiv(self.zero if extra is None else extra, e, d, value=self.cap_factor, out=buf)
             else:
-                torch.mul(t, self.cap_factor, out=buf)
+                if self.zero is not None:  # tanh(x) = e / (e + 2), e = expm1(2x), into the kept buffer
+                    assert t_name is not None
+                    e = self._expm1(buf)
+                    d = torch.add(e, 2.0, out=ar.get(t_name, *buf.shape))  # e + 2
+                    t = torch.div(e, d, out=d)
+                else:
+                    t = buf.tanh_() if t_name is None else torch.tanh(buf, out=ar.get(t_name, *buf.shape))
+                if extra is not None:
+                    torch.add(extra, t, alpha=self.cap_factor, out=buf)
+                else:
+                    torch.mul(t, self.cap_factor, out=buf)
+            if add is not None and edge is not None:
+                buf.add_(edge)
         elif add is not None and edge is not None:
             torch.add(add, edge, out=buf).baddbmm_(x, y)
         elif (extra := add if add is not None else edge) is not None:
@@ -506,6 +538,11 @@ class _Problem:
         if self.natural and shift is not None:
             s.add_(shift)
         return s.transpose(1, 2) if transposed else s
+
+    def _expm1(self, x: Tensor) -> Tensor:
+        """``e = expm1(x)`` in place, x clamped to ±``_EXPM1_CLAMP`` first where it could overflow
+        (``clamp``; the softcap's ``tanh(x / 2) = e / (e + 2)`` is then ±1 as it would be)."""
+        return (x.clamp_(-_EXPM1_CLAMP, _EXPM1_CLAMP) if self.clamp else x).expm1_()
 
     def dropout_keep(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
         """Z for one block, (N, G·r, c) bool: the entries ``dropout.keep_mask`` keeps for the full
@@ -932,6 +969,46 @@ def _backward_rows(
         _add_bmm(dk[:, j0:j1], ds_t, qs, ar)  # dK_j += Σ_i ds_ij q_i · scale · log2 e   (or see dk_factor)
     g = c.block(dq, rows)  # (nb, nh·G, r, D), a view
     torch.mul(dq_acc.view(g.shape), pb.scale, out=g)  # dQ_i = scale · Σ_j ds_ij k_j
+
+
+# Softcap by expm1: 2x clamped to ±this when it could overflow (see ``_Problem.__init__``)
+_EXPM1_CLAMP = 40.0
+_EXPM1_FASTER: dict[str, bool] = {}  # per device type, measured once (``_expm1_faster``)
+
+
+def _expm1_wanted(device: torch.device) -> bool:
+    """Whether softcap takes tanh by expm1 (``_SIZES["expm1"]``, else ``_expm1_faster``)."""
+    forced = _SIZES["expm1"]
+    return forced > 0 if forced else _expm1_faster(device)
+
+
+def _expm1_faster(device: torch.device) -> bool:
+    """Whether ``e = expm1(y)``, ``e + 2`` and a division (three passes) beat one ``torch.tanh``
+    here. torch's CPU tanh is MKL's where torch has MKL: as fast as exp2 on the Intel VMs of
+    docs/benchmarks.md, but 9× exp2 on the AMD EPYC one (MKL takes a slow path on other vendors'
+    CPUs), where the three passes take 0.57 of it (0.76 against 1.33 ms on 512k floats, one
+    thread). So: yes on a CPU that is not Intel's when torch has MKL; no without MKL (tanh is then
+    Sleef's, as expm1 is) and on other devices (tanh is one cheap kernel there). A timing at run
+    time was tried and dropped: on a busy 2-core VM it picked either way."""
+    if device.type != "cpu":
+        return False
+    got = _EXPM1_FASTER.get(device.type)
+    if got is None:
+        mkl = torch.backends.mkl.is_available()
+        got = _EXPM1_FASTER[device.type] = mkl and _cpu_vendor() not in ("", "GenuineIntel")
+    return got
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; "" where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 # ds · (1 − t²) in one pass (ATen's derivative of tanh, given its output t), written into ds
