@@ -973,7 +973,7 @@ def _backward_rows(
 
 # Softcap by expm1: 2x clamped to ±this when it could overflow (see ``_Problem.__init__``)
 _EXPM1_CLAMP = 40.0
-_EXPM1_FASTER: dict[str, bool] = {}  # per device type, measured once (``_expm1_faster``)
+_EXPM1_FASTER: dict[str, bool] = {}  # per device type, decided once (``_expm1_faster``)
 
 
 def _expm1_wanted(device: torch.device) -> bool:
