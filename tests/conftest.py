@@ -316,15 +316,41 @@ def check_against_golden(
         assert_reference_sane(ref.out, gold.out)
     assert_close_to_golden(res.out, ref.out, gold.out, name="out")
     assert_close_to_golden(res.lse, ref.lse, gold.lse, kind="lse")
-    terms = 0.0 if dout is None else float(dout.abs().max()) * float(vr.abs().max())  # |dP = dO Vᵀ|
+    units: dict[str, float] = {}
+    if dout is not None:  # Σ_i p_ij of every key (its largest): the golden's dV for dO = 1
+        ones = torch.ones_like(dout)
+        colsum = float(run_attention("reference", torch.float64, qr, kr, vr, ones, bias=br, seed=seed, **kwargs)
+                       .grads["v"].abs().max())  # fmt: skip
+        units = grad_units(qr, kr, dout, vr, colsum, kwargs.get("scale"))
     for n, g in gold.grads.items():
         assert res.grads[n].dtype == dtype
         if dtype != torch.float64:
             assert_reference_sane(ref.grads[n], g, kind="grad", name=f"d{n}")
         # A gradient through the softmax is a difference of larger terms (dP - rowsum(dO·O)): it may
         # be 0 in the reference exactly yet carry the rounding of those terms in another backend.
-        assert_close_to_golden(res.grads[n], ref.grads[n], g, kind="grad", name=f"d{n}", size=magnitude(g, terms))
+        assert_close_to_golden(res.grads[n], ref.grads[n], g, kind="grad", name=f"d{n}",
+                               size=magnitude(g, units.get("ds", 0.0), units.get(n, 0.0)))  # fmt: skip
     return gold, res
+
+
+def grad_units(
+    q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor, v: torch.Tensor, colsum: float, scale: float | None
+) -> dict[str, float]:
+    """The size of the terms each gradient sums (the unit of its floor): ds_ij = p_ij (dp_ij − Δ_i)
+    has terms of size |dO|·|v| (dp and Δ = Σ dO·O, O a p-weighted mean of v), so
+    dq_i = scale Σ_j ds_ij k_j sums terms of scale·|k|·|dO||v| (Σ_j p_ij = 1),
+    dk_j = scale Σ_i ds_ij q_i sums scale·|q|·|dO||v| weighted by Σ_i p_ij (``colsum``, up to the
+    number of rows: a single key gets weight 1 from every row, and its dk, exactly 0, is all rounding),
+    dv_j = Σ_i p_ij dO_i sums colsum·|dO|, dbias is ds itself."""
+    sc = q.shape[-1] ** -0.5 if scale is None else abs(scale)
+    ds = float(dout.abs().max()) * float(v.abs().max()) if v.numel() and dout.numel() else 0.0
+    return {
+        "q": sc * (float(k.abs().max()) if k.numel() else 0.0) * ds,
+        "k": sc * (float(q.abs().max()) if q.numel() else 0.0) * ds * colsum,
+        "v": (float(dout.abs().max()) if dout.numel() else 0.0) * colsum,
+        "bias": ds,
+        "ds": ds,  # every gradient's floor is at least this (a difference of such terms)
+    }
 
 
 def _check_naive(

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from conftest import check_against_golden, dense_keep, qkv, random_keep, round_to
+from conftest import check_against_golden, dense_keep, grad_units, qkv, random_keep, round_to
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
@@ -122,7 +122,7 @@ def _run(
     return Case(out.detach(), lse.detach(), grads)
 
 
-def judge(got: Case, ref: Case, gold: Case, dtype: torch.dtype, terms: float) -> None:
+def judge(got: Case, ref: Case, gold: Case, dtype: torch.dtype, units: dict[str, float]) -> None:
     """attnzero.testing's rule on out, lse and every gradient (as conftest.check_against_golden)."""
     assert got.out.dtype == dtype and got.out.shape == gold.out.shape
     assert got.lse.dtype == F32 and got.lse.shape == gold.lse.shape
@@ -132,7 +132,8 @@ def judge(got: Case, ref: Case, gold: Case, dtype: torch.dtype, terms: float) ->
     for n, g in gold.grads.items():
         assert got.grads[n].dtype == dtype
         assert_reference_sane(ref.grads[n], g, kind="grad", name=f"d{n}")
-        assert_close_to_golden(got.grads[n], ref.grads[n], g, kind="grad", name=f"d{n}", size=magnitude(g, terms))
+        size = magnitude(g, units.get("ds", 0.0), units.get(n, 0.0))  # conftest.grad_units
+        assert_close_to_golden(got.grads[n], ref.grads[n], g, kind="grad", name=f"d{n}", size=size)
 
 
 def check(
@@ -167,8 +168,11 @@ def check(
     gold = _run(theirs, F64, xs, dout)
     ref = _run(theirs, dtype, xs, dout)
     got = _run(ours, dtype, xs, dout)
-    terms = 0.0 if dout is None else float(dout.abs().max()) * float(v.abs().max())
-    judge(got, ref, gold, dtype, terms)
+    units: dict[str, float] = {}
+    if dout is not None:  # Σ_i p_ij of every key (its largest): the golden's dV for dO = 1
+        colsum = float(_run(theirs, F64, xs, torch.ones_like(dout)).grads["v"].abs().max())
+        units = grad_units(q.to(F64), k.to(F64), dout, v.to(F64), colsum, sc)
+    judge(got, ref, gold, dtype, units)
     return got
 
 
@@ -477,7 +481,7 @@ def test_backward_from_sink_folded_out_and_lse(dtype: torch.dtype) -> None:
     out2 = (out.float() * torch.exp(lse - lse2).unsqueeze(-1)).to(dtype)
     dq, dk, dv, _ = tb.backward(dout.to(DEVICE, dtype), qd, kd, vd, out2, lse2, **kw)
     got = Case(out2, lse2, {"q": dq, "k": dk, "v": dv})
-    judge(got, ref, gold, dtype, float(dout.abs().max()) * float(v.abs().max()))
+    judge(got, ref, gold, dtype, {"ds": float(dout.abs().max()) * float(v.abs().max())})
     assert bool(torch.isfinite(lse2).all())
 
 
@@ -561,7 +565,7 @@ def test_varlen_packed_documents(monkeypatch: pytest.MonkeyPatch) -> None:
     gold, ref = run("reference", F64), run("reference", F32)  # the reference evaluates the document mask
     refuse_dense(monkeypatch)  # the triton backend must not
     got = run("triton", F32)
-    judge(got, ref, gold, F32, float(dout.abs().max()) * float(v.abs().max()))
+    judge(got, ref, gold, F32, {"ds": float(dout.abs().max()) * float(v.abs().max())})
 
 
 @pytest.mark.parametrize("value", [-1e9, -1e6])
