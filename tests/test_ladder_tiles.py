@@ -66,6 +66,8 @@ def test_rungs_run_without_pictures() -> None:
 def test_rung5_counts_are_the_recorded_tiles() -> None:
     result = ladder.run(5, None, small=True, quiet=True)
     nums = result.numbers
+    for name in ("full", "causal", "window", "document"):  # the recorded tiles are the blocks counted
+        assert nums[f"recorded_{name}"] == nums[f"counted_{name}"] > 0, name
     assert nums["tiles_full"] == nums["tiles_grid"]  # no mask: every tile
     assert nums["tiles_window"] < nums["tiles_causal"] < nums["tiles_full"]
     assert nums["tiles_document"] < nums["tiles_full"]
