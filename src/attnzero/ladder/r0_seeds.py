@@ -107,7 +107,7 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     seeds_attention(leaves[0], leaves[1], leaves[2], keep)[0].sum().backward()
     grads = {n: t.grad for n, t in zip("QKV", leaves) if t.grad is not None}
-    nans = ", ".join(f"d{n} {int(g.isnan().sum())}/{g.numel()}" for n, g in grads.items())
+    nans = ", ".join(f"d{n} {int(grad.isnan().sum())}/{grad.numel()}" for n, grad in grads.items())
     say(f"  loss = seeds' output.sum(): NaN entries in {nans}")
 
     # 3. check: the same numbers on every row that keeps a key; 0 (not NaN) on the others
