@@ -253,3 +253,20 @@ def test_the_split_kv_decode_path_takes_softcap_and_sinks() -> None:
                             return_lse=True)  # fmt: skip
         torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale_q", [1.0, 300.0], ids=["plain", "clamped"])
+def test_flash_single_step_takes_tanh_either_way(scale_q: float) -> None:
+    """The single-step path (keys in one block: ``flash._forward_softmax``) softcaps by expm1 or by
+    torch's tanh as the tiled path does: both against the golden, the expm1 one visibly taken (its
+    roundings differ from tanh's), the clamp where 2x reaches the thousands."""
+    q, k, v = qkv(2, 4, 2, 37, 53, 16)
+    outs = []
+    for expm1 in (1, -1):
+        before = flash.COUNTS["softmax"]
+        with flash.block_sizes(expm1=expm1):
+            check_against_golden("flash", torch.float32, q * scale_q, k, v, causal=True, softcap=5.0, grads=False)
+            outs.append(az.attention(q.float() * scale_q, k.float(), v.float(), causal=True, softcap=5.0,
+                                     backend="flash"))  # fmt: skip
+        assert flash.COUNTS["softmax"] >= before + 2  # both calls took the single step
+    assert not torch.equal(outs[0], outs[1])

@@ -661,6 +661,13 @@ def _forward_softmax(
         keep = keep_block(None, True, None, Lq, Lk, (0, Lq), (0, Lk), q.device)  # (Lq, Lk)
         blocked = None if keep is None else keep.logical_not().repeat(G, 1)  # (G·Lq, Lk)
     lse = torch.empty(N, G * Lq, dtype=acc, device=q.device) if with_lse else None  # (N, G·Lq)
+    # softcap's tanh by expm1 where ``_Problem`` would take it (same bound, same clamp): None = torch's tanh
+    clamp: bool | None = None
+    if softcap is not None:
+        bound = _product_bound(q, k, 2.0 * scale / softcap)
+        if bound < torch.finfo(acc).max / 16 and _expm1_wanted(q.device):
+            clamp = bound > _EXPM1_CLAMP
+    zero = torch.zeros((), dtype=acc, device=q.device)  # addcdiv's input
 
     def block(n0: int, n1: int, out: Tensor | None = None) -> Tensor:
         """O = softmax(scale · Q Kᵀ) V for pairs [n0, n1): (n, G·Lq, Dv) in the accumulator dtype
@@ -674,8 +681,12 @@ def _forward_softmax(
         s = qa.new_empty(n1 - n0, G * Lq, Lk)  # (beta=0: its contents are ignored, NaN included)
         if softcap is None:
             s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
-        else:  # softcap · tanh(scale · Q Kᵀ / softcap)
+        elif clamp is None:  # softcap · tanh(scale · Q Kᵀ / softcap)
             s.baddbmm_(qa, ka, beta=0.0, alpha=scale / softcap).tanh_().mul_(softcap)
+        else:  # the same with tanh(x) = e / (e + 2), e = expm1(2x): see _Problem.scores
+            s.baddbmm_(qa, ka, beta=0.0, alpha=2.0 * scale / softcap)  # 2x: (n, G·Lq, Lk)
+            e = (s.clamp_(-_EXPM1_CLAMP, _EXPM1_CLAMP) if clamp else s).expm1_()  # in place
+            torch.addcdiv(zero, e, e + 2.0, value=softcap, out=s)  # softcap · e / (e + 2)
         if blocked is not None:
             s.masked_fill_(blocked, NEG_INF)
         if torch.get_num_threads() > 1:
