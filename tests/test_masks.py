@@ -258,6 +258,17 @@ def test_combining_with_tensors_broadcasts() -> None:
     assert m2.shape == (1, 3, 4, 4) and torch.equal(m2.to_tensor()[0, 2], tri)
 
 
+def test_a_tensor_on_the_left_combines_as_on_the_right() -> None:
+    """``tensor & mask`` and ``tensor | mask`` give the Mask that ``mask & tensor`` does (torch hands a
+    Mask back to its reflected operators), bool and integer tensors alike."""
+    c = az.masks.causal(4)
+    for pad in (torch.tensor([1, 1, 1, 0]).view(1, 1, 1, 4), torch.tensor([True, True, False, True])):
+        left_and, left_or = pad & c, pad | c
+        assert isinstance(left_and, az.Mask) and isinstance(left_or, az.Mask)
+        assert torch.equal(left_and.to_tensor(), (c & pad).to_tensor())
+        assert torch.equal(left_or.to_tensor(), (c | pad).to_tensor())
+
+
 def test_combining_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match=r"and_: mask shapes .* do not broadcast together"):
         az.masks.and_(az.masks.causal(4), az.masks.causal(5))

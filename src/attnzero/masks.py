@@ -280,6 +280,12 @@ class Mask:
     def __or__(self, other: Mask | Tensor) -> Mask:
         return or_(self, other)
 
+    def __rand__(self, other: Tensor) -> Mask:  # tensor & mask (a tensor does not know a Mask)
+        return and_(other, self)
+
+    def __ror__(self, other: Tensor) -> Mask:  # tensor | mask
+        return or_(other, self)
+
     def __invert__(self) -> Mask:  # (no structure: the complement of a band is not a band)
         return Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, f"not {self.name}")
 
