@@ -106,7 +106,19 @@ def launch(world: int, tmp: Path) -> dict[int, dict[str, Any]]:
         inputs.append({"id": case_id(c), "case": list(c), "q": q, "k": k, "v": v, "dout": dout})
     choices = [c for c in CHOICES if c != "triton" or TRITON_OK]
     torch.save({"world": world, "port": _free_port(), "cases": inputs, "choices": choices}, tmp / "job.pt")
-    cmd = [sys.executable, __file__, str(tmp)]
+    results = {}
+    for r, (code, log) in enumerate(run_ranks(__file__, tmp, world)):
+        path = tmp / f"rank{r}.pt"
+        assert path.exists(), f"rank {r} of {world} saved no results (exit {code}):\n{log[-4000:]}"
+        results[r] = torch.load(path, weights_only=False)
+        results[r]["exit"] = code
+    return results
+
+
+def run_ranks(script: str, tmp: Path, world: int) -> list[tuple[int, str]]:
+    """Run ``python script tmp rank`` for every rank (the job waits in ``tmp``); returns each rank's
+    exit status and output. A group that has not finished within LAUNCH_TIMEOUT_S is killed (a hang)."""
+    cmd = [sys.executable, script, str(tmp)]
     procs = [
         subprocess.Popen([*cmd, str(r)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(world)
@@ -117,17 +129,11 @@ def launch(world: int, tmp: Path) -> dict[int, dict[str, Any]]:
         try:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
+            for other in procs:
+                other.kill()
             raise AssertionError(f"the {world}-process group did not finish in {LAUNCH_TIMEOUT_S} s (a hang)") from None
         logs.append(out)
-    results = {}
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        path = tmp / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} of {world} saved no results (exit {p.returncode}):\n{log[-4000:]}"
-        results[r] = torch.load(path, weights_only=False)
-        results[r]["exit"] = p.returncode
-    return results
+    return [(p.returncode, log) for p, log in zip(procs, logs)]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])

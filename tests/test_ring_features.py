@@ -13,16 +13,14 @@ tests read them. This file is also the worker script: ``python tests/test_ring_f
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_distributed import GROUP_TIMEOUT_S, LAUNCH_TIMEOUT_S, TRITON_OK, Traffic, _env, _free_port
+from test_distributed import GROUP_TIMEOUT_S, TRITON_OK, Traffic, _free_port, run_ranks
 
 WORLD = 2
 CASE_TIMEOUT_S = 60  # the group of one run: a rank whose peer failed out of step gives up after this
@@ -88,25 +86,10 @@ def launch(tmp: Path) -> dict[int, dict[str, Any]]:
         inputs.append({"id": case_id(c), "case": list(c), "q": q, "k": k, "v": v, "dout": dout, "sinks": s})
     choices = [c for c in CHOICES if c != "triton" or TRITON_OK]
     torch.save({"port": _free_port(), "cases": inputs, "choices": choices}, tmp / "job.pt")
-    cmd = [sys.executable, __file__, str(tmp)]
-    procs = [
-        subprocess.Popen([*cmd, str(r)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
-    ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    logs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise AssertionError(f"the {WORLD}-process group did not finish in {LAUNCH_TIMEOUT_S} s (a hang)") from None
-        logs.append(out)
     results = {}
-    for r, (p, log) in enumerate(zip(procs, logs)):
+    for r, (code, log) in enumerate(run_ranks(__file__, tmp, WORLD)):
         path = tmp / f"rank{r}.pt"
-        assert path.exists() and p.returncode == 0, f"rank {r} saved no results (exit {p.returncode}):\n{log[-4000:]}"
+        assert path.exists() and code == 0, f"rank {r} saved no results (exit {code}):\n{log[-4000:]}"
         results[r] = torch.load(path, weights_only=False)
     results[-1] = torch.load(tmp / "job.pt", weights_only=False)
     return results
