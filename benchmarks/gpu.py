@@ -371,14 +371,15 @@ def compile_check(dims: list[int], quick: bool = False) -> int:
     for dtype, ty in dtypes:
         for D in dims:
             for name in sets:
-                flags = {**FEATURE_SETS[name], "PRECISION": tb._precision(dtype)}
+                flags = {**FEATURE_SETS[name], "PRECISION": tb._precision(dtype), "TRACE": False}
                 label = f"{str(dtype)[6:]} D={D} {name}"
 
                 def blocks(kind: str, D: int = D, dtype: torch.dtype = dtype) -> tuple[dict[str, int], int, int]:
                     cfg = tb._blocks(kind, D, D, dtype, cuda)
                     return {k: v for k, v in cfg.items() if k.startswith("BLOCK")}, cfg["num_warps"], cfg["num_stages"]
 
-                common = {"Mask": "*u8", "Bias": ty, "Lse": "*fp32", "QIds": "*i32", "KIds": "*i32", "Ranges": "*i32"}
+                common = {"Mask": "*u8", "Bias": ty, "Lse": "*fp32", "QIds": "*i32", "KIds": "*i32", "Ranges": "*i32",
+                          "Trace": "*i32"}
                 b, w, s = blocks("fwd")
                 ptrs = {"Q": ty, "K": ty, "V": ty, "Out": ty, "Out32": "*fp32", **common}
                 one(fwd_k.fwd_kernel, ptrs, {**flags, **b}, w, s, label)

@@ -8,8 +8,8 @@ each normalised over its own keys. ``merge_kernel`` then combines them by log-su
 ``lse = log Σ_s exp(lse_s)``, ``O = Σ_s exp(lse_s - lse)·O_s``; splits that saw no key have
 lse_s = -inf and contribute nothing.
 
-As in the forward, the program's body is ``split_program``: ``split_kernel`` runs it without the
-record, ``split_traced`` (only while an ``attnzero.trace`` recording is open) with it.
+As in the forward, ``split_kernel``'s ``TRACE`` constexpr (set only while an ``attnzero.trace``
+recording is open) makes each program write down the key blocks it visits.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import NEG_INF, attend_keys, finish_rows, segment_rows
+from .forward import NEG_INF, attend_keys, finish_rows, segment_rows, trace_start
 
 WAVES = 2  # split the keys until about this many programs per multiprocessor run
 
 
-@triton.jit
-def split_program(
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
+def split_kernel(
     Q, K, V, Opart, Lpart, Mask, Bias, QIds, KIds, Ranges,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
@@ -33,11 +33,10 @@ def split_program(
     HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     Trace, TRACE: tl.constexpr,
 ):
-    """One program of the split-KV pass (``split_kernel``, or ``split_traced`` under the ladder's
-    record). Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log).
+    """The split-KV pass. Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log).
     With HAS_SEGMENTS: QIds (B, Lq), KIds (B, Lk) int32 segment ids and Ranges (B, 1, 2) int32, the
     key range [lo, hi) of all Lq queries of a batch.
-    With TRACE (the ladder's instrumentation; ``split_traced``): Trace (grid, 2 + cdiv(Lk, BLOCK_N))
+    With TRACE (the ladder's instrumentation, only while a recording is open): Trace (grid, 2 + cdiv(Lk, BLOCK_N))
     int32, filled with -1 by the launcher; program ``pid`` writes its split and its batch·kv head to
     ``Trace[pid, 0:2]`` and, for each key block ``nb`` it visits, the part it was visited in to
     ``Trace[pid, 2 + nb]``."""
@@ -64,12 +63,7 @@ def split_program(
     # forward walks them; every row sits at a query position in [0, Lq) (m0 = 0, BLOCK_M >= Lq).
     k_lo = pid_s * chunk
     q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, i, rows_ok, Ranges + b * 2, HAS_SEGMENTS, BLOCK_M)
-    trace_row = Trace  # not read without TRACE
-    if TRACE:
-        trace_row = Trace + pid * (2 + tl.cdiv(Lk, BLOCK_N))
-        tl.store(trace_row, pid_s)
-        tl.store(trace_row + 1, pid_bk.to(tl.int32))
-        trace_row += 2
+    trace_row = trace_start(Trace, pid, pid_s, pid_bk, Lk, BLOCK_N, TRACE)
     acc, m_i, l_i = attend_keys(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, 0, Lq, Lk, k_lo, tl.minimum(k_lo + chunk, Lk),
         offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
@@ -83,52 +77,6 @@ def split_program(
     part = ((b * Hq + h) * S + pid_s) * Lq + i  # (BLOCK_M,) row index into (B, Hq, S, Lq)
     tl.store(Opart + part[:, None] * Dv + offs_dv[None, :], out, mask=rows_ok[:, None] & dv_ok[None, :])
     tl.store(Lpart + part, lse, mask=rows_ok)
-
-
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
-def split_kernel(
-    Q, K, V, Opart, Lpart, Mask, Bias, QIds, KIds, Ranges,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """The split-KV pass: ``split_program`` without the trace (what runs on a GPU)."""
-    split_program(
-        Q, K, V, Opart, Lpart, Mask, Bias, QIds, KIds, Ranges,
-        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-        smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-        Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP,
-        HAS_DROPOUT, PRECISION,
-        Opart, False,
-    )
-
-
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
-def split_traced(
-    Q, K, V, Opart, Lpart, Mask, Bias, QIds, KIds, Ranges,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    Trace,
-):
-    """``split_kernel`` recording which key blocks each program visits into ``Trace`` (see
-    ``split_program``): launched instead of it only while an ``attnzero.trace`` recording is open."""
-    split_program(
-        Q, K, V, Opart, Lpart, Mask, Bias, QIds, KIds, Ranges,
-        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-        smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-        Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP,
-        HAS_DROPOUT, PRECISION,
-        Trace, True,
-    )
 
 
 @triton.jit(do_not_specialize=["Lq"])

@@ -22,11 +22,9 @@ Softcap (``HAS_SOFTCAP``): the raw score ``x = scale·q·k`` becomes ``softcap·
 would un-block it). Segment ids (``HAS_SEGMENTS``, a document-style mask that is never densified):
 pair (i, j) is kept iff ``q_id[i] == k_id[j]``, compared in the block, and the blocks outside the
 key range ``[seg_lo, seg_hi)`` of the program's rows (computed on the host) are not visited.
-The record (``attnzero.trace``, drawn by the ladder's rung 7): the program's body is ``fwd_program``
-with a ``TRACE`` constexpr. ``fwd_kernel`` calls it with TRACE off (nothing of the record is
-compiled: the kernel a GPU runs, its signature unchanged); ``fwd_traced``, launched only while a
-recording is open, calls it with TRACE on and a Trace tensor in which each program writes the key
-blocks it visits.
+The record (``attnzero.trace``, drawn by the ladder's rung 7): ``fwd_kernel`` has a ``TRACE``
+constexpr, set only while a recording is open; then each program writes the key blocks it visits
+into a Trace tensor (``trace_start``). With TRACE off nothing of the record is compiled.
 
 Letters: B batch, Hq / Hkv query / key-value heads, G = Hq // Hkv, Lq / Lk lengths, D / Dv head dims
 (padded to the powers of two BLOCK_D / BLOCK_DV with masked loads).
@@ -325,7 +323,21 @@ def segment_rows(ids_row0, rows, rows_ok, range_ptr, HAS_SEGMENTS: tl.constexpr,
 
 
 @triton.jit
-def fwd_program(
+def trace_start(Trace, pid, first, second, Lk, BLOCK_N: tl.constexpr, TRACE: tl.constexpr):
+    """The ladder's record (TRACE): program ``pid``'s row of Trace (programs, 2 + cdiv(Lk, BLOCK_N))
+    int32 — writes its two ids there and returns where its key blocks go (``attend_keys``).
+    Without TRACE: Trace itself, never read."""
+    row = Trace
+    if TRACE:
+        row = Trace + pid * (2 + tl.cdiv(Lk, BLOCK_N))
+        tl.store(row, first.to(tl.int32))
+        tl.store(row + 1, second.to(tl.int32))
+        row += 2
+    return row
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
+def fwd_kernel(
     Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
@@ -336,17 +348,17 @@ def fwd_program(
     STORE_F32: tl.constexpr,
     Trace, TRACE: tl.constexpr,
 ):
-    """One program of the forward (``fwd_kernel``, or ``fwd_traced`` under the ladder's record).
-    Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32, and
+    """The forward. Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32, and
     with STORE_F32 the unrounded output to Out32 (B, Hq, Lq, Dv) float32, contiguous — for the
     backward's Δ = rowsum(dO·O), which a 16-bit O would perturb by one rounding.
     Head dims have stride 1; the strides of broadcast mask/bias dims are 0. With HAS_SEGMENTS:
     QIds (B, Lq) and KIds (B, Lk) int32 segment ids, contiguous, and Ranges (B, cdiv(Lq, BLOCK_M), 2)
     int32, the key range [lo, hi) of each query block.
-    With TRACE (the ladder's instrumentation; ``fwd_traced``): Trace (grid, 2 + cdiv(Lk, BLOCK_N))
-    int32, filled with -1 by the launcher; program ``pid`` writes its query block and its batch·head
-    to ``Trace[pid, 0:2]`` and, for each key block ``nb`` it visits, the part it was visited in to
-    ``Trace[pid, 2 + nb]`` (``attend_keys``). Without TRACE nothing of it is compiled."""
+    With TRACE (the ladder's instrumentation, only while a recording is open): Trace (grid, 2 +
+    cdiv(Lk, BLOCK_N)) int32, filled with -1 by the launcher; program ``pid`` writes its query block
+    and its batch·head to ``Trace[pid, 0:2]`` (``trace_start``) and, for each key block ``nb`` it
+    visits, the part it was visited in to ``Trace[pid, 2 + nb]`` (``attend_keys``). Without TRACE
+    Trace is never read and nothing of it is compiled."""
     # One flat grid axis (no 65535 limit on B·Hq); query blocks of a head are neighbours (they share
     # K/V in L2), the last (under causal: longest) first.
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -369,12 +381,7 @@ def fwd_program(
                 other=0.0)  # (BLOCK_M, BLOCK_D)
     q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, rows_ok, Ranges + (b * num_m + pid_m) * 2,
                                          HAS_SEGMENTS, BLOCK_M)
-    trace_row = Trace  # not read without TRACE
-    if TRACE:
-        trace_row = Trace + pid * (2 + tl.cdiv(Lk, BLOCK_N))
-        tl.store(trace_row, pid_m)
-        tl.store(trace_row + 1, pid_bh.to(tl.int32))
-        trace_row += 2
+    trace_row = trace_start(Trace, pid, pid_m, pid_bh, Lk, BLOCK_N, TRACE)
     acc, m_i, l_i = attend_keys(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk, 0, Lk,
         offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
@@ -391,54 +398,6 @@ def fwd_program(
     if STORE_F32:
         tl.store(Out32 + (pid_bh * Lq + offs_m)[:, None] * Dv + offs_dv[None, :], out,
                  mask=rows_ok[:, None] & dv_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
-def fwd_kernel(
-    Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_F32: tl.constexpr,
-):
-    """The forward kernel: ``fwd_program`` without the trace (what runs on a GPU)."""
-    fwd_program(
-        Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
-        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-        smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-        Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP,
-        HAS_DROPOUT, PRECISION, STORE_F32,
-        Lse, False,
-    )
-
-
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "left", "right", "Lq", "Lk"])
-def fwd_traced(
-    Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-    smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_F32: tl.constexpr,
-    Trace,
-):
-    """``fwd_kernel`` recording which key blocks each program visits into ``Trace`` (see
-    ``fwd_program``): launched instead of it only while an ``attnzero.trace`` recording is open."""
-    fwd_program(
-        Q, K, V, Out, Lse, Out32, Mask, Bias, QIds, KIds, Ranges,
-        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-        smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-        Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP,
-        HAS_DROPOUT, PRECISION, STORE_F32,
-        Trace, True,
-    )
 
 
 def next_pow2(n: int, floor: int = MIN_DOT_DIM) -> int:

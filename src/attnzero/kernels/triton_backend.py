@@ -56,10 +56,10 @@ Runs on CUDA tensors, or on CPU tensors with ``TRITON_INTERPRET=1`` set before t
 imported (Triton's interpreter: slow, for tests).
 
 Instrumentation (``attnzero.trace``, for the ladder's rungs 7 and 8): only while a recording is open,
-the forward and split-KV launches run the traced variants of their kernels (``fwd_traced``,
-``split_traced``: the same program bodies, writing the key blocks each program visits into an int32
-tensor) and note one "triton.program" / "decode.split" event per program from that tensor (the
-split events also carry copies of the partial results). Otherwise the plain kernels run, unchanged.
+the forward and split-KV kernels are launched with ``TRACE=True`` (each program writes the key blocks
+it visits into an int32 tensor) and one "triton.program" / "decode.split" event per program is noted
+from that tensor (the split events also carry copies of the partial results). Otherwise
+``TRACE=False``: nothing of the record is compiled.
 ``decode_splits(n)`` forces the number of split-KV splits (the device decides otherwise).
 """
 
@@ -329,15 +329,15 @@ def _forward(
         Hq, Hq // Hkv, Lq, Lk, D, Dv, scale * LOG2E, *scalars,
     )
     if not trace.active():
-        fwd_k.fwd_kernel[grid](*args, **_launch_opts(cfg), **flags, STORE_F32=keep_f32)
+        fwd_k.fwd_kernel[grid](*args, Trace=lse, **_launch_opts(cfg), **flags, STORE_F32=keep_f32, TRACE=False)
         return out, lse, out32
-    # Recording (attnzero.trace): the same program, writing down the key blocks it visits
+    # Recording (attnzero.trace): the same kernel, writing down the key blocks it visits
     record = _trace_buffer(grid[0], Lk, cfg["BLOCK_N"], q.device)
-    fwd_k.fwd_traced[grid](*args, Trace=record, **_launch_opts(cfg), **flags, STORE_F32=keep_f32)
+    fwd_k.fwd_kernel[grid](*args, Trace=record, **_launch_opts(cfg), **flags, STORE_F32=keep_f32, TRACE=True)
     bm = cfg["BLOCK_M"]
     for pid, (pid_m, bh, blocks, masked) in enumerate(_trace_rows(record)):
         trace.note(
-            "triton.program", kernel="fwd_traced", pid=pid, q_block=pid_m, batch=bh // Hq, head=bh % Hq,
+            "triton.program", kernel="fwd_kernel", pid=pid, q_block=pid_m, batch=bh // Hq, head=bh % Hq,
             rows=(pid_m * bm, min((pid_m + 1) * bm, Lq)), key_blocks=blocks, masked=masked,
             block_m=bm, block_n=cfg["BLOCK_N"], Lq=Lq, Lk=Lk,
         )
@@ -392,11 +392,9 @@ def _decode(
     )
     opts = {**_launch_opts(cfg), "BLOCK_M": fwd_k.next_pow2(G * Lq)}
     tracing = trace.active()
-    if tracing:  # recording (attnzero.trace): the same program, writing down the key blocks it visits
-        record = _trace_buffer(grid[0], Lk, cfg["BLOCK_N"], q.device)
-        dec_k.split_traced[grid](*args, Trace=record, **opts, **flags)
-    else:
-        dec_k.split_kernel[grid](*args, **opts, **flags)
+    # recording (attnzero.trace): the same kernel, writing down the key blocks it visits
+    record = _trace_buffer(grid[0], Lk, cfg["BLOCK_N"], q.device) if tracing else lpart  # (lpart: not read)
+    dec_k.split_kernel[grid](*args, Trace=record, **opts, **flags, TRACE=tracing)
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
     dec_k.merge_kernel[(B * Hq * Lq,)](
@@ -410,7 +408,7 @@ def _decode(
             b, hk = bk // Hkv, bk % Hkv
             heads = slice(hk * G, (hk + 1) * G)
             trace.note(
-                "decode.split", kernel="split_traced", pid=pid, split=s, splits=S, batch=b, kv_head=hk,
+                "decode.split", kernel="split_kernel", pid=pid, split=s, splits=S, batch=b, kv_head=hk,
                 heads=list(range(hk * G, (hk + 1) * G)), keys=(s * chunk, min((s + 1) * chunk, Lk)),
                 key_blocks=blocks, masked=masked, block_n=cfg["BLOCK_N"], Lk=Lk,
                 out_s=opart[b, heads, s].clone(), lse_s=lpart[b, heads, s].clone(),  # (G, Lq, Dv), (G, Lq)
