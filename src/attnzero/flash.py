@@ -304,11 +304,9 @@ class _Problem:
         to2 = 1.0 if self.natural else LOG2E  # scores in base 2, or in natural units (natural mode)
         self.cap_factor = 0.0 if softcap is None else softcap * to2
         # softcap by expm1 (``scores``): tanh(x) = e / (e + 2) with e = expm1(2x), so the matmul gives
-        # 2x — while every such product is finite; ``clamp``: some could reach expm1's overflow, so
-        # 2x is clamped to ±40 first (tanh(20) is ±1 exactly, in float32 and float64)
-        bound = math.inf if softcap is None else _product_bound(q, k, 2.0 * scale / softcap)
-        self.expm1 = bound < torch.finfo(self.acc).max / 16 and _expm1_wanted(q.device)
-        self.clamp = self.expm1 and bound > _EXPM1_CLAMP
+        # 2x; ``clamp``: 2x clamped first (see ``_expm1_clamp``)
+        how = None if softcap is None else _expm1_clamp(q, k, scale, softcap, self.acc)
+        self.expm1, self.clamp = how is not None, bool(how)
         self.zero = torch.zeros((), dtype=self.acc, device=q.device) if self.expm1 else None  # addcdiv's input
         x_factor = 2.0 if self.expm1 else 1.0  # the matmul gives tanh's argument x, or 2x
         self.q_factor = scale * to2 if softcap is None else x_factor * scale / softcap  # what scaled_q multiplies q by
@@ -493,13 +491,13 @@ class _Problem:
             # s₂ = softcap · log2 e · t, then the edge tile and the shift: one pass when only one is there
             extra = add if add is not None else edge
             if self.zero is not None and t_name is None:  # expm1, t not kept: s₂ = softcap · log2 e · e / (e + 2)
-                e = self._expm1(buf)
+                e = _expm1_(buf, self.clamp)
                 d = torch.add(e, 2.0, out=ar.get("d", *buf.shape))  # e + 2
                 torch.addcdiv(self.zero if extra is None else extra, e, d, value=self.cap_factor, out=buf)
             else:
-                if self.zero is not None:  # tanh(x) = e / (e + 2), e = expm1(2x), into the kept buffer
+                if self.expm1:  # tanh(x) = e / (e + 2), e = expm1(2x), into the kept buffer
                     assert t_name is not None
-                    e = self._expm1(buf)
+                    e = _expm1_(buf, self.clamp)
                     d = torch.add(e, 2.0, out=ar.get(t_name, *buf.shape))  # e + 2
                     t = torch.div(e, d, out=d)
                 else:
@@ -538,11 +536,6 @@ class _Problem:
         if self.natural and shift is not None:
             s.add_(shift)
         return s.transpose(1, 2) if transposed else s
-
-    def _expm1(self, x: Tensor) -> Tensor:
-        """``e = expm1(x)`` in place, x clamped to ±``_EXPM1_CLAMP`` first where it could overflow
-        (``clamp``; the softcap's ``tanh(x / 2) = e / (e + 2)`` is then ±1 as it would be)."""
-        return (x.clamp_(-_EXPM1_CLAMP, _EXPM1_CLAMP) if self.clamp else x).expm1_()
 
     def dropout_keep(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
         """Z for one block, (N, G·r, c) bool: the entries ``dropout.keep_mask`` keeps for the full
@@ -661,13 +654,9 @@ def _forward_softmax(
         keep = keep_block(None, True, None, Lq, Lk, (0, Lq), (0, Lk), q.device)  # (Lq, Lk)
         blocked = None if keep is None else keep.logical_not().repeat(G, 1)  # (G·Lq, Lk)
     lse = torch.empty(N, G * Lq, dtype=acc, device=q.device) if with_lse else None  # (N, G·Lq)
-    # softcap's tanh by expm1 where ``_Problem`` would take it (same bound, same clamp): None = torch's tanh
-    clamp: bool | None = None
-    if softcap is not None:
-        bound = _product_bound(q, k, 2.0 * scale / softcap)
-        if bound < torch.finfo(acc).max / 16 and _expm1_wanted(q.device):
-            clamp = bound > _EXPM1_CLAMP
-    zero = torch.zeros((), dtype=acc, device=q.device)  # addcdiv's input
+    # softcap's tanh by expm1 where ``_Problem`` would take it: None = torch's tanh
+    clamp = None if softcap is None else _expm1_clamp(q, k, scale, softcap, acc)
+    zero = None if clamp is None else torch.zeros((), dtype=acc, device=q.device)  # addcdiv's input
 
     def block(n0: int, n1: int, out: Tensor | None = None) -> Tensor:
         """O = softmax(scale · Q Kᵀ) V for pairs [n0, n1): (n, G·Lq, Dv) in the accumulator dtype
@@ -681,11 +670,11 @@ def _forward_softmax(
         s = qa.new_empty(n1 - n0, G * Lq, Lk)  # (beta=0: its contents are ignored, NaN included)
         if softcap is None:
             s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
-        elif clamp is None:  # softcap · tanh(scale · Q Kᵀ / softcap)
+        elif zero is None:  # softcap · tanh(scale · Q Kᵀ / softcap)
             s.baddbmm_(qa, ka, beta=0.0, alpha=scale / softcap).tanh_().mul_(softcap)
         else:  # the same with tanh(x) = e / (e + 2), e = expm1(2x): see _Problem.scores
             s.baddbmm_(qa, ka, beta=0.0, alpha=2.0 * scale / softcap)  # 2x: (n, G·Lq, Lk)
-            e = (s.clamp_(-_EXPM1_CLAMP, _EXPM1_CLAMP) if clamp else s).expm1_()  # in place
+            e = _expm1_(s, bool(clamp))  # in place
             torch.addcdiv(zero, e, e + 2.0, value=softcap, out=s)  # softcap · e / (e + 2)
         if blocked is not None:
             s.masked_fill_(blocked, NEG_INF)
@@ -985,6 +974,24 @@ def _backward_rows(
 # Softcap by expm1: 2x clamped to ±this when it could overflow (see ``_Problem.__init__``)
 _EXPM1_CLAMP = 40.0
 _EXPM1_FASTER: dict[str, bool] = {}  # per device type, decided once (``_expm1_faster``)
+
+
+def _expm1_clamp(q: Tensor, k: Tensor, scale: float, softcap: float, acc: torch.dtype) -> bool | None:
+    """How softcap takes its tanh: None = torch's tanh; False / True = as ``e / (e + 2)``,
+    ``e = expm1(2x)``, without / with 2x clamped to ±``_EXPM1_CLAMP`` first (where some 2x could
+    overflow expm1; tanh(20) is ±1 exactly, in float32 and float64). expm1 only where it is wanted
+    here (asked first: the bound costs a read-back) and every 2x is finite."""
+    if not _expm1_wanted(q.device):
+        return None
+    bound = _product_bound(q, k, 2.0 * scale / softcap)
+    if bound >= torch.finfo(acc).max / 16:
+        return None
+    return bound > _EXPM1_CLAMP
+
+
+def _expm1_(x: Tensor, clamp: bool) -> Tensor:
+    """``e = expm1(x)`` in place, x clamped to ±``_EXPM1_CLAMP`` first when ``clamp``."""
+    return (x.clamp_(-_EXPM1_CLAMP, _EXPM1_CLAMP) if clamp else x).expm1_()
 
 
 def _expm1_wanted(device: torch.device) -> bool:
