@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..functional import attention
+
 
 @dataclass
 class Result:
@@ -50,6 +52,14 @@ class Printer:
             self.lines.append(line)
             if not self.quiet:
                 print(line, flush=True)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+    """``az.attention``'s output (without ``return_lse`` it is one tensor; ``backend=`` picks the
+    code that runs)."""
+    out = attention(q, k, v, **kw)
+    assert isinstance(out, Tensor)
+    return out
 
 
 def max_error(a: Tensor, b: Tensor) -> float:

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import attention, attention_weights
-from .common import Printer, Result, figure, max_error, median_time
+from .. import attention_weights
+from .common import Printer, Result, attend, figure, max_error, median_time
 
 TITLE = "the seeds' formula as written, and the NaN row"
 
@@ -35,14 +35,6 @@ def seeds_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None)
     weights = torch.softmax(scores, dim=-1)  # (..., Lq, Lk)
     # 5. weighted sum of the values
     return weights @ V, weights  # (..., Lq, d_v), (..., Lq, Lk)
-
-
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
-    """attnzero's reference beside it: ``az.attention(..., backend="reference")``, the same formula
-    with the row max subtracted and rows with no key set to 0. q (B, H, Lq, D) → (B, H, Lq, Dv)."""
-    out = attention(q, k, v, mask=keep, backend="reference")
-    assert isinstance(out, Tensor)  # (no return_lse: the output alone)
-    return out
 
 
 def softmax_of_blocked_row(n: int = 4) -> dict[str, Tensor]:
@@ -95,7 +87,7 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
     q, k, v = (torch.randn(2, 1, L, D, generator=g, dtype=torch.float64) for _ in range(3))  # (B, H, L, D)
     keep = left_padded_causal(lengths, L)  # (B, 1, L, L)
     out_seeds, w_seeds = seeds_attention(q, k, v, keep)
-    out_ref = reference_attention(q, k, v, keep != 0)
+    out_ref = attend(q, k, v, mask=keep != 0, backend="reference")
     w_ref = attention_weights(q, k, mask=keep != 0)
     blocked = ~(keep != 0).any(dim=-1)  # (B, 1, L): rows with no key at all
     empty_rows = blocked[1, 0].nonzero().flatten().tolist()
@@ -120,7 +112,7 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
     qt, kt, vt = (torch.randn(B, H, Lt, Dt, generator=g) for _ in range(3))
     tril = torch.tril(torch.ones(Lt, Lt, dtype=torch.bool))
     t_seeds = median_time(lambda: seeds_attention(qt, kt, vt, tril))
-    t_ref = median_time(lambda: reference_attention(qt, kt, vt, tril))
+    t_ref = median_time(lambda: attend(qt, kt, vt, mask=tril, backend="reference"))
     say(f"\ntime at (B, H, L, D) = {(B, H, Lt, Dt)} float32, causal: seeds' code {t_seeds * 1e3:.2f} ms, "
         f"reference {t_ref * 1e3:.2f} ms")  # fmt: skip
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from .. import masks
-from .common import Printer, Result, figure, max_error, median_time
-from .r0_seeds import reference_attention, seeds_attention
+from .common import Printer, Result, attend, figure, max_error, median_time
+from .r0_seeds import seeds_attention
 
 TITLE = "heads: multi-head, GQA and MQA as reshapes"
 
@@ -130,7 +130,7 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
         errors = {
             "per-head loop": max_error(grouped, per_head_loop(q, k, v, keep)),
             "repeat_interleave": max_error(grouped, repeated_attention(q, k, v, keep)),
-            "az.attention": max_error(grouped, reference_attention(q, k, v, keep)),
+            "az.attention": max_error(grouped, attend(q, k, v, mask=keep, backend="reference")),
         }
         error = max(error, *errors.values())
         kind = "MHA" if Hkv == Hq else ("MQA" if Hkv == 1 else "GQA")

@@ -26,7 +26,7 @@ from torch import Tensor
 import attnzero as az
 
 from .. import flash, geometry, testing, trace
-from .common import Printer, Result, figure, median_time
+from .common import Printer, Result, attend, figure, median_time
 
 TITLE = "The Triton kernel under TRITON_INTERPRET=1: the same tiles, program ids drawn"
 
@@ -88,13 +88,6 @@ def not_run(n: int, title: str, why: str, say: Printer) -> Result:
     return Result(rung=n, title=title, check=f"not run ({why})", error=float("nan"), tol=0.0)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
-    """``az.attention``'s output (the public entry: ``backend=`` picks the code that runs)."""
-    out = az.attention(q, k, v, **kw)
-    assert isinstance(out, Tensor)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # The rung
 
@@ -116,7 +109,7 @@ def flash_tiles(q: Tensor, k: Tensor, v: Tensor, block: tuple[int, int], **kw: A
     block): one chunk when B = Hkv = 1)."""
     with flash.block_sizes(rows=block[0], cols=block[1], softmax=False, unshifted=False, threads=1):
         before = flash.COUNTS["forward"]
-        out = attention(q, k, v, backend="flash", **kw)
+        out = attend(q, k, v, backend="flash", **kw)
         return out, flash.COUNTS["forward"] - before
 
 
@@ -142,11 +135,11 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
     numbers: dict[str, Any] = {}
     for name, kw in cases:
         with trace.recording() as rec:
-            got = attention(q, k, v, backend="triton", **kw)  # the kernel: float32, under the trace
+            got = attend(q, k, v, backend="triton", **kw)  # the kernel: float32, under the trace
         events = rec.of("triton.program")
         bm, bn = events[0]["block_m"], events[0]["block_n"]
         golden, flash_count = flash_tiles(qr, kr, vr, (bm, bn), **kw)  # rung 5, float64
-        ref32 = attention(q.cpu(), k.cpu(), v.cpu(), backend="reference", **kw)
+        ref32 = attend(q.cpu(), k.cpu(), v.cpu(), backend="reference", **kw)
         verdict = testing.verdict(got.cpu(), ref32, golden)  # DESIGN.md's rule: float32 vs float64
         bounds.append(verdict.bound)
 
@@ -172,8 +165,8 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
                         f"{key}_flash_tiles": flash_count, f"{key}_error": verdict.error})
         panels.append((name, tiles, n_m, n_n, len(events)))
 
-    fn_t = lambda: attention(q, k, v, backend="triton", causal=True)  # noqa: E731
-    fn_f = lambda: attention(q.cpu(), k.cpu(), v.cpu(), backend="flash", causal=True)  # noqa: E731
+    fn_t = lambda: attend(q, k, v, backend="triton", causal=True)  # noqa: E731
+    fn_f = lambda: attend(q.cpu(), k.cpu(), v.cpu(), backend="flash", causal=True)  # noqa: E731
     t_triton = median_time(fn_t, repeats=3, warmup=1)
     t_flash = median_time(fn_f, repeats=5, warmup=1)
     say(f"\ntime, causal, this shape: triton {t_triton * 1e3:.1f} ms ({where}), flash {t_flash * 1e3:.2f} ms "

@@ -26,8 +26,8 @@ from torch import Tensor
 import attnzero as az
 
 from .. import testing, trace
-from .common import Printer, Result, figure, median_time
-from .r7_triton import RERUN, attention, not_run, rerun_interpreted, triton_backend
+from .common import Printer, Result, attend, figure, median_time
+from .r7_triton import RERUN, not_run, rerun_interpreted, triton_backend
 
 TITLE = "Decoding: the KV cache, and split-KV with the lse merge"
 
@@ -40,11 +40,11 @@ def decode_loop(q: Tensor, k: Tensor, v: Tensor, prompt: int) -> Tensor:
     cache = az.KVCache(B, max_len=N, num_kv_heads=Hkv, head_dim=D, dtype=k.dtype)
     # prefill: the prompt's keys and values go in, its queries attend causally among themselves
     k_all, v_all = cache.update(k[:, :, :prompt], v[:, :, :prompt])  # (B, Hkv, prompt, D) views
-    outs = [attention(q[:, :, :prompt], k_all, v_all, causal=True, backend="flash")]  # (B, Hq, prompt, D)
+    outs = [attend(q[:, :, :prompt], k_all, v_all, causal=True, backend="flash")]  # (B, Hq, prompt, D)
     for t in range(prompt, N):
         # one new token: append its key/value, then its one query sees every stored key
         k_all, v_all = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])  # (B, Hkv, t + 1, D)
-        outs.append(attention(q[:, :, t : t + 1], k_all, v_all, causal=True, backend="flash"))  # (B, Hq, 1, D)
+        outs.append(attend(q[:, :, t : t + 1], k_all, v_all, causal=True, backend="flash"))  # (B, Hq, 1, D)
     return torch.cat(outs, dim=2)  # (B, Hq, N, D)
 
 
@@ -88,7 +88,7 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
     say(f"sequence of N={N} tokens: q (B={B}, Hq={Hq}, N, D={D}), k, v (B, Hkv={Hkv}, N, D), float64")
     say(f"1. KV cache: prefill {N - steps} tokens, then {steps} steps of one token")
     looped = decode_loop(q, k, v, N - steps)
-    full = attention(q, k, v, causal=True, backend="flash")  # rung 5 on the whole sequence
+    full = attend(q, k, v, causal=True, backend="flash")  # rung 5 on the whole sequence
     err_cache = testing.max_error(looped, full)
     cache_bound = testing.floor(torch.float64, testing.magnitude(full))
     cache_ok = err_cache <= cache_bound
@@ -106,7 +106,7 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
         got, _ = tb.decode(q1, k32, v32, **kw)  # split_kernel + merge_kernel
     events = rec.of("decode.split")
     golden = full[:, :, -1:]  # the last row of rung 5's causal attention, float64
-    ref32 = attention(*(t.cpu() for t in (q1, k32, v32)), causal=True, backend="reference")
+    ref32 = attend(*(t.cpu() for t in (q1, k32, v32)), causal=True, backend="reference")
     verdict = testing.verdict(got.cpu(), ref32, golden)
     S = events[0]["splits"]
     rec0 = recorded_partials(events, 0, 0)
@@ -137,8 +137,8 @@ def run(out: Path | None, *, small: bool = False, say: Printer) -> Result:
     Lk, Dt, Hqt, Hkvt = (1024, 64, 8, 2) if small else (4096, 64, 8, 2)
     qt = torch.randn(1, Hqt, 1, Dt)
     kt, vt = torch.randn(1, Hkvt, Lk, Dt), torch.randn(1, Hkvt, Lk, Dt)
-    t_flash = median_time(lambda: attention(qt, kt, vt, backend="flash"), repeats=7, warmup=2)
-    t_ref = median_time(lambda: attention(qt, kt, vt, backend="reference"), repeats=7, warmup=2)
+    t_flash = median_time(lambda: attend(qt, kt, vt, backend="flash"), repeats=7, warmup=2)
+    t_ref = median_time(lambda: attend(qt, kt, vt, backend="reference"), repeats=7, warmup=2)
     t_kernel = median_time(lambda: tb.decode(q1, k32, v32, **kw), repeats=3, warmup=1)
     say(f"3. one decode step, q (1, {Hqt}, 1, {Dt}) against {Lk} keys ({Hkvt} kv heads), float32 on the CPU: "
         f"flash {t_flash * 1e3:.2f} ms, reference {t_ref * 1e3:.2f} ms")
