@@ -266,7 +266,7 @@ def _note_step(pass_: str, ring: _Ring, step: int, src: int, L: int, layout: str
     chunks = _chunks_of(ring.rank, L, ring.world, layout)
     trace.note(
         "ring.step", pass_=pass_, rank=ring.rank, world=ring.world, step=step, src=src, layout=layout,
-        rows=L, cols=L, chunk=chunks[0][0].stop - chunks[0][0].start, q_at=[g for _, g in chunks],
+        chunk=chunks[0][0].stop - chunks[0][0].start, q_at=[g for _, g in chunks],
         kv_at=[g for _, g in _chunks_of(src, L, ring.world, layout)],
         blocks=[(r.start, r.stop, c.start, c.stop, "diagonal" if d else "full") for r, c, d in blocks],
     )  # fmt: skip
