@@ -45,9 +45,6 @@ class Record:
         """The events of one kind."""
         return [e for e in self.events if e.kind == kind]
 
-    def kinds(self) -> set[str]:
-        return {e.kind for e in self.events}
-
 
 def active() -> bool:
     """True while some ``recording()`` is open (instrumented code may skip building its fields)."""
