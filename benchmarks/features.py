@@ -7,8 +7,9 @@ plain call in the same run (interleaved, medians):
   documents, a causal ``Mask`` and the drop-in's ``is_causal``, against full attention and
   ``causal=True`` — with the blocks each visited (``flash.COUNTS``);
 * packed sequences: ``attention_varlen`` over 8 sequences against the same tokens as one sequence;
-* softcap's two ways to take tanh (``flash.block_sizes(expm1=...)``: torch's tanh, or
-  ``e / (e + 2)`` with ``e = expm1(2x)``), forward and forward + backward against the plain call, in
+* softcap's three ways to take tanh (``flash.block_sizes(tanh=...)``: the fused C kernel of
+  ``softcap_cpu``, ``e / (e + 2)`` with ``e = expm1(2x)``, or torch's tanh; the kernel only where it
+  builds), forward and forward + backward against the plain call, in
   wall time (the default worker threads) and in CPU time of one thread (``threads=1``,
   ``time.thread_time``: less noisy on a shared VM).
 
@@ -28,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 import attnzero as az
-from attnzero import flash
+from attnzero import flash, softcap_cpu
 from attnzero.bench import machine
 
 Run = Callable[[], None]
@@ -120,9 +121,11 @@ def varlen(L: int, repeats: int) -> list[tuple[str, float, float]]:
     return [(name, t[name], t[name] / base) for name in cases]
 
 
-def tanh_ways(L: int, repeats: int) -> list[tuple[str, float, float, float]]:
-    """(case, seconds of the plain call, softcap by torch's tanh / plain, by expm1 / plain), for
-    the forward and forward + backward, full and causal, in wall time and in one thread's CPU time."""
+def tanh_ways(L: int, repeats: int) -> tuple[list[str], list[tuple[str, float, list[float]]]]:
+    """The routes timed, and per case (case, seconds of the plain call, each route's softcapped time
+    / plain), for the forward and forward + backward, full and causal, in wall time and in one
+    thread's CPU time."""
+    routes = [r for r in flash.TANH_ROUTES if r != "kernel" or softcap_cpu.available()]
     B, H, D = 1, 8, 64
     q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, L, D)
@@ -131,22 +134,22 @@ def tanh_ways(L: int, repeats: int) -> list[tuple[str, float, float, float]]:
         for causal in (False, True):
             for bwd in (False, True):
 
-                def step(expm1: int = 0, cap: float | None = None, causal: bool = causal, bwd: bool = bwd,
+                def step(tanh: str = "auto", cap: float | None = None, causal: bool = causal, bwd: bool = bwd,
                          threads: int | None = threads) -> Run:  # fmt: skip
                     def run() -> None:
-                        with flash.block_sizes(expm1=expm1, threads=threads), torch.set_grad_enabled(bwd):
+                        with flash.block_sizes(tanh=tanh, threads=threads), torch.set_grad_enabled(bwd):
                             out = az.attention(q, k, v, causal=causal, softcap=cap, backend="flash")
                             if bwd:
                                 out.backward(dout)  # type: ignore[union-attr]
 
                     return run
 
-                fns = {"plain": step(), "tanh": step(-1, 30.0), "expm1": step(1, 30.0)}
+                fns = {"plain": step(), **{route: step(route, 30.0) for route in routes}}
                 t = _timed(fns, repeats, clock)
                 name = f"{'wall' if threads is None else 'one thread, CPU'}, {'causal' if causal else 'full'}, "
                 name += "fwd+bwd" if bwd else "fwd"
-                rows.append((name, t["plain"], t["tanh"] / t["plain"], t["expm1"] / t["plain"]))
-    return rows
+                rows.append((name, t["plain"], [t[route] / t["plain"] for route in routes]))
+    return routes, rows
 
 
 def main() -> None:
@@ -176,10 +179,12 @@ def main() -> None:
         for name, secs, ratio in varlen(args.mask_length, args.repeats):
             print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} |")
     if "tanh" in args.parts:
-        print(f"\n## softcap=30 by torch's tanh and by expm1: flash, B=1, H=8, L={args.length}, D=64\n")
-        print("| case | plain call | torch's tanh × plain | expm1 × plain |\n|---|---|---|---|")
-        for name, secs, by_tanh, by_expm1 in tanh_ways(args.length, args.repeats):
-            print(f"| {name} | {secs * 1e3:.0f} ms | {by_tanh:.2f} | {by_expm1:.2f} |")
+        routes, rows = tanh_ways(args.length, args.repeats)
+        print(f"\n## softcap=30 each way to take tanh: flash, B=1, H=8, L={args.length}, D=64\n")
+        print("| case | plain call | " + " | ".join(f"{r} × plain" for r in routes) + " |")
+        print("|---|---|" + "---|" * len(routes))
+        for name, secs, ratios in rows:
+            print(f"| {name} | {secs * 1e3:.0f} ms | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
 
 
 if __name__ == "__main__":

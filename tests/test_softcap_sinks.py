@@ -8,10 +8,21 @@ import math
 
 import pytest
 import torch
-from conftest import BACKENDS, DTYPE_IDS, DTYPES, check_against_golden, dense_keep, naive_attention, need, qkv, randn
+from conftest import (
+    BACKENDS,
+    DTYPE_IDS,
+    DTYPES,
+    absent,
+    check_against_golden,
+    dense_keep,
+    naive_attention,
+    need,
+    qkv,
+    randn,
+)
 
 import attnzero as az
-from attnzero import flash
+from attnzero import flash, softcap_cpu
 from attnzero import sinks as sinks_mod
 
 SHAPES = [  # (B, Hq, Hkv, Lq, Lk, D)
@@ -72,13 +83,20 @@ def test_window_and_dropout(backend: str) -> None:
     )
 
 
-@pytest.mark.parametrize("expm1", [1, -1], ids=["expm1", "torch-tanh"])
+def _need_kernel(route: str) -> None:
+    """The C kernel route needs it built here (a C compiler on Linux x86-64): CI has one."""
+    if route == "kernel" and not softcap_cpu.available():
+        absent(f"the softcap kernel is not available: {softcap_cpu.why()}")
+
+
+@pytest.mark.parametrize("route", flash.TANH_ROUTES)
 @pytest.mark.parametrize("case", ["mask-bias", "causal-gqa", "huge", "natural", "dropout", "blocks-threads", "bf16"])
-def test_flash_takes_tanh_either_way(expm1: int, case: str) -> None:
-    """flash's two ways to softcap (tanh(x) = e / (e + 2), e = expm1(2x), or torch's tanh; which one
-    runs by default depends on the CPU): both against the golden, with masks, a bias, a fully
-    blocked row, causal edge tiles, scores far past the cap (2x clamped before expm1), a bias large
-    enough for natural units, dropout, and many blocks on two threads."""
+def test_flash_takes_tanh_every_way(route: str, case: str) -> None:
+    """flash's three ways to softcap (the fused C kernel, tanh(x) = e / (e + 2) with e = expm1(2x),
+    or torch's tanh; which one runs by default depends on the machine): each against the golden,
+    with masks, a bias, a fully blocked row, causal edge tiles, scores far past the cap (2x clamped
+    before expm1), a bias large enough for natural units, dropout, and many blocks on two threads."""
+    _need_kernel(route)
     q, k, v = qkv(2, 4, 2, 37, 53, 16)
     kw: dict[str, object] = {"softcap": 5.0, "sinks": randn(4)}
     dtype, sizes = torch.float32, {}
@@ -102,13 +120,14 @@ def test_flash_takes_tanh_either_way(expm1: int, case: str) -> None:
     else:
         dtype = torch.bfloat16
     bias = kw.pop("bias", None)
-    with flash.block_sizes(expm1=expm1, **sizes):  # type: ignore[arg-type]
+    with flash.block_sizes(tanh=route, **sizes):  # type: ignore[arg-type]
         check_against_golden("flash", dtype, q, k, v, bias=bias, **kw)  # type: ignore[arg-type]
-    if case == "huge":
-        qf, kf, vf = (t.float() for t in (q, k, v))
-        with flash.block_sizes(expm1=expm1):
-            pb = flash._Problem(qf, kf, vf, None, None, True, None, 0.25, 0.0, 0, 5.0)
-        assert pb.expm1 == (expm1 > 0) and pb.clamp == (expm1 > 0)
+        qf, kf, vf = (t.to(dtype if dtype != torch.bfloat16 else torch.float32) for t in (q, k, v))
+        pb = flash._Problem(qf, kf, vf, None, None, True, None, 0.25, 0.0, 0, 5.0)
+    # the route asked for is the one taken (the kernel does float32 only: float64 takes torch's tanh)
+    assert pb.tanh == ("torch" if route == "kernel" and qf.dtype == torch.float64 else route)
+    if case == "huge":  # expm1's 2x clamped; the other routes take any x as it is
+        assert pb.clamp == (route == "expm1")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -256,17 +275,21 @@ def test_the_split_kv_decode_path_takes_softcap_and_sinks() -> None:
 
 
 @pytest.mark.parametrize("scale_q", [1.0, 300.0], ids=["plain", "clamped"])
-def test_flash_single_step_takes_tanh_either_way(scale_q: float) -> None:
-    """The single-step path (keys in one block: ``flash._forward_softmax``) softcaps by expm1 or by
-    torch's tanh as the tiled path does: both against the golden, the expm1 one visibly taken (its
-    roundings differ from tanh's), the clamp where 2x reaches the thousands."""
+def test_flash_single_step_takes_tanh_every_way(scale_q: float) -> None:
+    """The single-step path (keys in one block: ``flash._forward_softmax``) softcaps each way the
+    tiled path does: each against the golden, each visibly taken (their roundings differ), the
+    expm1 clamp where 2x reaches the thousands."""
     q, k, v = qkv(2, 4, 2, 37, 53, 16)
+    routes = [r for r in flash.TANH_ROUTES if r != "kernel" or softcap_cpu.available()]
+    if len(routes) < 3:
+        _need_kernel("kernel")
     outs = []
-    for expm1 in (1, -1):
+    for route in routes:
         before = flash.COUNTS["softmax"]
-        with flash.block_sizes(expm1=expm1):
+        with flash.block_sizes(tanh=route):
             check_against_golden("flash", torch.float32, q * scale_q, k, v, causal=True, softcap=5.0, grads=False)
             outs.append(az.attention(q.float() * scale_q, k.float(), v.float(), causal=True, softcap=5.0,
                                      backend="flash"))  # fmt: skip
         assert flash.COUNTS["softmax"] >= before + 2  # both calls took the single step
-    assert not torch.equal(outs[0], outs[1])
+    for i in range(1, len(outs)):
+        assert not torch.equal(outs[i - 1], outs[i])

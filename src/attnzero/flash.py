@@ -29,8 +29,10 @@ is also noted as a "flash.tile" event (the ladder draws its pictures from them).
 
 Soft-capping (``softcap``): the matmul gives ``x = q·k·scale/softcap``, the score is
 ``softcap·tanh(x)``; the edge tile and any shift go in after the tanh, and the backward multiplies
-the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2). Where torch's tanh is slow (MKL's,
-on a CPU not Intel's) the matmul gives 2x instead and ``tanh(x) = e / (e + 2)``, ``e = expm1(2x)``.
+the score's gradient by ``1 − tanh²`` (docs/MATH.md, section 2). On CPU in float32 the whole line
+(tanh, scale, edge tile, shift) is one pass of a small C kernel where it builds (``softcap_cpu.py``);
+elsewhere it is torch's ops, and where torch's tanh is slow (MKL's, on a CPU not Intel's) the matmul
+gives 2x instead and ``tanh(x) = e / (e + 2)``, ``e = expm1(2x)``.
 
 Cores: on CPU, every problem of two or more tasks runs on Python worker threads, one per core,
 each taking whole (chunk, row block) tasks with single-threaded ops (the runtime is ``parallel.py``).
@@ -52,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dropout, geometry, reference, trace
+from . import dropout, geometry, reference, softcap_cpu, trace
 from .constants import LN2, LOG2E
 from .masks import Mask, block_of, keep_block
 from .parallel import Arena, arena, run_tasks
@@ -66,11 +68,11 @@ NEG_INF = float("-inf")
 # ``threads``: worker threads on CPU (0 = torch.get_num_threads(); see ``_threads``).
 # ``unshifted``: 1 = try the forward's no-max variant first, 0 = the online softmax only.
 # ``softmax``: 1 = problems whose keys fit one block take the single-step ``_forward_softmax``.
-# ``expm1``: softcap's tanh as ``e / (e + 2)``, ``e = expm1(2x)``: 1 = always (where safe), −1 = never
-# (torch's tanh), 0 = where that measures faster (``_expm1_faster``).
+# ``tanh``: how softcap takes its tanh (``_tanh_route``): 0 = the fastest that applies here, else one
+# of ``TANH_ROUTES`` forced by its index + 1 (where it applies).
 _SIZES: dict[str, int] = {
     "rows": 256, "cols": 0, "elems": 1 << 19, "kv": 1 << 21, "threads": 0, "unshifted": 1, "softmax": 1,
-    "expm1": 0,
+    "tanh": 0,
 }  # fmt: skip
 
 # The forward's single-step case (``_forward_softmax``) serves problems with at most this many
@@ -122,15 +124,15 @@ def block_sizes(
     threads: int | None = None,
     unshifted: bool | None = None,
     softmax: bool | None = None,
-    expm1: int | None = None,
+    tanh: str | None = None,
 ) -> Iterator[None]:
     """Temporarily force the block sizes, the worker threads, whether the forward tries its
     unshifted variant or its single-step softmax (tests use tiny blocks to hit every boundary), and
-    how softcap's tanh is taken (``expm1``: 1 by expm1, −1 torch's tanh, 0 the faster here)."""
+    how softcap's tanh is taken (``tanh``: one of ``TANH_ROUTES``, or "auto")."""
     old = dict(_SIZES)
     given = {
         "rows": rows, "cols": cols, "elems": elems, "kv": kv, "threads": threads, "unshifted": unshifted,
-        "softmax": softmax, "expm1": expm1,
+        "softmax": softmax, "tanh": None if tanh is None else _tanh_code(tanh),
     }  # fmt: skip
     for key, value in given.items():
         if value is not None:
@@ -303,10 +305,10 @@ class _Problem:
         self.softcap = softcap
         to2 = 1.0 if self.natural else LOG2E  # scores in base 2, or in natural units (natural mode)
         self.cap_factor = 0.0 if softcap is None else softcap * to2
-        # softcap by expm1 (``scores``): tanh(x) = e / (e + 2) with e = expm1(2x), so the matmul gives
-        # 2x; ``clamp``: 2x clamped first (see ``_expm1_clamp``)
-        how = None if softcap is None else _expm1_clamp(q, k, scale, softcap, self.acc)
-        self.expm1, self.clamp = how is not None, bool(how)
+        # how tanh is taken (``_tanh_route``): by the C kernel, by torch's tanh, or by expm1 (tanh(x) =
+        # e / (e + 2) with e = expm1(2x), so the matmul gives 2x; ``clamp``: 2x clamped first)
+        self.tanh, self.clamp = ("torch", False) if softcap is None else _tanh_route(q, k, scale, softcap, self.acc)
+        self.expm1 = self.tanh == "expm1"
         self.zero = torch.zeros((), dtype=self.acc, device=q.device) if self.expm1 else None  # addcdiv's input
         x_factor = 2.0 if self.expm1 else 1.0  # the matmul gives tanh's argument x, or 2x
         self.q_factor = scale * to2 if softcap is None else x_factor * scale / softcap  # what scaled_q multiplies q by
@@ -452,6 +454,15 @@ class _Problem:
                 self._edges[key] = tile
         return tile
 
+    def fuses_exp2(self, rows: tuple[int, int], cols: tuple[int, int], masked: bool, shifted: bool) -> bool:
+        """Whether ``scores(..., exp2=True)`` takes the exp2 in the C kernel's pass: softcap by the
+        kernel, and no step after the cap (a bias, a mask evaluated on this block (``masked``), a
+        causal / window cut that is not an edge tile, a natural-mode shift)."""
+        if self.tanh != "kernel":
+            return False
+        late = not self.use_edges and self.kind(rows, cols) is not geometry.FULL
+        return not (self.bias is not None or (masked and self.mask is not None) or late or (self.natural and shifted))
+
     def scores(
         self,
         c: _Chunk,
@@ -465,6 +476,7 @@ class _Problem:
         shift: Tensor | None = None,
         masked: bool = True,
         t_name: str | None = None,
+        exp2: bool = False,
     ) -> Tensor:
         """``s₂ = (scale · q kᵀ + bias) · log2 e`` for one block, blocked pairs −inf: (N, G·r, c),
         from the scaled queries ``qa`` (N, G·r, D) and the chunk's keys ``ka`` (N, Lk, D), written
@@ -474,9 +486,12 @@ class _Problem:
 
         softcap: ``s₂ = softcap · log2 e · tanh(x) + bias · log2 e`` with ``x = q kᵀ · scale /
         softcap`` the matmul's result (``qa`` is scaled so; ``expm1``: 2x, and ``tanh(x) = e / (e + 2)``
-        with ``e = expm1(2x)``); the edge tile and the shift are added only after the tanh.
+        with ``e = expm1(2x)``); the edge tile and the shift are added only after the tanh (the C
+        kernel: all of it in one pass).
         ``t_name``: keep ``t = tanh(x)`` (laid out as the block) in that arena buffer, for the
-        backward's ``1 − t²``."""
+        backward's ``1 − t²``. ``exp2``: return ``p = exp2(s₂)`` instead, in the C kernel's pass
+        where nothing comes after the softcap (``fuses_exp2``); then the kept buffer holds
+        ``p · (1 − t²)``, the factor the backward's dS takes, instead of t."""
         r, nc = rows[1] - rows[0], cols[1] - cols[0]
         N, GR = qa.shape[0], qa.shape[1]
         kb = ka[:, cols[0] : cols[1]]  # (N, c, D)
@@ -486,11 +501,18 @@ class _Problem:
         add = None if shift is None or self.natural else shift.transpose(1, 2) if transposed else shift
         buf = ar.get(name, N, nc, GR) if transposed else ar.get(name, N, GR, nc)  # (N, c, G·r) or (N, G·r, c)
         x, y = (kb, qa.transpose(1, 2)) if transposed else (qa, kb.transpose(1, 2))
+        # causal / window still to mask here: when they could not enter as an edge tile
+        late = not self.use_edges and self.kind(rows, cols) is not geometry.FULL
+        masked = masked and self.mask is not None
+        fused = exp2 and self.fuses_exp2(rows, cols, masked, shift is not None)
         if self.softcap is not None:
             torch.bmm(x, y, out=buf)  # x = q·k·scale / softcap (expm1: 2x)
             # s₂ = softcap · log2 e · t, then the edge tile and the shift: one pass when only one is there
             extra = add if add is not None else edge
-            if self.zero is not None and t_name is None:  # expm1, t not kept: s₂ = softcap · log2 e · e / (e + 2)
+            if self.tanh == "kernel":  # t = tanh(x), kept if asked; s₂ = cap_factor · t + shift + edge
+                t_out = None if t_name is None else ar.get(t_name, *buf.shape)
+                softcap_cpu.softcap_(buf, self.cap_factor, t_out=t_out, a=add, b=edge, exp2=fused, dtanh=fused)
+            elif self.zero is not None and t_name is None:  # expm1, t not kept: s₂ = softcap · log2 e · e / (e + 2)
                 e = _expm1_(buf, self.clamp)
                 d = torch.add(e, 2.0, out=ar.get("d", *buf.shape))  # e + 2
                 torch.addcdiv(self.zero if extra is None else extra, e, d, value=self.cap_factor, out=buf)
@@ -506,7 +528,7 @@ class _Problem:
                     torch.add(extra, t, alpha=self.cap_factor, out=buf)
                 else:
                     torch.mul(t, self.cap_factor, out=buf)
-            if add is not None and edge is not None:
+            if add is not None and edge is not None and self.tanh != "kernel":
                 buf.add_(edge)
         elif add is not None and edge is not None:
             torch.add(add, edge, out=buf).baddbmm_(x, y)
@@ -515,9 +537,6 @@ class _Problem:
         else:
             torch.bmm(x, y, out=buf)
         s = buf.transpose(1, 2) if transposed else buf  # (N, G·r, c)
-        # causal / window still to mask here: when they could not enter as an edge tile
-        late = not self.use_edges and self.kind(rows, cols) is not geometry.FULL
-        masked = masked and self.mask is not None
         if self.bias is not None or masked or late:
             s5 = s.view(c.b1 - c.b0, c.n1 - c.n0, self.G, r, nc)  # (nb, nh, G, r, c): one query head per (nh, G)
             if self.bias is not None:
@@ -535,6 +554,8 @@ class _Problem:
                 s5.masked_fill_(_five(c.heads(keep), self.G).logical_not(), NEG_INF)
         if self.natural and shift is not None:
             s.add_(shift)
+        if exp2 and not fused:
+            s.exp2_()
         return s.transpose(1, 2) if transposed else s
 
     def dropout_keep(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
@@ -654,9 +675,9 @@ def _forward_softmax(
         keep = keep_block(None, True, None, Lq, Lk, (0, Lq), (0, Lk), q.device)  # (Lq, Lk)
         blocked = None if keep is None else keep.logical_not().repeat(G, 1)  # (G·Lq, Lk)
     lse = torch.empty(N, G * Lq, dtype=acc, device=q.device) if with_lse else None  # (N, G·Lq)
-    # softcap's tanh by expm1 where ``_Problem`` would take it: None = torch's tanh
-    clamp = None if softcap is None else _expm1_clamp(q, k, scale, softcap, acc)
-    zero = None if clamp is None else torch.zeros((), dtype=acc, device=q.device)  # addcdiv's input
+    # softcap's tanh the way ``_Problem`` would take it
+    how, clamp = ("torch", False) if softcap is None else _tanh_route(q, k, scale, softcap, acc)
+    zero = torch.zeros((), dtype=acc, device=q.device) if how == "expm1" else None  # addcdiv's input
 
     def block(n0: int, n1: int, out: Tensor | None = None) -> Tensor:
         """O = softmax(scale · Q Kᵀ) V for pairs [n0, n1): (n, G·Lq, Dv) in the accumulator dtype
@@ -670,11 +691,13 @@ def _forward_softmax(
         s = qa.new_empty(n1 - n0, G * Lq, Lk)  # (beta=0: its contents are ignored, NaN included)
         if softcap is None:
             s.baddbmm_(qa, ka, beta=0.0, alpha=scale)  # scale · Q Kᵀ: (n, G·Lq, Lk)
+        elif how == "kernel":  # the same, the tanh and the scale in one pass of the C kernel
+            softcap_cpu.softcap_(s.baddbmm_(qa, ka, beta=0.0, alpha=scale / softcap), softcap)
         elif zero is None:  # softcap · tanh(scale · Q Kᵀ / softcap)
             s.baddbmm_(qa, ka, beta=0.0, alpha=scale / softcap).tanh_().mul_(softcap)
         else:  # the same with tanh(x) = e / (e + 2), e = expm1(2x): see _Problem.scores
             s.baddbmm_(qa, ka, beta=0.0, alpha=2.0 * scale / softcap)  # 2x: (n, G·Lq, Lk)
-            e = _expm1_(s, bool(clamp))  # in place
+            e = _expm1_(s, clamp)  # in place
             torch.addcdiv(zero, e, e + 2.0, value=softcap, out=s)  # softcap · e / (e + 2)
         if blocked is not None:
             s.masked_fill_(blocked, NEG_INF)
@@ -791,7 +814,7 @@ def _forward_rows_unshifted(
         _count("forward")
         if trace.active():
             _note_tile(pb, c, rows, cols, masked, "forward", "unshifted")
-        p = pb.scores(c, qs, kc, rows, cols, ar, masked=masked).exp2_()  # p_ij = exp2(s_ij), in place: (N, G·r, c)
+        p = pb.scores(c, qs, kc, rows, cols, ar, masked=masked, exp2=True)  # p_ij = exp2(s_ij), in place: (N, G·r, c)
         l.add_(p.sum(dim=-1, keepdim=True))
         if pb.dropout_p > 0.0:
             p.mul_(pb.dropout_keep(c, rows, cols))  # dropped entries leave acc, not the normaliser l
@@ -947,8 +970,11 @@ def _backward_rows(
         if trace.active():
             _note_tile(pb, c, rows, cols, masked, "backward", "recompute")
         j0, j1 = cols
-        p_t = pb.scores(c, qs, kc, rows, cols, ar, "p", transposed=True, shift=neg_lse2, masked=masked, t_name=t_name)
-        p_t.exp2_()  # pᵀ: exp(s − lse), in place
+        # pᵀ: exp(s − lse), in place: (N, c, G·r); softcap by the fused kernel: the t buffer holds
+        # (p · (1 − t²))ᵀ then, else tᵀ
+        p_t = pb.scores(c, qs, kc, rows, cols, ar, "p", transposed=True, shift=neg_lse2, masked=masked, t_name=t_name,
+                        exp2=True)  # fmt: skip
+        fused = t_name is not None and pb.fuses_exp2(rows, cols, masked, True)
         dp_t = ar.get("dp", *p_t.shape)  # (N, c, G·r)
         if do_kept is not None:  # dropout: p̃ = Z∘p/(1-p), and dp reads v through the same Z/(1-p)
             z_t = pb.dropout_keep(c, rows, cols).transpose(1, 2)  # Zᵀ: (N, c, G·r) bool
@@ -959,10 +985,14 @@ def _backward_rows(
         else:
             torch.baddbmm(neg_d_t, vc[:, j0:j1], do.transpose(1, 2), out=dp_t)  # (dp_ij - D_i)ᵀ
             _add_bmm(dv[:, j0:j1], p_t, do, ar)  # dV_j += Σ_i p_ij dO_i
-        ds_t = dp_t.mul_(p_t)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
+        if fused:  # softcap's ds · (1 − t²) at once: p (dp − D) (1 − t²); no bias (it would need ds itself)
+            assert t_name is not None and dbias is None
+            ds_t = dp_t.mul_(ar.get(t_name, *dp_t.shape))
+        else:
+            ds_t = dp_t.mul_(p_t)  # ds_ij = p_ij (dp_ij - D_i): gradient of the natural-log score
         if dbias is not None:
             _add_dbias(dbias, c, rows, cols, ds_t.transpose(1, 2))
-        if t_name is not None:  # softcap: the score's gradient times d(softcap·tanh(x))/d(scale·q·k) = 1 − t²
+        if t_name is not None and not fused:  # softcap: times d(softcap·tanh(x))/d(scale·q·k) = 1 − t²
             t_t = ar.get(t_name, *ds_t.shape)  # tᵀ, as ``scores`` left it: (N, c, G·r)
             _TANH_BACKWARD(ds_t, t_t, grad_input=ds_t)  # ds · (1 − t²), one pass
         dq_acc.baddbmm_(ds_t.transpose(1, 2), kc[:, j0:j1])  # dQ_i += Σ_j ds_ij k_j   (· scale at the end)
@@ -976,28 +1006,46 @@ _EXPM1_CLAMP = 40.0
 _EXPM1_FASTER: dict[str, bool] = {}  # per device type, decided once (``_expm1_faster``)
 
 
-def _expm1_clamp(q: Tensor, k: Tensor, scale: float, softcap: float, acc: torch.dtype) -> bool | None:
-    """How softcap takes its tanh: None = torch's tanh; False / True = as ``e / (e + 2)``,
-    ``e = expm1(2x)``, without / with 2x clamped to ±``_EXPM1_CLAMP`` first (where some 2x could
-    overflow expm1; tanh(20) is ±1 exactly, in float32 and float64). expm1 only where it is wanted
-    here (asked first: the bound costs a read-back) and every 2x is finite."""
-    if not _expm1_wanted(q.device):
-        return None
+# softcap's ways to take tanh (``_tanh_route``): the fused C kernel (``softcap_cpu``), e / (e + 2)
+# with e = expm1(2x), torch's tanh
+TANH_ROUTES = ("kernel", "expm1", "torch")
+
+
+def _tanh_code(name: str) -> int:
+    """``_SIZES["tanh"]`` for a route's name ("auto": 0)."""
+    if name == "auto":
+        return 0
+    if name not in TANH_ROUTES:
+        raise ValueError(f"tanh: expected 'auto' or one of {TANH_ROUTES}, got {name!r}")
+    return TANH_ROUTES.index(name) + 1
+
+
+def _tanh_route(q: Tensor, k: Tensor, scale: float, softcap: float, acc: torch.dtype) -> tuple[str, bool]:
+    """How softcap takes its tanh, and whether 2x is clamped to ±``_EXPM1_CLAMP`` first (expm1
+    only, where some 2x could overflow expm1; tanh(20) is ±1 exactly, in float32 and float64).
+    The C kernel where it applies (float32 on CPU) and is available; else ``e / (e + 2)``,
+    ``e = expm1(2x)``, where that is faster than torch's tanh (``_expm1_faster``, asked first: the
+    bound costs a read-back) and every 2x is finite; else torch's tanh. A route forced by
+    ``block_sizes(tanh=...)`` is taken where it applies; forcing the kernel where it does not build
+    is an error."""
+    forced = _SIZES["tanh"]
+    want = TANH_ROUTES[forced - 1] if forced else None
+    kernel_applies = acc == torch.float32 and q.device.type == "cpu"
+    if want == "kernel" and kernel_applies and not softcap_cpu.available():
+        raise RuntimeError(f"flash: the softcap kernel was forced but is not available: {softcap_cpu.why()}")
+    if want in (None, "kernel") and kernel_applies and softcap_cpu.available():
+        return "kernel", False
+    if want in ("torch", "kernel") or (want is None and not _expm1_faster(q.device)):
+        return "torch", False
     bound = _product_bound(q, k, 2.0 * scale / softcap)
     if bound >= torch.finfo(acc).max / 16:
-        return None
-    return bound > _EXPM1_CLAMP
+        return "torch", False
+    return "expm1", bound > _EXPM1_CLAMP
 
 
 def _expm1_(x: Tensor, clamp: bool) -> Tensor:
     """``e = expm1(x)`` in place, x clamped to ±``_EXPM1_CLAMP`` first when ``clamp``."""
     return (x.clamp_(-_EXPM1_CLAMP, _EXPM1_CLAMP) if clamp else x).expm1_()
-
-
-def _expm1_wanted(device: torch.device) -> bool:
-    """Whether softcap takes tanh by expm1 (``_SIZES["expm1"]``, else ``_expm1_faster``)."""
-    forced = _SIZES["expm1"]
-    return forced > 0 if forced else _expm1_faster(device)
 
 
 def _expm1_faster(device: torch.device) -> bool:
