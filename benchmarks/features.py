@@ -10,8 +10,8 @@ plain call in the same run (interleaved, medians):
 * softcap's three ways to take tanh (``flash.block_sizes(tanh=...)``: the fused C kernel of
   ``softcap_cpu``, ``e / (e + 2)`` with ``e = expm1(2x)``, or torch's tanh; the kernel only where it
   builds), forward and forward + backward against the plain call, in
-  wall time (the default worker threads) and in CPU time of one thread (``threads=1``,
-  ``time.thread_time``: less noisy on a shared VM).
+  wall time (the default worker threads) and in CPU time of one thread (``threads=1`` and one torch
+  thread, so that every op runs on the timed thread; ``time.thread_time``: less noisy on a shared VM).
 
     .venv/bin/python benchmarks/features.py [--repeats 7] [--length 2048] [--mask-length 4096]
         [--parts softcap-sinks skipping varlen tanh]
@@ -59,15 +59,19 @@ def _blocks(fn: Run) -> int:
 
 
 def softcap_sinks(L: int, repeats: int) -> list[tuple[str, float, float]]:
-    """(case, seconds of the plain call, time with the feature / plain) for fwd+bwd."""
+    """(case, seconds of the plain call, time with the feature / plain) for fwd+bwd. "large scores":
+    softcap on q × 8 (scores of about ±8 to ±30, where the kernel's tanh mostly leaves its series
+    for libmvec's) against the plain call on the ordinary q (the plain call on q × 8 would leave its
+    unshifted forward for the online softmax, a slower baseline)."""
     B, H, D = 1, 8, 64
     q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    q8 = (q.detach() * 8).requires_grad_()
     sinks = torch.randn(H, requires_grad=True)
     dout = torch.randn(B, H, L, D)
     rows = []
     for causal in (False, True):
 
-        def step(causal: bool = causal, **kw: object) -> Run:
+        def step(causal: bool = causal, q: torch.Tensor = q, **kw: object) -> Run:
             def run() -> None:
                 out = az.attention(q, k, v, causal=causal, backend="flash", **kw)  # type: ignore[arg-type]
                 out.backward(dout)  # type: ignore[union-attr]
@@ -75,8 +79,9 @@ def softcap_sinks(L: int, repeats: int) -> list[tuple[str, float, float]]:
             return run
 
         t = _timed({"plain": step(), "softcap": step(softcap=30.0), "sinks": step(sinks=sinks),
-                    "both": step(softcap=30.0, sinks=sinks)}, repeats)  # fmt: skip
-        for name in ("softcap", "sinks", "both"):
+                    "both": step(softcap=30.0, sinks=sinks), "softcap, large scores": step(q=q8, softcap=30.0)},
+                   repeats)  # fmt: skip
+        for name in ("softcap", "sinks", "both", "softcap, large scores"):
             rows.append((f"{name}, {'causal' if causal else 'full'}", t["plain"], t[name] / t["plain"]))
     return rows
 
@@ -130,7 +135,9 @@ def tanh_ways(L: int, repeats: int) -> tuple[list[str], list[tuple[str, float, l
     q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, L, D)
     rows = []
+    torch_threads = torch.get_num_threads()
     for clock, threads in ((time.perf_counter, None), (time.thread_time, 1)):
+        torch.set_num_threads(torch_threads if threads is None else 1)  # one thread: torch's ops on it too
         for causal in (False, True):
             for bwd in (False, True):
 
@@ -149,6 +156,7 @@ def tanh_ways(L: int, repeats: int) -> tuple[list[str], list[tuple[str, float, l
                 name = f"{'wall' if threads is None else 'one thread, CPU'}, {'causal' if causal else 'full'}, "
                 name += "fwd+bwd" if bwd else "fwd"
                 rows.append((name, t["plain"], [t[route] / t["plain"] for route in routes]))
+    torch.set_num_threads(torch_threads)
     return routes, rows
 
 

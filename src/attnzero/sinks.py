@@ -42,7 +42,9 @@ def fold(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     lse64 = lse.to(torch.float64)  # (B, Hq, Lq)
     lse2 = torch.logaddexp(lse64, sink)  # −inf only where both are −inf
     factor = torch.where(lse2 == NEG_INF, 0.0, torch.sigmoid(lse64 - sink))  # exp(lse − lse₂), in [0, 1]
-    out2 = (out.to(torch.float64) * factor.unsqueeze(-1)).to(out.dtype)  # (B, Hq, Lq, Dv)
+    # in place on the float64 copy: one temporary of out's size, not two (two such buffers, 8 MB each
+    # at B=1, H=8, L=2048, D=64, were mapped and page-faulted afresh on every call: 6 ms against 0.3)
+    out2 = out.to(torch.float64).mul_(factor.unsqueeze(-1)).to(out.dtype)  # (B, Hq, Lq, Dv)
     return out2, lse2.to(lse.dtype)
 
 
