@@ -48,10 +48,12 @@ def test_features_benchmark_runs_each_table_at_a_small_size() -> None:
     import features
 
     rows = features.softcap_sinks(64, repeats=1)
-    assert [r[0] for r in rows] == [
-        "softcap, full", "sinks, full", "both, full", "softcap, causal", "sinks, causal", "both, causal"
-    ]
+    names = ("softcap", "sinks", "both", "softcap, q × 8", "softcap, q × 32")
+    assert [r[0] for r in rows] == [f"{n}, {c}" for c in ("full", "causal") for n in names]
     assert all(r[1] > 0 and r[2] > 0 for r in rows)
+    routes, ways = features.tanh_ways(64, repeats=1)
+    assert routes[-2:] == ["expm1", "torch"] and len(ways) == 8
+    assert all(len(ratios) == len(routes) and min(ratios) > 0 for _, _, ratios in ways)
     skip = {name: blocks for name, _, _, blocks in features.skipping(256, repeats=1)}
     assert skip["causal Mask"] == skip["causal=True"] == skip["drop-in is_causal=True"]
     assert all(r[2] > 0 for r in features.varlen(64, repeats=1))

@@ -134,6 +134,20 @@ def test_addends_in_any_layout_are_read_as_broadcast() -> None:
     torch.testing.assert_close(s1, 2.0 * torch.tanh(x) + shift_t + edge)
 
 
+def test_a_column_addend_with_one_column_and_an_infinite_p() -> None:
+    """A contiguous (c, 1) addend may carry any stride in its size-1 dim (``torch.zeros(1, c).t()``):
+    read as broadcast all the same. And ``p · (1 − t²)`` with p = inf is inf where |t| < 1, as
+    ``tanh_backward`` would give, not NaN."""
+    x = torch.randn(2, 5, 1)
+    edge = torch.randn(1, 5).t()  # (5, 1), strides (1, 5)
+    s = x.clone()
+    softcap_cpu.softcap_(s, 2.0, b=edge)
+    torch.testing.assert_close(s, 2.0 * torch.tanh(x) + edge)
+    s, w = torch.full((1, 1, 3), 0.5), torch.empty(1, 1, 3)
+    softcap_cpu.softcap_(s, 1.0, t_out=w, a=torch.full((1, 1, 1), 200.0), exp2=True, dtanh=True)  # 2^200.46 = inf
+    assert torch.isinf(s).all() and torch.isinf(w).all()
+
+
 def test_threads_get_what_one_thread_gets() -> None:
     """The call releases the GIL: two threads at once, each on its own block, give the serial bits."""
     xs = [torch.randn(4, 64, 200) for _ in range(8)]
@@ -237,6 +251,10 @@ def test_the_build_is_cached_and_every_failure_falls_back(tmp_path: Path) -> Non
     broken = _python(_REPORT, ATTNZERO_CACHE=str(tmp_path / "other"), CC="/bin/false")
     assert broken.returncode == 0, broken.stderr
     assert broken.stdout.startswith("False 'the build failed") and broken.stdout.split()[-1] == "True"
+    # $CC with arguments; torch's default dtype float64 does not fail the load's own check
+    args = _python("import torch; torch.set_default_dtype(torch.float64)\n" + _REPORT, CC="gcc -Wextra",
+                   ATTNZERO_CACHE=str(tmp_path / "args"))  # fmt: skip
+    assert args.stdout.split()[0] == "True", args.stdout + args.stderr
     off = _python(_REPORT, ATTNZERO_NO_BUILD="1", ATTNZERO_CACHE=str(tmp_path / "off"))
     assert off.stdout.startswith("False 'ATTNZERO_NO_BUILD is set'") and off.stdout.split()[-1] == "True"
     assert not (tmp_path / "off").exists()

@@ -65,7 +65,7 @@ typedef __m256 lanes;
 #error "softcap.c needs AVX2 and FMA, or AVX-512"
 #endif
 
-/* The lanes one vector holds: the loader checks it against the build. */
+/* The lanes one vector holds (8 or 16: the loader refuses anything else). */
 int az_lanes(void) { return W; }
 
 /* tanh(x) for 0 <= x <= SMALL_X: x + x·y·P(y), y = x², P of degree 7 fitted toward the minimax of
@@ -115,7 +115,7 @@ static inline vec formula(vec x, float *t_out, vec cap, vec a, vec b, int exp2) 
     vec y = ADD(FMA(cap, t, a), b);
     if (!exp2) return y;
     vec p = exp2_vec(y);
-    if (t_out && exp2 == 2) STORE(t_out, FMA(MUL(p, t), SUB(SET1(0.0f), t), p));  /* p − p·t·t */
+    if (t_out && exp2 == 2) STORE(t_out, MUL(p, FMA(SUB(SET1(0.0f), t), t, SET1(1.0f))));  /* p · (1 − t·t) */
     return p;
 }
 

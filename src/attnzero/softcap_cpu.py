@@ -23,6 +23,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -68,9 +69,10 @@ def cache_dir() -> Path:
 def _build(cc: str) -> Path:
     """The library for this source, compiler and CPU: built into the cache unless already there."""
     march = os.environ.get("ATTNZERO_MARCH") or "native"
-    command = [cc, *_FLAGS, f"-march={march}", str(SOURCE), "-o", "OUT", *_LIBS]
+    command = [*shlex.split(cc), *_FLAGS, f"-march={march}", str(SOURCE), "-o", "OUT", *_LIBS]
+    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=60, check=False)
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(command), _cpu_flags(), platform.machine()]).encode()
+        "\0".join([SOURCE.read_text(), " ".join(command), version.stdout, _cpu_flags(), platform.machine()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"softcap-{key}.so"
     if target.exists():
@@ -84,6 +86,7 @@ def _build(cc: str) -> Path:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
             raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -96,10 +99,11 @@ def _checked(lib: ctypes.CDLL) -> bool:
     span its edges (0, ±tiny, ±1, past ±9 where tanh rounds to ±1, ±inf, NaN) and a row with a
     ragged tail, within 4 ulp of math's."""
     xs = [0.0, -0.0, 1e-30, -1e-30, 1e-4, -0.3, 0.55, 1.0, -2.5, 8.9, -9.1, 20.0, 1e30, -math.inf, math.inf]
-    x = torch.tensor(xs * 3, dtype=torch.float32).view(1, 1, -1)  # 45 values: two full vectors and a tail
+    f32, cpu = torch.float32, torch.device("cpu")  # whatever torch's defaults are
+    x = torch.tensor(xs * 3, dtype=f32, device=cpu).view(1, 1, -1)  # 45 values: two full vectors and a tail
     want = [math.tanh(v) for v in x.flatten().tolist()]
-    t = torch.empty_like(x)
-    a = torch.full((1,), 0.5)
+    t = torch.empty_like(x)  # x's dtype and device
+    a = torch.full((1,), 0.5, dtype=f32, device=cpu)
     if _call(lib, x, 3.0, t_out=t, a=a, exp2=1) != 0:
         return False
     got_t, got = t.flatten().tolist(), x.flatten().tolist()
@@ -109,7 +113,7 @@ def _checked(lib: ctypes.CDLL) -> bool:
         y = 2.0 ** (3.0 * w + 0.5)
         if abs(g - y) > 8 * 2**-24 * y:
             return False
-    nan = torch.tensor([[[math.nan]]], dtype=torch.float32)
+    nan = torch.tensor([[[math.nan]]], dtype=f32, device=cpu)
     return _call(lib, nan, 1.0) == 0 and math.isnan(nan.item())
 
 
@@ -121,7 +125,7 @@ def _load() -> ctypes.CDLL | None:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         _state["why"] = f"not Linux on x86-64 ({sys.platform}, {platform.machine()})"
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")  # $CC may carry arguments
     if not cc:
         _state["why"] = "no C compiler (cc, gcc or $CC)"
         return None
@@ -133,6 +137,9 @@ def _load() -> ctypes.CDLL | None:
                                    ctypes.c_void_p, *[ctypes.c_int64] * 3]  # fmt: skip
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         _state["why"] = f"the build failed: {e}"
+        return None
+    if int(lib.az_lanes()) not in (8, 16):
+        _state["why"] = f"the built kernel has {lib.az_lanes()} lanes, not 8 or 16"
         return None
     if not _checked(lib):
         _state["why"] = "the built kernel disagrees with math.tanh"
@@ -166,11 +173,12 @@ def why() -> str:
 
 def _addend(x: Tensor | None, shape: torch.Size) -> tuple[Tensor | None, list[int]]:
     """An addend broadcast to ``shape`` (3-D) as the kernel reads it: contiguous first, so the
-    expanded strides are 0 (broadcast) or its own, innermost 0 or 1."""
+    expanded strides are 0 (broadcast) or its own, innermost 0 or 1; a dim of size 1 in ``shape``
+    reads only index 0, so its stride is 0 too (a contiguous (c, 1) may carry any stride there)."""
     if x is None:
         return None, [0, 0, 0]
     x = x.contiguous()
-    return x, list(x.expand(shape).stride())
+    return x, [0 if n == 1 else st for n, st in zip(shape, x.expand(shape).stride())]
 
 
 def _call(lib: ctypes.CDLL, s: Tensor, cap: float, t_out: Tensor | None = None, a: Tensor | None = None,
