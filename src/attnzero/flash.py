@@ -308,9 +308,9 @@ class _Problem:
         # how tanh is taken (``_tanh_route``): by the C kernel, by torch's tanh, or by expm1 (tanh(x) =
         # e / (e + 2) with e = expm1(2x), so the matmul gives 2x; ``clamp``: 2x clamped first)
         self.tanh, self.clamp = ("torch", False) if softcap is None else _tanh_route(q, k, scale, softcap, self.acc)
-        self.expm1 = self.tanh == "expm1"
-        self.zero = torch.zeros((), dtype=self.acc, device=q.device) if self.expm1 else None  # addcdiv's input
-        x_factor = 2.0 if self.expm1 else 1.0  # the matmul gives tanh's argument x, or 2x
+        expm1 = self.tanh == "expm1"
+        self.zero = torch.zeros((), dtype=self.acc, device=q.device) if expm1 else None  # addcdiv's input
+        x_factor = 2.0 if expm1 else 1.0  # the matmul gives tanh's argument x, or 2x
         self.q_factor = scale * to2 if softcap is None else x_factor * scale / softcap  # what scaled_q multiplies q by
         # dK is accumulated against the scaled q: this takes it back to ``scale · q`` (softcap:
         # scale / q_factor = softcap / x_factor; base 2: ln 2; natural: 1)
@@ -460,8 +460,13 @@ class _Problem:
         causal / window cut that is not an edge tile, a natural-mode shift)."""
         if self.tanh != "kernel":
             return False
-        late = not self.use_edges and self.kind(rows, cols) is not geometry.FULL
-        return not (self.bias is not None or (masked and self.mask is not None) or late or (self.natural and shifted))
+        after = self.bias is not None or (masked and self.mask is not None) or self.late(rows, cols)
+        return not (after or (self.natural and shifted))
+
+    def late(self, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+        """Whether causal / window cut this block and are still to mask after the scores: they could
+        not enter as an edge tile (``use_edges``)."""
+        return not self.use_edges and self.kind(rows, cols) is not geometry.FULL
 
     def scores(
         self,
@@ -501,35 +506,16 @@ class _Problem:
         add = None if shift is None or self.natural else shift.transpose(1, 2) if transposed else shift
         buf = ar.get(name, N, nc, GR) if transposed else ar.get(name, N, GR, nc)  # (N, c, G·r) or (N, G·r, c)
         x, y = (kb, qa.transpose(1, 2)) if transposed else (qa, kb.transpose(1, 2))
-        # causal / window still to mask here: when they could not enter as an edge tile
-        late = not self.use_edges and self.kind(rows, cols) is not geometry.FULL
+        late = self.late(rows, cols)
         masked = masked and self.mask is not None
         fused = exp2 and self.fuses_exp2(rows, cols, masked, shift is not None)
         if self.softcap is not None:
             torch.bmm(x, y, out=buf)  # x = q·k·scale / softcap (expm1: 2x)
-            # s₂ = softcap · log2 e · t, then the edge tile and the shift: one pass when only one is there
-            extra = add if add is not None else edge
-            if self.tanh == "kernel":  # t = tanh(x), kept if asked; s₂ = cap_factor · t + shift + edge
+            if self.tanh == "kernel":  # one pass: t = tanh(x), kept if asked; s₂ = cap_factor · t + shift + edge
                 t_out = None if t_name is None else ar.get(t_name, *buf.shape)
                 softcap_cpu.softcap_(buf, self.cap_factor, t_out=t_out, a=add, b=edge, exp2=fused, dtanh=fused)
-            elif self.zero is not None and t_name is None:  # expm1, t not kept: s₂ = softcap · log2 e · e / (e + 2)
-                e = _expm1_(buf, self.clamp)
-                d = torch.add(e, 2.0, out=ar.get("d", *buf.shape))  # e + 2
-                torch.addcdiv(self.zero if extra is None else extra, e, d, value=self.cap_factor, out=buf)
             else:
-                if self.expm1:  # tanh(x) = e / (e + 2), e = expm1(2x), into the kept buffer
-                    assert t_name is not None
-                    e = _expm1_(buf, self.clamp)
-                    d = torch.add(e, 2.0, out=ar.get(t_name, *buf.shape))  # e + 2
-                    t = torch.div(e, d, out=d)
-                else:
-                    t = buf.tanh_() if t_name is None else torch.tanh(buf, out=ar.get(t_name, *buf.shape))
-                if extra is not None:
-                    torch.add(extra, t, alpha=self.cap_factor, out=buf)
-                else:
-                    torch.mul(t, self.cap_factor, out=buf)
-            if add is not None and edge is not None and self.tanh != "kernel":
-                buf.add_(edge)
+                self._cap_in_torch(buf, add, edge, ar, t_name)
         elif add is not None and edge is not None:
             torch.add(add, edge, out=buf).baddbmm_(x, y)
         elif (extra := add if add is not None else edge) is not None:
@@ -557,6 +543,32 @@ class _Problem:
         if exp2 and not fused:
             s.exp2_()
         return s.transpose(1, 2) if transposed else s
+
+    def _cap_in_torch(
+        self, buf: Tensor, add: Tensor | None, edge: Tensor | None, ar: Arena, t_name: str | None
+    ) -> None:
+        """``scores``' softcap by torch's ops, in place on the matmul's ``buf``: s₂ = cap_factor · t,
+        then the shift ``add`` and the edge tile (one pass when only one is there); ``t = tanh(x)``
+        by torch's tanh or by expm1 (``buf`` holds 2x then), kept in ``t_name`` if given."""
+        extra = add if add is not None else edge
+        if self.zero is not None and t_name is None:  # expm1, t not kept: s₂ = softcap · log2 e · e / (e + 2)
+            e = _expm1_(buf, self.clamp)
+            d = torch.add(e, 2.0, out=ar.get("d", *buf.shape))  # e + 2
+            torch.addcdiv(self.zero if extra is None else extra, e, d, value=self.cap_factor, out=buf)
+        else:
+            if self.zero is not None:  # expm1: tanh(x) = e / (e + 2), e = expm1(2x), into the kept buffer
+                assert t_name is not None
+                e = _expm1_(buf, self.clamp)
+                d = torch.add(e, 2.0, out=ar.get(t_name, *buf.shape))  # e + 2
+                t = torch.div(e, d, out=d)
+            else:
+                t = buf.tanh_() if t_name is None else torch.tanh(buf, out=ar.get(t_name, *buf.shape))
+            if extra is not None:
+                torch.add(extra, t, alpha=self.cap_factor, out=buf)
+            else:
+                torch.mul(t, self.cap_factor, out=buf)
+        if add is not None and edge is not None:
+            buf.add_(edge)
 
     def dropout_keep(self, c: _Chunk, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
         """Z for one block, (N, G·r, c) bool: the entries ``dropout.keep_mask`` keeps for the full
@@ -1061,20 +1073,8 @@ def _expm1_faster(device: torch.device) -> bool:
     got = _EXPM1_FASTER.get(device.type)
     if got is None:
         mkl = torch.backends.mkl.is_available()
-        got = _EXPM1_FASTER[device.type] = mkl and _cpu_vendor() not in ("", "GenuineIntel")
+        got = _EXPM1_FASTER[device.type] = mkl and softcap_cpu.cpuinfo("vendor_id") not in ("", "GenuineIntel")
     return got
-
-
-def _cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; "" where /proc/cpuinfo does not say)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 # ds · (1 − t²) in one pass (ATen's derivative of tanh, given its output t), written into ds

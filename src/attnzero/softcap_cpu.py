@@ -45,12 +45,13 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded function or None once tried; "why": why not
 
 
-def _cpu_flags() -> str:
-    """This CPU's feature flags (/proc/cpuinfo), for the cache key: -march=native depends on them."""
+def cpuinfo(field: str) -> str:
+    """One field of /proc/cpuinfo for the first CPU ("vendor_id": ``GenuineIntel``, ``AuthenticAMD``;
+    "flags": the features -march=native depends on); "" where it does not say."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
@@ -71,9 +72,8 @@ def _build(cc: str) -> Path:
     march = os.environ.get("ATTNZERO_MARCH") or "native"
     command = [*shlex.split(cc), *_FLAGS, f"-march={march}", str(SOURCE), "-o", "OUT", *_LIBS]
     version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=60, check=False)
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(command), version.stdout, _cpu_flags(), platform.machine()]).encode()
-    ).hexdigest()[:16]
+    parts = [SOURCE.read_text(), " ".join(command), version.stdout, cpuinfo("flags"), platform.machine()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     target = cache_dir() / f"softcap-{key}.so"
     if target.exists():
         return target
