@@ -161,6 +161,17 @@ def tanh_ways(L: int, repeats: int) -> tuple[list[str], list[tuple[str, float, l
     return routes, rows
 
 
+def _ms(secs: float) -> str:
+    return f"{secs * 1e3:.0f} ms"
+
+
+def _table(heading: str, columns: list[str], rows: list[list[str]]) -> None:
+    """One markdown table under its heading (docs/benchmarks.md takes them as they are)."""
+    print(f"\n## {heading}\n")
+    for cells in (columns, ["---"] * len(columns), *rows):
+        print("| " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -172,28 +183,24 @@ def main() -> None:
     torch.manual_seed(0)
     info = machine()
     print(f"{info['date']} · {info['cpu']} · {info['cores']} · torch {info['torch']}")
+    L, M = args.length, args.mask_length
     if "softcap-sinks" in args.parts:
-        print(f"\n## softcap and sinks: flash forward + backward, B=1, H=8, L={args.length}, D=64\n")
-        print("| case | plain call | × plain |\n|---|---|---|")
-        for name, secs, ratio in softcap_sinks(args.length, args.repeats):
-            print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.2f} |")
+        _table(f"softcap and sinks: flash forward + backward, B=1, H=8, L={L}, D=64", ["case", "plain call", "× plain"],
+               [[name, _ms(secs), f"{ratio:.2f}"] for name, secs, ratio in softcap_sinks(L, args.repeats)])  # fmt: skip
     if "skipping" in args.parts:
-        print(f"\n## masks that skip: flash forward, B=1, H=8, L={args.mask_length}, D=64\n")
-        print("| case | time | × full attention | blocks visited |\n|---|---|---|---|")
-        for name, secs, ratio, blocks in skipping(args.mask_length, args.repeats):
-            print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} | {blocks} |")
+        cases = skipping(M, args.repeats)
+        _table(f"masks that skip: flash forward, B=1, H=8, L={M}, D=64",
+               ["case", "time", "× full attention", "blocks visited"],
+               [[name, _ms(secs), f"{ratio:.3f}", str(blocks)] for name, secs, ratio, blocks in cases])  # fmt: skip
     if "varlen" in args.parts:
-        print(f"\n## packed sequences: attention_varlen, causal, H=8, D=64, {args.mask_length} tokens\n")
-        print("| case | time | × the batch |\n|---|---|---|")
-        for name, secs, ratio in varlen(args.mask_length, args.repeats):
-            print(f"| {name} | {secs * 1e3:.0f} ms | {ratio:.3f} |")
+        _table(f"packed sequences: attention_varlen, causal, H=8, D=64, {M} tokens",
+               ["case", "time", "× the batch"],
+               [[name, _ms(secs), f"{ratio:.3f}"] for name, secs, ratio in varlen(M, args.repeats)])  # fmt: skip
     if "tanh" in args.parts:
-        routes, rows = tanh_ways(args.length, args.repeats)
-        print(f"\n## softcap=30 each way to take tanh: flash, B=1, H=8, L={args.length}, D=64\n")
-        print("| case | plain call | " + " | ".join(f"{r} × plain" for r in routes) + " |")
-        print("|---|---|" + "---|" * len(routes))
-        for name, secs, ratios in rows:
-            print(f"| {name} | {secs * 1e3:.0f} ms | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+        routes, rows = tanh_ways(L, args.repeats)
+        _table(f"softcap=30 each way to take tanh: flash, B=1, H=8, L={L}, D=64",
+               ["case", "plain call", *(f"{r} × plain" for r in routes)],
+               [[name, _ms(secs), *(f"{x:.2f}" for x in ratios)] for name, secs, ratios in rows])  # fmt: skip
 
 
 if __name__ == "__main__":
