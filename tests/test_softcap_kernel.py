@@ -216,6 +216,26 @@ def test_the_avx2_build_passes_the_same_tests(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:]
 
 
+def test_autocast_through_the_kernel_is_the_kernel_on_cast_inputs() -> None:
+    """Under CPU autocast (bfloat16) a softcapped flash call, tiled and single-step, forward and
+    backward, takes the kernel on its float32 accumulator and equals the call on inputs cast by
+    hand, bit for bit."""
+    bf16 = torch.bfloat16
+    for L, sizes in ((150, {"rows": 32, "cols": 32}), (40, {})):
+        q, k, v = (t.float().requires_grad_() for t in qkv(1, 4, 2, L, L, 16))
+        with flash.block_sizes(tanh="kernel", **sizes):  # type: ignore[arg-type]
+            with torch.autocast("cpu", dtype=bf16):
+                out = az.attention(q, k, v, causal=True, softcap=4.0, backend="flash")
+            out.float().sum().backward()
+            grads = [t.grad for t in (q, k, v)]
+            qb, kb, vb = (t.detach().to(bf16).requires_grad_() for t in (q, k, v))
+            want = az.attention(qb, kb, vb, causal=True, softcap=4.0, backend="flash")
+            want.float().sum().backward()
+        assert out.dtype == bf16 and torch.equal(out, want)
+        for g, w in zip(grads, (qb.grad, kb.grad, vb.grad)):
+            assert g is not None and w is not None and torch.equal(g, w.float())
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
