@@ -1133,7 +1133,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, out, lse, shifted = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+        if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             needs = tuple(ctx.needs_input_grad[:4])
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)
         dq, dk, dv, dbias = backward(

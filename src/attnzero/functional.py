@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import checks, dropout, geometry, ops, reference
+from . import batching, checks, dropout, geometry, ops, reference
 from .checks import ArgumentError, ArgumentTypeError
 from .masks import Mask
 from .masks import causal as causal_mask
@@ -276,7 +276,18 @@ def _attention(
 
     name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
     lse: Tensor | None
-    if torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
+    transformed = not torch.compiler.is_compiling() and batching.wrapped(q, k, v, keep, add, sink)
+    if transformed and batching.forward_mode():
+        name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
+    if transformed and name != "reference":
+        # Under torch.func (vmap, grad, ...): the backend through a Function that functorch can batch
+        # and differentiate (batching.py); the reference's formula is taken as it is.
+        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        out, lse = batching.attention(
+            name, q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
+            dropout_p=p, dropout_seed=seed,
+        )  # fmt: skip
+    elif torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
         # One opaque op per call: dynamo never traces a backend's Python, and zero sizes (some only
         # known when a compiled program runs) are answered there. The seed stays a tensor.
         dense = keep.to_tensor(q.device) if isinstance(keep, Mask) else keep  # (B|1, Hq|1, Lq|1, Lk|1)
@@ -396,47 +407,126 @@ def _same_sizes(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return len(a) == len(b) and all(checks.holds(x == y) for x, y in zip(a, b))
 
 
+# The names torch's messages give dtypes (c10's TypeMeta), so that a message matched against
+# torch's text reads the same here.
+_TORCH_DTYPE_NAMES = {
+    torch.float64: "double", torch.float32: "float", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
+    torch.bool: "bool", torch.int64: "long int", torch.int32: "int", torch.int16: "short int",
+    torch.int8: "signed char", torch.uint8: "unsigned char",
+}  # fmt: skip
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _TORCH_DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def _broadcast(shapes: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The broadcast of the leading-dim shapes of ``shapes`` (aligned from the right, a size of 1
+    stretches), as torch broadcasts the leading dims of query, key and value; a pair that does not
+    broadcast raises torch's phrase beside the names of the arguments."""
+    out: list[Any] = []
+    owner: list[str] = []
+    for name, shape in shapes.items():
+        for i in range(1, len(shape) + 1):
+            size = shape[-i]
+            if len(out) < i:
+                out.insert(0, size)
+                owner.insert(0, name)
+            elif checks.known(size == out[-i]):  # first: a size that depends on data equals itself
+                continue
+            elif checks.known(out[-i] == 1):
+                out[-i], owner[-i] = size, name
+            elif not checks.known(size == 1) and not checks.holds(size == out[-i]):
+                dim = len(out) - i
+                raise ArgumentError(
+                    f"{name}: leading dims {tuple(shape)} do not broadcast with {owner[-i]}'s at dim {dim} "
+                    f"({size} against {out[-i]}). torch: The size of tensor a ({out[-i]}) must match the size of "
+                    f"tensor b ({size}) at non-singleton dimension {dim}"
+                )
+    return tuple(out)
+
+
+def _heads_to(x: Tensor, heads: Any) -> Tensor:
+    """``x`` (..., h, L, E) with its h heads made ``heads``: a single head is stretched (a view, no
+    copy); otherwise each of the h heads serves heads // h consecutive ones (GQA's grouping)."""
+    h = x.shape[-3]
+    if checks.known(h == heads):
+        return x
+    if checks.known(h == 1):
+        return x.expand(*x.shape[:-3], heads, *x.shape[-2:])  # (..., heads, L, E): a view
+    return x.repeat_interleave(heads // h, dim=-3)  # (..., heads, L, E)
+
+
 def _sdpa(
     query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any
 ) -> Tensor:
-    """The drop-in after autocast: torch's checks and conventions, then ``_attention``."""
+    """The drop-in after autocast: torch's checks and conventions, then ``_attention``. Messages
+    name this function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias) and carry
+    torch's own phrase after "torch:", so that code matching torch's text keeps working."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         checks.tensor(name, x, empty_ok=True)
-        if x.ndim < 2:
-            raise ArgumentError(f"{name}: expected at least 2 dims (..., L, E), got {x.ndim}")
-    if not (query.ndim == key.ndim == value.ndim):
+    if min(query.ndim, key.ndim, value.ndim) < 2:
+        name = next(n for n, x in (("query", query), ("key", key), ("value", value)) if x.ndim < 2)
         raise ArgumentError(
-            f"key, value: expected as many dims as query's {query.ndim}, got {key.ndim} and {value.ndim}"
+            f"{name}: expected at least 2 dims (..., L, E), got {min(query.ndim, key.ndim, value.ndim)}. torch: "
+            f"Expected query, key, and value to all be  at least 2 dimensional, but got query.dim: {query.ndim} "
+            f"key.dim: {key.ndim} and value.dim: {value.ndim} instead."
         )
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            raise ArgumentTypeError(
+                f"{name}: dtype {x.dtype} does not match query's {query.dtype}. torch: Expected query, key, and value "
+                f"to have the same dtype, but got query.dtype: {_dtype_name(query.dtype)} key.dtype: "
+                f"{_dtype_name(key.dtype)} and value.dtype: {_dtype_name(value.dtype)} instead."
+            )
+        if x.device != query.device:
+            raise ArgumentError(
+                f"{name}: device {x.device} does not match query's {query.device}. torch: Expected query, key, and "
+                f"value to have the same device type, but got query.device: {query.device} key.device: {key.device} "
+                f"and value.device: {value.device} instead."
+            )
     gqa = checks.flag("enable_gqa", enable_gqa)
     wants_causal = checks.flag("is_causal", is_causal)
-    if not gqa and query.ndim >= 3 and not checks.holds(key.shape[-3] == query.shape[-3]):
-        raise ArgumentError(
-            f"key: {key.shape[-3]} heads do not match query's {query.shape[-3]} (pass enable_gqa=True for GQA)"
-        )
-    if not _same_sizes(query.shape[:-3], key.shape[:-3]) or not _same_sizes(key.shape[:-3], value.shape[:-3]):
-        raise ArgumentError(
-            f"key, value: batch dims {tuple(key.shape[:-3])}, {tuple(value.shape[:-3])} do not match "
-            f"query's {tuple(query.shape[:-3])}"
-        )
-    # The rest of the shape checks, here rather than in attention(), so that messages name this
-    # function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias).
-    checks.same_kind("key", key, "query", query)
-    checks.same_kind("value", value, "query", query)
     if not checks.holds(key.shape[-1] == query.shape[-1]):
         raise ArgumentError(f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}")
     if not checks.holds(value.shape[-2] == key.shape[-2]):
         raise ArgumentError(f"value: length {value.shape[-2]} does not match key's {key.shape[-2]}")
-    if query.ndim >= 3:
-        if not checks.holds(value.shape[-3] == key.shape[-3]):
-            raise ArgumentError(f"value: {value.shape[-3]} heads do not match key's {key.shape[-3]}")
-        checks.groups(
-            query.shape[-3], key.shape[-3],
-            "key: expected a number of heads that divides query's {Hq} (enable_gqa), got {Hkv}",
-        )  # fmt: skip
-    lead = query.shape[:-3]
+
+    # The leading dims broadcast as torch's do: (*batch, heads). With enable_gqa the heads are
+    # grouped (key and value heads each divide query's) and only the batch dims broadcast.
+    if gqa and min(query.ndim, key.ndim, value.ndim) >= 3:
+        batch = _broadcast({"query": query.shape[:-3], "key": key.shape[:-3], "value": value.shape[:-3]})
+        Hq = query.shape[-3]
+        for name, x in (("key", key), ("value", value)):
+            checks.groups(
+                Hq, x.shape[-3],
+                f"{name}: expected a number of heads that divides query's {{Hq}} (enable_gqa), got {{Hkv}}. torch: "
+                "Number of heads in key and value must divide the number of heads in query",
+            )  # fmt: skip
+    else:
+        lead = _broadcast({"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+        batch, Hq = (lead[:-1], lead[-1]) if lead else ((), 1)  # all 2-D: one head, dropped again below
+    hk = key.shape[-3] if key.ndim >= 3 else 1
+    hv = value.shape[-3] if value.ndim >= 3 else 1
+    # Key and value get one head count: a single head stays single (MQA, read by every query head
+    # without a copy) or is stretched as a view; otherwise the fewer heads are spread over the more
+    # (GQA's grouping), or over every query head when neither count divides the other.
+    if checks.known(hk == hv) or checks.known(hv == 1):
+        Hkv = hk
+    elif checks.known(hk == 1) or hv % hk == 0:
+        Hkv = hv
+    else:
+        Hkv = hk if hk % hv == 0 else Hq
     Lq, Lk = query.shape[-2], key.shape[-2]
-    full = (*query.shape[:-1], Lk)  # (..., Hq, Lq, Lk)
+    full = (*batch, Hq, Lq, Lk)  # (..., Hq, Lq, Lk)
+
+    def four(x: Tensor, heads: Any) -> Tensor:
+        """(…, h, L, E) or (L, E) → (N, heads, L, E) over the broadcast batch: views unless heads
+        must be spread."""
+        x = x if x.ndim >= 3 else x.unsqueeze(0)  # (1, L, E): one head
+        x = _heads_to(x, heads)
+        x = x.expand(*batch, *x.shape[-3:]) if not _same_sizes(tuple(x.shape[:-3]), batch) else x
+        return _to4(x)  # (N, heads, L, E)
 
     # What to attend to, in attnzero's terms: a keep-mask, a bias, or causal (bottom-right).
     mask_arg: Tensor | Mask | None = None
@@ -447,7 +537,8 @@ def _sdpa(
 
         if wants_causal:
             raise ArgumentError(
-                "is_causal: expected False with a CausalBias attn_mask (it is the causal pattern already), got True"
+                "is_causal: expected False with a CausalBias attn_mask (it is the causal pattern already), got True. "
+                "torch: CausalBias should not be used with causal=True"
             )
         if not (checks.holds(attn_mask.seq_len_q == Lq) and checks.holds(attn_mask.seq_len_kv == Lk)):
             raise ArgumentError(
@@ -462,20 +553,29 @@ def _sdpa(
             raise ArgumentError(f"attn_mask: expected a CausalBias of a known variant, got {attn_mask.variant!r}")
     elif attn_mask is not None:
         if wants_causal:
-            raise ArgumentError("is_causal: expected False when attn_mask is given (as torch), got True")
+            raise ArgumentError(
+                "is_causal: expected False when attn_mask is given (as torch), got True. torch: "
+                "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True"
+            )
         if not isinstance(attn_mask, Tensor):
             raise ArgumentTypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
+        torch_says = (
+            "torch: Expected attn_mask dtype to be bool or float or to match query dtype, but got attn_mask.dtype: "
+            f"{_dtype_name(attn_mask.dtype)} and  query.dtype: {_dtype_name(query.dtype)} instead."
+        )
         if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-            raise ArgumentTypeError(f"attn_mask: expected a bool or floating tensor, got {attn_mask.dtype}")
+            raise ArgumentTypeError(
+                f"attn_mask: expected a bool or floating tensor, got {attn_mask.dtype}. {torch_says}"
+            )
         if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):  # torch's rule for a float mask
             raise ArgumentTypeError(
-                f"attn_mask: expected dtype bool, float32 or query's {query.dtype}, got {attn_mask.dtype}"
+                f"attn_mask: expected dtype bool, float32 or query's {query.dtype}, got {attn_mask.dtype}. {torch_says}"
             )
         if not checks.broadcastable(tuple(attn_mask.shape), full):
             raise ArgumentError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to {full}")
         if attn_mask.device != query.device:
             raise ArgumentError(f"attn_mask: device {attn_mask.device} does not match query's {query.device}")
-        m = attn_mask.expand(full) if len(lead) > 1 else attn_mask  # extra batch dims, to fold below
+        m = attn_mask.expand(full) if len(batch) > 1 else attn_mask  # extra batch dims, to fold below
         if attn_mask.dtype == torch.bool:
             mask_arg = _to4(m)
         else:
@@ -484,11 +584,12 @@ def _sdpa(
         mask_arg, causal_arg = _top_left(Lq, Lk, query.device)
 
     out = _attention(
-        _to4(query), _to4(key), _to4(value), mask=mask_arg, bias=bias_arg, causal=causal_arg, scale=scale,
-        dropout_p=dropout_p,
+        four(query, Hq), four(key, Hkv), four(value, Hkv), mask=mask_arg, bias=bias_arg, causal=causal_arg,
+        scale=scale, dropout_p=dropout_p,
     )  # fmt: skip
     assert isinstance(out, Tensor)
-    return out.reshape(*query.shape[:-1], value.shape[-1])  # (..., Lq, Ev)
+    lead_out = full[:-2] if max(query.ndim, key.ndim, value.ndim) > 2 else ()
+    return out.reshape(*lead_out, Lq, value.shape[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
 
 
 def _to4(x: Tensor) -> Tensor:

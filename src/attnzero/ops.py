@@ -95,7 +95,8 @@ def window_of(left: int, right: int) -> Window:
 Kept = tuple[Tensor, Tensor]
 
 
-def _nothing(q: Tensor) -> Kept:
+def nothing(q: Tensor) -> Kept:
+    """The ``kept`` of a backend that keeps nothing for its backward (every one but the reference)."""
     return q.new_empty(0), q.new_empty(0, dtype=torch.bool)
 
 
@@ -111,7 +112,7 @@ def _reference_forward(
     )
     B, Hq, Lq, Lk = p.shape
     Hkv, Dv = v.shape[1], v.shape[3]
-    z = _nothing(q)[1]
+    z = nothing(q)[1]
     p_kept = p
     if dropout_p > 0.0:
         z = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device)  # (B, Hq, Lq, Lk)
@@ -160,7 +161,7 @@ def reference_backward(
         # exp(s − lse) = P_own · exp(lse_own − lse); a row with no kept key here has P_own = 0
         ratio = torch.where(lse_own == float("-inf"), 0.0, torch.exp(lse_own - lse.to(acc)))  # (B, Hq, Lq)
         p = p_own * ratio.unsqueeze(-1)
-        z = _nothing(q)[1]
+        z = nothing(q)[1]
         if dropout_p > 0.0:
             B, Hq, Lq, Lk = p.shape
             z = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device)  # (B, Hq, Lq, Lk)
@@ -305,7 +306,7 @@ class _WithSinks(torch.autograd.Function):
         del dlse  # the lse is not differentiable
         q, k, v, bias, sk, out2, lse2 = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:5])
-        if torch.is_grad_enabled():  # create_graph=True: autograd through the formula
+        if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, sinks=sk, **ctx.options), None, None)
         dq, dk, dv, dbias = backend(ctx.name).backward(
             dout, q, k, v, out2, lse2, bias=bias, bias_grad=needs[3], **ctx.options
@@ -338,7 +339,7 @@ def _forward_kept(
     out, lse = backend(name).forward(q, k, v, **kw)
     if sinks is not None:
         out, lse = _sinks.fold(out, lse, sinks)
-    return out, lse, _nothing(q)
+    return out, lse, nothing(q)
 
 
 def _backward_kept(name: str, *args: Tensor, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -353,7 +354,7 @@ def _kept_shapes(name: str, q: Tensor, Lk: Any, dropout_p: float) -> Kept:
     for the zero-size answers)."""
     B, Hq, Lq, _ = q.shape
     if name != "reference":
-        return _nothing(q)
+        return nothing(q)
     p = q.new_zeros(B, Hq, Lq, Lk, dtype=accum_dtype(q.dtype))
     z = q.new_zeros((B, Hq, Lq, Lk) if dropout_p > 0.0 else (0,), dtype=torch.bool)
     return p, z

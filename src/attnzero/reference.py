@@ -121,6 +121,15 @@ def attention(
     return out, lse
 
 
+def needs_graph(dout: Tensor) -> bool:
+    """Whether a backend's backward must be :func:`backward_with_graph` rather than its own, which
+    computes numbers only: a graph of the gradients is asked for (``create_graph=True``, and every
+    ``torch.func`` gradient transform), or ``dout`` comes batched by ``torch.func.vmap`` (a vmapped
+    backward, ``gradcheck(check_batched_grad=True)``), which in-place kernels cannot take."""
+    ft = torch._C._functorch  # autograd.grad(is_grads_batched=True) batches with the legacy vmap
+    return torch.is_grad_enabled() or ft.is_functorch_wrapped_tensor(dout) or ft.is_legacy_batchedtensor(dout)
+
+
 def backward_with_graph(
     dout: Tensor,
     q: Tensor,

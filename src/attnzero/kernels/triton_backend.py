@@ -569,7 +569,7 @@ def _backward_rule(ctx: Any, dout: Tensor, dlse: Tensor, dout32: Tensor) -> tupl
     del dlse, dout32  # by-products; their gradients are not propagated
     q, k, v, out, lse, mask, bias, q_ids, k_ids = ctx.saved_tensors
     nones = (None,) * 10  # q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed, keep_f32
-    if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+    if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
         causal, left, right, scale, softcap, dropout_p, seed = ctx.args
         wl, wr = _side(left), _side(right)
         needs = (*ctx.needs_input_grad[:3], ctx.bias_grad)
