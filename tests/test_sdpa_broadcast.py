@@ -244,3 +244,60 @@ def test_broadcast_mask_beyond_query_batch() -> None:
     theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ours = az.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+T = torch.randn
+
+
+def _causal_lower_right(L: int, S: int) -> Any:
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(L, S)
+
+
+# Misuse that torch refuses too: (call arguments, torch's phrase). Each must raise an exception that
+# ``except <torch's class>`` catches and whose message contains torch's phrase, beside attnzero's own
+# words naming the argument (checked in test_validation.py).
+TORCH_ERRORS: list[tuple[str, Any, str]] = [
+    ("mask_with_causal", lambda: (T(2, 4, 5, 8), T(2, 4, 7, 8), T(2, 4, 7, 8), torch.ones(5, 7, dtype=torch.bool), 0.0,
+                                  True), "Explicit attn_mask should not be set when is_causal=True"),
+    ("causal_bias_with_causal", lambda: (T(2, 4, 5, 8), T(2, 4, 5, 8), T(2, 4, 5, 8), _causal_lower_right(5, 5), 0.0,
+                                         True), "CausalBias should not be used with causal=True"),
+    ("query_not_tensor", lambda: ([1.0], T(2, 3), T(2, 3)), "argument 'query' (position 1) must be Tensor, not list"),
+    ("one_dim", lambda: (T(3), T(2, 3), T(2, 3)), "Expected query, key, and value to all be  at least 2 dimensional"),
+    ("dtypes", lambda: (T(2, 5, 8), T(2, 7, 8, dtype=torch.float64), T(2, 7, 8)),
+     "Expected query, key, and value to have the same dtype, but got query.dtype: float key.dtype: double"),
+    ("mask_dtype", lambda: (T(2, 5, 8), T(2, 7, 8), T(2, 7, 8), torch.zeros(5, 7, dtype=torch.float16)),
+     "Expected attn_mask dtype to be bool or float or to match query dtype, but got attn_mask.dtype: c10::Half"),
+    ("mask_shape", lambda: (T(2, 4, 5, 8), T(2, 4, 7, 8), T(2, 4, 7, 8), torch.ones(3, 7, dtype=torch.bool)),
+     "The size of tensor a (5) must match the size of tensor b (3) at non-singleton dimension 2"),
+    ("head_dim", lambda: (T(2, 4, 5, 8), T(2, 4, 7, 6), T(2, 4, 7, 8)),
+     "Expected size for first two dimensions of batch2 tensor to be: [8, 8] but got: [8, 6]."),
+    ("heads", lambda: (T(2, 4, 3, 16), T(2, 2, 8, 16), T(2, 2, 8, 16)),
+     "The size of tensor a (4) must match the size of tensor b (2) at non-singleton dimension 1"),
+    ("dropout_range", lambda: (T(2, 5, 8), T(2, 7, 8), T(2, 7, 8), None, 2.0),
+     "dropout probability has to be between 0 and 1, but got 2"),
+    ("dropout_type", lambda: (T(2, 5, 8), T(2, 7, 8), T(2, 7, 8), {"dropout_p": "a"}),
+     "argument 'dropout_p' must be float, not str"),  # by keyword: torch names no position then
+    ("causal_type", lambda: (T(2, 5, 8), T(2, 7, 8), T(2, 7, 8), {"is_causal": "a"}),
+     "argument 'is_causal' must be bool, not str"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "args", "phrase"), TORCH_ERRORS, ids=[c[0] for c in TORCH_ERRORS])
+def test_errors_carry_torchs_phrase(case: str, args: Any, phrase: str) -> None:
+    """What torch raises for a misuse, the drop-in raises too: an exception of a class that catches
+    torch's (attnzero's errors are RuntimeError and ValueError / TypeError at once), whose message
+    contains torch's text, as code written against torch matches it (``assertRaisesRegex``; torch's
+    fused CPU kernel lets an attn_mask beside is_causal through, its math path refuses it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    a = args()
+    kw = a[-1] if isinstance(a[-1], dict) else {}
+    a = a[:-1] if kw else a
+    with pytest.raises(Exception) as theirs, sdpa_kernel(SDPBackend.MATH):  # torch's tests check its math path
+        F.scaled_dot_product_attention(*a, **kw)
+    assert phrase in str(theirs.value)
+    with pytest.raises(type(theirs.value)) as ours:
+        az.scaled_dot_product_attention(*a, **kw)
+    assert phrase in str(ours.value)

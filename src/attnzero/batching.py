@@ -16,8 +16,8 @@ Gradients. A backend's own backward computes numbers only, from unbatched tensor
 not suffice — a graph of the gradients is asked for (``torch.func.grad`` and ``vjp`` always ask,
 as does ``create_graph=True``), or the incoming gradient is itself batched (``vmap`` over a
 backward, ``gradcheck(check_batched_grad=True)``) — the gradients are autograd through the formula
-(``reference.backward_with_graph``), whose ops functorch batches and differentiates
-(``reference.needs_graph`` decides it, for every backend's backward). Forward-mode AD (``jvp``,
+(``_formula_backward`` here; ``reference.backward_with_graph`` in the backends' own Functions),
+whose ops functorch batches and differentiates (``reference.needs_graph`` decides it). Forward-mode AD (``jvp``,
 ``jacfwd``) has no fused kernel with a JVP: under it the call runs the formula itself.
 
 Dropout under ``vmap(randomness="different")``: each vmapped sample drops its own entries (the fold
@@ -34,10 +34,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import ops, reference
+from . import dropout, ops, reference
 from . import sinks as _sinks
 from .checks import ArgumentError
 from .masks import Mask
+from .reference import accum_dtype
+
+
+def draw_seed(device: torch.device) -> int:
+    """``dropout.draw_seed`` under a transform: inside ``vmap(randomness="different")`` torch draws
+    one number per sample, and the call takes the first (the fold gives each sample its own batch
+    indices, hence its own entries); under ``randomness="error"`` torch's own error is raised."""
+    t = dropout.seed_tensor(device)
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)  # (V,) under vmap: one seed per sample
+    return int(t.reshape(-1)[0].item())
 
 
 def wrapped(*xs: Any) -> bool:
@@ -108,9 +119,7 @@ class _Attention(torch.autograd.Function):
         needs = ctx.needs_input_grad
         options = spec.options(mask)
         if reference.needs_graph(dout):
-            wants = (needs[0], needs[1], needs[2], needs[4], needs[5])  # q, k, v, bias, sinks
-            grads = reference.backward_with_graph(dout, q, k, v, bias, wants, sinks=sinks, **options)
-            dq, dk, dv, dbias, dsinks = grads
+            dq, dk, dv, dbias, dsinks = _formula_backward(dout, q, k, v, bias, sinks, **options)
             return dq, dk, dv, None, dbias, dsinks, None
         dq, dk, dv, dbias = ops.backward(
             spec.name, dout, q, k, v, out, lse, kept=ops.nothing(q), bias=bias, bias_grad=needs[4], **options
@@ -141,6 +150,49 @@ class _Attention(torch.autograd.Function):
         )  # fmt: skip
         out, lse = folded  # (V·B, Hq, Lq, Dv), (V·B, Hq, Lq)
         return (out.view(V, B, *out.shape[1:]), lse.view(V, B, *lse.shape[1:])), (0, 0)
+
+
+def _formula_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None, *,
+    mask: Tensor | Mask | None, causal: bool, window: tuple[int | None, int | None] | None, scale: float,
+    softcap: float | None, dropout_p: float, dropout_seed: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``(dq, dk, dv, dbias, dsinks)``: MATH.md's backward in plain ops of the inputs and ``dout``,
+    P recomputed from q and k (never from a saved lse, so that a gradient of these gradients is
+    right), every matrix materialised — ops that functorch batches and differentiates, with no
+    autograd call inside (a backward under torch.func runs below the level of its saved inputs)."""
+    acc = accum_dtype(q.dtype)
+    p, lse = reference.probabilities(
+        q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+    )  # (B, Hq, Lq, Lk), (B, Hq, Lq); the lse with the sink's term
+    B, Hq, Lq, Lk = p.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    k_h = k.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): the key/value head of each query head
+    v_h = v.to(acc).repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
+    do = dout.to(acc)  # (B, Hq, Lq, Dv)
+    dp = do @ v_h.transpose(-2, -1)  # dP = dO Vᵀ: (B, Hq, Lq, Lk)
+    p_kept = p
+    if dropout_p > 0.0:  # O = (P ∘ Z / (1 − p)) V: the entries the forward dropped
+        z = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device).to(acc) / (1.0 - dropout_p)
+        p_kept, dp = p * z, dp * z
+    dv_h = p_kept.transpose(-2, -1) @ do  # dV = P̃ᵀ dO: (B, Hq, Lk, Dv)
+    delta = (p * dp).sum(dim=-1, keepdim=True)  # D = rowsum(P ∘ dP) = rowsum(dO ∘ O): (B, Hq, Lq, 1)
+    ds = p * (dp - delta)  # dS = P ∘ (dP − D): the gradient of the capped score, what the bias gets
+    ds_x = ds
+    if softcap is not None:  # through the cap: d(softcap · tanh(x / softcap)) / dx = 1 − tanh²
+        t = torch.tanh((q.to(acc) @ k_h.transpose(-2, -1)) * (scale / softcap))  # (B, Hq, Lq, Lk)
+        ds_x = ds * (1.0 - t * t)
+    dq = (ds_x @ k_h) * scale  # (B, Hq, Lq, D)
+    dk = ((ds_x.transpose(-2, -1) @ q.to(acc)) * scale).view(B, Hkv, G, Lk, -1).sum(dim=2)  # (B, Hkv, Lk, D)
+    dv = dv_h.view(B, Hkv, G, Lk, -1).sum(dim=2)  # (B, Hkv, Lk, Dv): a group's query heads add up
+    dbias = ds.sum_to_size(bias.shape).to(bias.dtype) if bias is not None else None
+    dsinks = None
+    if sinks is not None:  # −Σ_rows exp(sink − lse) · rowsum(dO ∘ O)
+        sink = (sinks.view(1, Hq, 1) if sinks.ndim == 1 else sinks).to(acc)  # (1|B, Hq, 1|Lq)
+        d = -(torch.exp(sink - lse) * delta.squeeze(-1))  # (B, Hq, Lq)
+        dsinks = (d.sum(dim=(0, 2)) if sinks.ndim == 1 else d).to(sinks.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, dsinks
 
 
 def _replace_mask(spec: _Spec) -> _Spec:

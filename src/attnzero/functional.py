@@ -33,7 +33,7 @@ import contextlib
 import importlib.util
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -282,7 +282,7 @@ def _attention(
     if transformed and name != "reference":
         # Under torch.func (vmap, grad, ...): the backend through a Function that functorch can batch
         # and differentiate (batching.py); the reference's formula is taken as it is.
-        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        seed = batching.draw_seed(q.device) if p > 0.0 else 0
         out, lse = batching.attention(
             name, q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed,
@@ -440,10 +440,44 @@ def _broadcast(shapes: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
                 dim = len(out) - i
                 raise ArgumentError(
                     f"{name}: leading dims {tuple(shape)} do not broadcast with {owner[-i]}'s at dim {dim} "
-                    f"({size} against {out[-i]}). torch: The size of tensor a ({out[-i]}) must match the size of "
-                    f"tensor b ({size}) at non-singleton dimension {dim}"
+                    f"({size} against {out[-i]}). torch: {_size_phrase(out[-i], size, dim)}"
                 )
     return tuple(out)
+
+
+@contextlib.contextmanager
+def _torch_says(type_phrase: str, value_phrase: str | None = None) -> Iterator[None]:
+    """A check's error with torch's phrase for the same misuse after "torch:" (``type_phrase`` for a
+    wrong kind of argument, prefixed as torch's argument parser prefixes it; ``value_phrase`` for a
+    wrong value), so that code matching torch's messages matches attnzero's too."""
+    try:
+        yield
+    except ArgumentTypeError as e:
+        raise ArgumentTypeError(f"{e}. torch: scaled_dot_product_attention(): {type_phrase}") from None
+    except ArgumentError as e:
+        if value_phrase is None:
+            raise
+        raise ArgumentError(f"{e}. torch: {value_phrase}") from None
+
+
+def _count(sizes: tuple[Any, ...]) -> Any:
+    n = 1
+    for s in sizes:
+        n = n * s
+    return n
+
+
+def _size_phrase(a: Any, b: Any, dim: int) -> str:
+    return f"The size of tensor a ({a}) must match the size of tensor b ({b}) at non-singleton dimension {dim}"
+
+
+def _size_mismatch(shape: tuple[Any, ...], full: tuple[Any, ...]) -> str:
+    """torch's broadcasting message for the first dim (from the right) where ``shape`` does not
+    broadcast to ``full``."""
+    for i in range(1, min(len(shape), len(full)) + 1):
+        if not (checks.known(shape[-i] == 1) or checks.known(shape[-i] == full[-i])):
+            return _size_phrase(full[-i], shape[-i], len(full) - i)
+    return f"output with shape {list(full)} doesn't match the broadcast shape {list(shape)}"
 
 
 def _heads_to(x: Tensor, heads: Any) -> Tensor:
@@ -463,8 +497,19 @@ def _sdpa(
     """The drop-in after autocast: torch's checks and conventions, then ``_attention``. Messages
     name this function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias) and carry
     torch's own phrase after "torch:", so that code matching torch's text keeps working."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        checks.tensor(name, x, empty_ok=True)
+    for i, (name, x) in enumerate((("query", query), ("key", key), ("value", value)), start=1):
+        with _torch_says(f"argument '{name}' (position {i}) must be Tensor, not {type(x).__name__}"):
+            checks.tensor(name, x, empty_ok=True)
+    for name, x, kind in (("is_causal", is_causal, "bool"), ("enable_gqa", enable_gqa, "bool")):
+        with _torch_says(f"argument '{name}' must be {kind}, not {type(x).__name__}"):
+            checks.flag(name, x)
+    with _torch_says(
+        f"argument 'dropout_p' must be float, not {type(dropout_p).__name__}",
+        f"dropout probability has to be between 0 and 1, but got {dropout_p}",
+    ):
+        checks.dropout_p(dropout_p)
+    with _torch_says(f"argument 'scale' must be float, not {type(scale).__name__}"):
+        checks.scale(scale, query.shape[-1])
     if min(query.ndim, key.ndim, value.ndim) < 2:
         name = next(n for n, x in (("query", query), ("key", key), ("value", value)) if x.ndim < 2)
         raise ArgumentError(
@@ -488,7 +533,11 @@ def _sdpa(
     gqa = checks.flag("enable_gqa", enable_gqa)
     wants_causal = checks.flag("is_causal", is_causal)
     if not checks.holds(key.shape[-1] == query.shape[-1]):
-        raise ArgumentError(f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}")
+        raise ArgumentError(
+            f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}. torch: Expected size for first "
+            f"two dimensions of batch2 tensor to be: [{_count(query.shape[:-2])}, {query.shape[-1]}] but got: "
+            f"[{_count(key.shape[:-2])}, {key.shape[-1]}]."
+        )
     if not checks.holds(value.shape[-2] == key.shape[-2]):
         raise ArgumentError(f"value: length {value.shape[-2]} does not match key's {key.shape[-2]}")
 
@@ -543,7 +592,8 @@ def _sdpa(
         if not (checks.holds(attn_mask.seq_len_q == Lq) and checks.holds(attn_mask.seq_len_kv == Lk)):
             raise ArgumentError(
                 f"attn_mask: a CausalBias of (L, S) = ({attn_mask.seq_len_q}, {attn_mask.seq_len_kv}) does not "
-                f"match query's and key's lengths ({Lq}, {Lk})"
+                f"match query's and key's lengths ({Lq}, {Lk}). torch: "
+                + _size_mismatch((attn_mask.seq_len_q, attn_mask.seq_len_kv), full)
             )
         if attn_mask.variant == CausalVariant.LOWER_RIGHT:
             causal_arg = True  # bottom-right: attnzero's own causal
@@ -572,7 +622,10 @@ def _sdpa(
                 f"attn_mask: expected dtype bool, float32 or query's {query.dtype}, got {attn_mask.dtype}. {torch_says}"
             )
         if not checks.broadcastable(tuple(attn_mask.shape), full):
-            raise ArgumentError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to {full}")
+            raise ArgumentError(
+                f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to {full}. torch: "
+                + _size_mismatch(tuple(attn_mask.shape), full)
+            )
         if attn_mask.device != query.device:
             raise ArgumentError(f"attn_mask: device {attn_mask.device} does not match query's {query.device}")
         m = attn_mask.expand(full) if len(batch) > 1 else attn_mask  # extra batch dims, to fold below
