@@ -150,8 +150,14 @@ def _check_case(backend: str, inputs: list[torch.Tensor], causal: bool, gqa: boo
     with auto_is(backend):
         out32, grads32 = call(torch.float32, drop_in)
     assert_close_to_golden(out32, ref_out, gold_out, name="out")
+    # A gradient's floor is sized by the terms it sums (conftest.grad_units, bounded here for all of
+    # them at once): |dO|·|v| per ds, times |q| or |k| for dk / dq, over up to Lq rows.
+    q, k, v = inputs[:3]
+    dout = torch.randn(*out_shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    terms = float(dout.abs().max()) * (float(v.abs().max()) + 1) * (float(q.abs().max()) + float(k.abs().max()) + 1)
     for i, (g, r, want) in enumerate(zip(grads32, ref_grads, gold_grads)):
-        assert_close_to_golden(g, r, want, kind="grad", name=f"grad {i}", size=float(want.abs().max()) + 1.0)
+        size = float(want.abs().max()) + terms * q.shape[-2]
+        assert_close_to_golden(g, r, want, kind="grad", name=f"grad {i}", size=size)
 
 
 @pytest.mark.parametrize("case", range(len(SHAPES)), ids=_shape_id)
@@ -301,3 +307,51 @@ def test_errors_carry_torchs_phrase(case: str, args: Any, phrase: str) -> None:
     with pytest.raises(type(theirs.value)) as ours:
         az.scaled_dot_product_attention(*a, **kw)
     assert phrase in str(ours.value)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fuzz_broadcast_shapes(seed: int) -> None:
+    """Random broadcasts: an output's leading dims drawn, then each of query/key/value drops some
+    leading dims and sets others to 1 (with enable_gqa: key/value heads drawn among the divisors);
+    a bool or float mask of a random broadcast shape; against the float64 golden on a random backend,
+    forward and backward."""
+    g = torch.Generator().manual_seed(5000 + seed)
+
+    def pick(options: list[Any]) -> Any:
+        return options[int(torch.randint(len(options), (), generator=g))]
+
+    def coin(p: float = 0.5) -> bool:
+        return bool(torch.rand((), generator=g) < p)
+
+    backend = pick(BACKENDS)
+    gqa = coin(0.3)
+    lead = [pick([1, 2, 3]) for _ in range(pick([0, 1, 2, 3]))]
+    Hq = pick([2, 4, 6]) if gqa else None
+    Lq, Lk, E, Ev = pick([1, 3, 9]), pick([1, 4, 9]), pick([4, 8]), pick([4, 8])
+
+    def operand(last: int, heads: int | None) -> tuple[int, ...]:
+        dims = [d if not coin(0.3) else 1 for d in lead]
+        dims = dims[pick(list(range(len(dims) + 1))) :] if heads is None else dims
+        return (*dims, *(() if heads is None else (heads,)), last, 0)  # 0: the head dim, filled in below
+
+    if gqa:
+        assert Hq is not None
+        divisors = [d for d in range(1, Hq + 1) if Hq % d == 0]
+        qs, ks, vs = operand(Lq, Hq), operand(Lk, pick(divisors)), operand(Lk, pick(divisors))
+        out_lead = (*torch.broadcast_shapes(tuple(lead), qs[:-3], ks[:-3], vs[:-3]), Hq)
+    else:
+        qs, ks, vs = operand(Lq, None), operand(Lk, None), operand(Lk, None)
+        out_lead = tuple(torch.broadcast_shapes(qs[:-2], ks[:-2], vs[:-2]))
+    q = torch.randn(*qs[:-1], E, dtype=torch.float64, generator=g)
+    k = torch.randn(*ks[:-1], E, dtype=torch.float64, generator=g)
+    v = torch.randn(*vs[:-1], Ev, dtype=torch.float64, generator=g)
+    inputs = [q, k, v]
+    causal = False
+    kind = pick(["none", "bool", "float", "causal"])
+    full = (*out_lead, Lq, Lk)
+    if kind in ("bool", "float"):
+        shape = [d if not coin(0.5) else 1 for d in full][pick(list(range(len(full) - 1))) :]
+        m = torch.rand(*shape, generator=g)
+        inputs.append(m > 0.3 if kind == "bool" else m.to(torch.float64))
+    causal = kind == "causal"
+    _check_case(backend, inputs, causal, gqa, (*out_lead, Lq, Ev))
