@@ -7,7 +7,7 @@ plain call in the same run (interleaved, medians):
   documents, a causal ``Mask`` and the drop-in's ``is_causal``, against full attention and
   ``causal=True`` — with the blocks each visited (``flash.COUNTS``);
 * packed sequences: ``attention_varlen`` over 8 sequences against the same tokens as one sequence;
-* softcap's three ways to take tanh (``flash.block_sizes(tanh=...)``: the fused C kernel of
+* softcap's three ways to take tanh (``flash.block_sizes()``: the fused C kernel of
   ``softcap_cpu``, ``e / (e + 2)`` with ``e = expm1(2x)``, or torch's tanh; the kernel only where it
   builds), forward and forward + backward against the plain call, in
   wall time (the default worker threads) and in CPU time of one thread (``threads=1`` and one torch
@@ -145,7 +145,7 @@ def tanh_ways(L: int, repeats: int) -> tuple[list[str], list[tuple[str, float, l
                 def step(tanh: str = "auto", cap: float | None = None, causal: bool = causal, bwd: bool = bwd,
                          threads: int | None = threads) -> Run:  # fmt: skip
                     def run() -> None:
-                        with flash.block_sizes(tanh=tanh, threads=threads), torch.set_grad_enabled(bwd):
+                        with flash.block_sizes(), torch.set_grad_enabled(bwd):
                             out = az.attention(q, k, v, causal=causal, softcap=cap, backend="flash")
                             if bwd:
                                 out.backward(dout)  # type: ignore[union-attr]

@@ -1,5 +1,5 @@
 """Same-run A/B of the flash forward's two paths: the unshifted variant (tried first) against the
-online softmax alone (``flash.block_sizes(unshifted=False)``). CPU time of one thread, medians of
+online softmax alone (``flash.block_sizes()``). CPU time of one thread, medians of
 interleaved calls, float32. Results: docs/benchmarks.md.
 
     .venv/bin/python benchmarks/flash_variants.py [--repeats 5]
@@ -29,10 +29,10 @@ def main() -> None:
         q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
         kw = dict(mask=None, bias=None, causal=causal, window=None, scale=D**-0.5, dropout_p=0.0, dropout_seed=0)
         times: dict[bool, list[float]] = {True: [], False: []}
-        with flash.block_sizes(threads=1):
+        with flash.block_sizes():
             for _ in range(args.repeats):
                 for unshifted in (True, False):
-                    with flash.block_sizes(unshifted=unshifted):
+                    with flash.block_sizes():
                         start = time.thread_time()
                         flash.forward(q, k, v, **kw)  # type: ignore[arg-type]
                         times[unshifted].append(time.thread_time() - start)

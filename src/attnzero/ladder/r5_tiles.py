@@ -67,7 +67,7 @@ def tiled_forward(
     the record of what it did. ``softmax=False``: no single-step shortcut for short keys;
     ``unshifted=False``: the online softmax with its running max (``flash._forward_rows``), which
     is rung 4's recurrence."""
-    with flash.block_sizes(rows=rows, cols=cols, softmax=False, unshifted=False), trace.recording() as rec:
+    with flash.block_sizes(rows=rows, cols=cols), trace.recording() as rec:
         out, lse = az.attention(q, k, v, backend="flash", return_lse=True, **mask_args)  # (B, H, L, D), (B, H, L)
     return out, lse, rec
 

@@ -44,7 +44,7 @@ def flash_grads(
     """(dQ, dK, dV) of ``(O · dout).sum()`` by the flash backend, with tiles of ``rows`` × ``cols``,
     and the record of its forward and backward tiles. The forward saves q, k, v, O and the lse;
     the backward recomputes P from them, tile by tile."""
-    with flash.block_sizes(rows=rows, cols=cols, softmax=False, unshifted=False), trace.recording() as rec:
+    with flash.block_sizes(rows=rows, cols=cols), trace.recording() as rec:
         out = az.attention(q, k, v, backend="flash", **mask_args)  # (B, H, L, D)
         grads = torch.autograd.grad(out, (q, k, v), dout)  # dQ, dK, dV: (B, H, L, D) each
     return grads, rec
