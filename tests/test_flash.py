@@ -55,13 +55,13 @@ def assert_close(a: torch.Tensor | None, b: torch.Tensor | None, tol: float = 1e
     assert err <= tol * max(1.0, b[torch.isfinite(b)].abs().max().item()), f"{name}: error {err:.2e}"
 
 
-# (B, Hq, Hkv, Lq, Lk, D, Dv) and forced (rows, cols, kv): blocks that do not divide the lengths,
-# a single row, more rows than keys and the other way round, GQA and MQA, chunks of one head.
+# (B, Hq, Hkv, Lq, Lk, D, Dv) and forced (rows, cols): blocks that do not divide the lengths,
+# a single row, more rows than keys and the other way round, GQA and MQA.
 CASES = [
-    ((2, 4, 2, 37, 53, 16, 24), (8, 16, 300)),
-    ((1, 3, 1, 1, 29, 8, 8), (4, 5, 50)),
-    ((2, 2, 2, 41, 7, 8, 12), (16, 3, 10)),
-    ((1, 6, 3, 23, 23, 8, 8), (5, 7, 10_000)),
+    ((2, 4, 2, 37, 53, 16, 24), (8, 16)),
+    ((1, 3, 1, 1, 29, 8, 8), (4, 5)),
+    ((2, 2, 2, 41, 7, 8, 12), (16, 3)),
+    ((1, 6, 3, 23, 23, 8, 8), (5, 7)),
 ]
 ARGS = [
     {},
@@ -76,7 +76,7 @@ ARGS = [
 @pytest.mark.parametrize("args", ARGS, ids=lambda a: "-".join(a) or "full")
 def test_plain_functions_match_reference_with_tiny_blocks(case: Any, args: dict[str, Any]) -> None:
     """flash.forward / flash.backward called directly, against autograd of the reference, float64."""
-    (B, Hq, Hkv, Lq, Lk, D, Dv), (rows, cols, kv) = case
+    (B, Hq, Hkv, Lq, Lk, D, Dv), (rows, cols) = case
     q, k, v = qkv(B, Hq, Hkv, Lq, Lk, D, Dv)
     bias = torch.randn(1, Hq, Lq, Lk, dtype=F64)
     keep = torch.rand(B, 1, Lq, Lk) < 0.8

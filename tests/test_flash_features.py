@@ -141,13 +141,13 @@ def test_the_formula_is_the_plain_softmax_without_softcap_and_caps_with_it() -> 
 # ---------------------------------------------------------------------------------------------
 # softcap against the formula, float64, tiny blocks
 
-# (B, Hq, Hkv, Lq, Lk, D, Dv) and forced (rows, cols, kv): blocks that do not divide the lengths,
-# a single query, Lq > Lk, GQA / MQA, L = 113 and D = 40, chunks of single heads.
+# (B, Hq, Hkv, Lq, Lk, D, Dv) and forced (rows, cols): blocks that do not divide the lengths,
+# a single query, Lq > Lk, GQA / MQA, L = 113 and D = 40.
 CASES = [
-    ((2, 4, 2, 17, 23, 8, 12), (4, 5, 60)),
-    ((1, 3, 1, 1, 29, 8, 8), (4, 5, 50)),
-    ((1, 2, 2, 113, 113, 40, 40), (32, 16, 10**6)),
-    ((2, 2, 1, 19, 7, 64, 8), (8, 3, 10)),
+    ((2, 4, 2, 17, 23, 8, 12), (4, 5)),
+    ((1, 3, 1, 1, 29, 8, 8), (4, 5)),
+    ((1, 2, 2, 113, 113, 40, 40), (32, 16)),
+    ((2, 2, 1, 19, 7, 64, 8), (8, 3)),
 ]
 ARGS = [
     {},
@@ -190,7 +190,7 @@ def test_softcap_matches_the_formula(case: Any, args: dict[str, Any], softcap: f
     (masked after the tanh), masks, bias (its gradient is the capped score's), dropout, GQA."""
     q, k, v, dout, bias, fkw, gkw = _problem(case, args, softcap)
     gold = formula_grads(q, k, v, dout, bias, **gkw)
-    rows, cols, kv = case[1]
+    rows, cols = case[1]
     with flash.block_sizes(rows=rows, cols=cols):
         got = flash_run(q, k, v, dout, bias, **fkw)
     judge(got, gold)

@@ -33,7 +33,6 @@ while ``attnzero.trace`` records, each is also noted as a "flash.tile" event.
 from __future__ import annotations
 
 import copy
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -150,9 +149,9 @@ class _Problem:
     ) -> tuple[Tensor, Tensor | None]:
         """One block of scores from ``s = q kᵀ`` (N, G·r, c), in place: ``scale · s``, capped, plus
         the bias (less the row shift), −inf where causal / window cut the block and, if ``masked``,
-        where the mask blocks (docs/MATH.md sections 1 and 2). Returns
-        the scores and ``t = tanh(scale · s / softcap)`` (None without softcap), whose ``1 − t²`` the
-        backward needs."""
+        where the mask blocks (docs/MATH.md sections 1 and 2). Returns the scores and
+        ``t = tanh(scale · q·k / softcap)`` (None without softcap), whose ``1 − t²`` the backward
+        needs. Forward and backward both take their scores from here: a variant is a step here."""
         s4 = s.view(batches[1] - batches[0], self.Hq, rows[1] - rows[0], cols[1] - cols[0])  # (nb, Hq, r, c)
         s4.mul_(self.scale)  # s = scale · q·k
         t = None
@@ -188,7 +187,7 @@ class _Problem:
             edge = geometry.classify(rows, cols, self.Lq, self.Lk, self.causal, self.window) is not geometry.FULL
             trace.note(
                 "flash.tile", pass_=pass_, chunk=(*batches, 0, self.Hkv), rows=rows, cols=cols,
-                masked=masked, edge=edge, thread=threading.get_ident(),
+                masked=masked, edge=edge,
             )  # fmt: skip
 
 
