@@ -2,9 +2,9 @@
 torch's SDPA and, with ``--old COMMIT``, against the flash.py of an older commit (its modules taken
 from git into a temporary package ``attnzero_old``, so that both run in the same process). CPU,
 float32, same run, interleaved medians; each backend's own entry (``flash.attention``), no
-validation on either side.
+validation on either side. The ratios are of times: ``÷ torch`` above 1 is slower than torch.
 
-    .venv/bin/python benchmarks/flash_cost.py [--old 9a76e81] [--repeats 7] [--blocks 128x128 64x256]
+    .venv/bin/python benchmarks/flash_cost.py [--old 9a76e81] [--repeats 7] [--blocks 64x256] [--threads 1]
 
 Results: docs/benchmarks.md, "flash.py without the kernel".
 """
@@ -94,7 +94,10 @@ def main() -> None:
     parser.add_argument("--old", help="a commit whose flash.py to time beside (e.g. 9a76e81)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--blocks", nargs="*", default=[], help="extra block sizes of the textbook flash, RxC")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     info = machine()
     threads = torch.get_num_threads()
@@ -107,8 +110,9 @@ def main() -> None:
         if args.old:
             impls[f"old flash ({args.old})"] = (old_flash(args.old, Path(tmp)), {})
         names = ["torch", *impls]
-        print("\n| case | " + " | ".join(f"{n}" for n in names) + " | " + " | ".join(f"{n} × torch" for n in impls)
-              + (" | textbook × old |" if args.old else " |"))  # fmt: skip
+        # time ratios: above 1 = slower than torch (than the old flash)
+        print("\n| case | " + " | ".join(f"{n}" for n in names) + " | " + " | ".join(f"{n} ÷ torch" for n in impls)
+              + (" | textbook ÷ old |" if args.old else " |"))  # fmt: skip
         print("|---" * (1 + len(names) + len(impls) + (1 if args.old else 0)) + "|")
         for label, B, H, L, D, backward in SHAPES:
             t = _timed(runs(B, H, L, D, backward, impls), args.repeats)
