@@ -20,7 +20,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples tools
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy src
 
 check: test lint

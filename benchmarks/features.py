@@ -6,15 +6,10 @@ plain call in the same run (interleaved, medians):
 * masks that skip: the forward at L = 4096 (B = 1, H = 8, D = 64) with a document mask of 8 equal
   documents, a causal ``Mask`` and the drop-in's ``is_causal``, against full attention and
   ``causal=True`` — with the blocks each visited (``flash.COUNTS``);
-* packed sequences: ``attention_varlen`` over 8 sequences against the same tokens as one sequence;
-* softcap's three ways to take tanh (``flash.block_sizes(tanh=...)``: the fused C kernel of
-  ``softcap_cpu``, ``e / (e + 2)`` with ``e = expm1(2x)``, or torch's tanh; the kernel only where it
-  builds), forward and forward + backward against the plain call, in
-  wall time (the default worker threads) and in CPU time of one thread (``threads=1`` and one torch
-  thread, so that every op runs on the timed thread; ``time.thread_time``: less noisy on a shared VM).
+* packed sequences: ``attention_varlen`` over 8 sequences against the same tokens as one sequence.
 
     .venv/bin/python benchmarks/features.py [--repeats 7] [--length 2048] [--mask-length 4096]
-        [--parts softcap-sinks skipping varlen tanh]
+        [--parts softcap-sinks skipping varlen]
 
 Results: docs/benchmarks.md.
 """
@@ -29,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 import attnzero as az
-from attnzero import flash, softcap_cpu
+from attnzero import flash
 from attnzero.bench import machine
 
 Run = Callable[[], None]
@@ -59,11 +54,8 @@ def _blocks(fn: Run) -> int:
 
 
 def softcap_sinks(L: int, repeats: int) -> list[tuple[str, float, float]]:
-    """(case, seconds of the plain call, time with the feature / plain) for fwd+bwd. "large scores":
-    softcap on q × 8 (scores of about ±8 to ±24: still mostly the C kernel's polynomial, |x| <= 1)
-    and on q × 32 (scores past the cap: most lanes take libmvec's tanhf, many vectors both), against
-    the plain call on the ordinary q (the plain call on such q would leave its unshifted forward for
-    the online softmax, a slower baseline)."""
+    """(case, seconds of the plain call, time with the feature / plain) for fwd+bwd; softcap also on
+    q × 8 and q × 32 (scores near and past the cap), against the plain call on the ordinary q."""
     B, H, D = 1, 8, 64
     q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
     q8, q32 = ((q.detach() * f).requires_grad_() for f in (8, 32))
@@ -127,40 +119,6 @@ def varlen(L: int, repeats: int) -> list[tuple[str, float, float]]:
     return [(name, t[name], t[name] / base) for name in cases]
 
 
-def tanh_ways(L: int, repeats: int) -> tuple[list[str], list[tuple[str, float, list[float]]]]:
-    """The routes timed, and per case (case, seconds of the plain call, each route's softcapped time
-    / plain), for the forward and forward + backward, full and causal, in wall time and in one
-    thread's CPU time."""
-    routes = [r for r in flash.TANH_ROUTES if r != "kernel" or softcap_cpu.available()]
-    B, H, D = 1, 8, 64
-    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
-    dout = torch.randn(B, H, L, D)
-    rows = []
-    torch_threads = torch.get_num_threads()
-    for clock, threads in ((time.perf_counter, None), (time.thread_time, 1)):
-        torch.set_num_threads(torch_threads if threads is None else 1)  # one thread: torch's ops on it too
-        for causal in (False, True):
-            for bwd in (False, True):
-
-                def step(tanh: str = "auto", cap: float | None = None, causal: bool = causal, bwd: bool = bwd,
-                         threads: int | None = threads) -> Run:  # fmt: skip
-                    def run() -> None:
-                        with flash.block_sizes(tanh=tanh, threads=threads), torch.set_grad_enabled(bwd):
-                            out = az.attention(q, k, v, causal=causal, softcap=cap, backend="flash")
-                            if bwd:
-                                out.backward(dout)  # type: ignore[union-attr]
-
-                    return run
-
-                fns = {"plain": step(), **{route: step(route, 30.0) for route in routes}}
-                t = _timed(fns, repeats, clock)
-                name = f"{'wall' if threads is None else 'one thread, CPU'}, {'causal' if causal else 'full'}, "
-                name += "fwd+bwd" if bwd else "fwd"
-                rows.append((name, t["plain"], [t[route] / t["plain"] for route in routes]))
-    torch.set_num_threads(torch_threads)
-    return routes, rows
-
-
 def _ms(secs: float) -> str:
     return f"{secs * 1e3:.0f} ms"
 
@@ -177,7 +135,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--length", type=int, default=2048, help="L of the softcap / sinks cases")
     parser.add_argument("--mask-length", type=int, default=4096, help="L of the mask and varlen cases")
-    parts = ("softcap-sinks", "skipping", "varlen", "tanh")
+    parts = ("softcap-sinks", "skipping", "varlen")
     parser.add_argument("--parts", nargs="+", choices=parts, default=list(parts), help="which tables")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -196,12 +154,6 @@ def main() -> None:
         _table(f"packed sequences: attention_varlen, causal, H=8, D=64, {M} tokens",
                ["case", "time", "× the batch"],
                [[name, _ms(secs), f"{ratio:.3f}"] for name, secs, ratio in varlen(M, args.repeats)])  # fmt: skip
-    if "tanh" in args.parts:
-        routes, rows = tanh_ways(L, args.repeats)
-        _table(f"softcap=30 each way to take tanh: flash, B=1, H=8, L={L}, D=64",
-               ["case", "plain call", *(f"{r} × plain" for r in routes)],
-               [[name, _ms(secs), *(f"{x:.2f}" for x in ratios)] for name, secs, ratios in rows])  # fmt: skip
-
 
 if __name__ == "__main__":
     main()

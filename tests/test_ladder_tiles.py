@@ -76,9 +76,10 @@ def test_rung5_counts_are_the_recorded_tiles() -> None:
 def test_docs_included_code_exists() -> None:
     # the functions the sections of rungs 5 and 6 include
     for ref in (
-        "attnzero/flash.py::_forward_rows",
-        "attnzero/flash.py::_Problem.col_blocks",
-        "attnzero/flash.py::_backward_rows",
+        "attnzero/flash.py::_forward_block",
+        "attnzero/flash.py::_forward",
+        "attnzero/flash.py::_Problem.key_blocks",
+        "attnzero/flash.py::_backward_block",
         "attnzero/ladder/r5_tiles.py::tiled_forward",
         "attnzero/ladder/r5_tiles.py::rung4_on_every_row",
         "attnzero/ladder/r5_tiles.py::tile_map",
@@ -106,7 +107,7 @@ MASKS = {
 def test_forward_tiles_recorded_are_the_blocks_counted(name: str, threads: int) -> None:
     L = 96
     q, k, v = _qkv(2, 2, L)
-    with flash.block_sizes(rows=16, cols=16, threads=threads, softmax=False), torch_threads(threads):
+    with flash.block_sizes(rows=16, cols=16), torch_threads(threads):
         with counted("forward") as n, trace.recording() as rec:
             az.attention(q, k, v, backend="flash", **MASKS[name](L))
     tiles = rec.of("flash.tile")
@@ -118,37 +119,12 @@ def test_forward_tiles_recorded_are_the_blocks_counted(name: str, threads: int) 
         assert all(e["masked"] for e in tiles)
 
 
-def test_tiles_on_worker_threads_with_split_tasks_match_the_counters() -> None:
-    # 256-row tasks on two workers: the last ones are split in halves and helped with (parallel.py)
-    q, k, v = _qkv(1, 2, 1024, 32, torch.float32)
-    with flash.block_sizes(rows=256, cols=128, threads=2), torch_threads(2):
-        with counted("forward") as n, counted("fallback") as fb, trace.recording() as rec:
-            az.attention(q, k, v, backend="flash", causal=True)
-    tiles = rec.of("flash.tile")
-    assert len(tiles) == n["delta"] > 0
-    assert len(rec.of("flash.fallback")) == fb["delta"]
-    assert {e["variant"] for e in tiles} <= {"unshifted", "online"}
-
-
-def test_fallback_is_recorded_and_its_tiles_visited_twice() -> None:
-    q, k, v = _qkv(1, 1, 64)
-    q = q * 200.0  # scores far too large for the unshifted variant: every row block falls back
-    with flash.block_sizes(rows=16, cols=16, softmax=False, unshifted=True):
-        with counted("forward") as n, counted("fallback") as fb, trace.recording() as rec:
-            out = az.attention(q, k, v, backend="flash")
-    tiles = rec.of("flash.tile")
-    assert fb["delta"] == len(rec.of("flash.fallback")) == 4
-    assert len(tiles) == n["delta"] == 2 * 16
-    assert sum(e["variant"] == "unshifted" for e in tiles) == sum(e["variant"] == "online" for e in tiles) == 16
-    torch.testing.assert_close(out, az.attention(q, k, v, backend="reference"), rtol=0, atol=1e-12)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_backward_tiles_recorded_are_the_blocks_counted(name: str, threads: int) -> None:
     L = 80
     q, k, v = _qkv(1, 2, L, grad=True)
-    with flash.block_sizes(rows=16, cols=16, threads=threads, softmax=False), torch_threads(threads):
+    with flash.block_sizes(rows=16, cols=16), torch_threads(threads):
         out = az.attention(q, k, v, backend="flash", **MASKS[name](L))
         with counted("backward") as n, trace.recording() as rec:
             out.sum().backward()
@@ -161,7 +137,7 @@ def test_skipped_tiles_of_a_document_mask_are_what_classify_says() -> None:
     L, t = 128, 16
     mask = az.masks.document(_ids(32, 48, 16, 32))  # borders on tile borders: the tiles form a grid
     q, k, v = _qkv(1, 1, L)
-    with flash.block_sizes(rows=t, cols=t, softmax=False), trace.recording() as rec:
+    with flash.block_sizes(rows=t, cols=t), trace.recording() as rec:
         az.attention(q, k, v, backend="flash", mask=mask)
     got = {(e["rows"], e["cols"]): e["masked"] for e in rec.of("flash.tile")}
     want = {}
@@ -180,7 +156,7 @@ def test_tiles_of_any_document_mask_cover_every_kept_pair_once(causal: bool) -> 
     L = 100
     mask = az.masks.document(_ids(21, 40, 9, 30))  # borders inside tiles
     q, k, v = _qkv(1, 1, L)
-    with flash.block_sizes(rows=16, cols=16, softmax=False), trace.recording() as rec:
+    with flash.block_sizes(rows=16, cols=16), trace.recording() as rec:
         az.attention(q, k, v, backend="flash", mask=mask, causal=causal)
     tiles = rec.of("flash.tile")
     cover = torch.zeros(L, L, dtype=torch.int64)
@@ -200,7 +176,7 @@ def test_rows_that_see_no_key_are_recorded_in_both_passes() -> None:
     L = 64
     mask = az.masks.document(_ids(32, 32), kv_ids=[0] * L)  # queries of document 1 see no key
     q, k, v = _qkv(1, 1, L, grad=True)
-    with flash.block_sizes(rows=16, cols=16, softmax=False), trace.recording() as rec:
+    with flash.block_sizes(rows=16, cols=16), trace.recording() as rec:
         out = az.attention(q, k, v, backend="flash", mask=mask)
         out.sum().backward()
     for pass_ in ("forward", "backward"):
@@ -209,18 +185,9 @@ def test_rows_that_see_no_key_are_recorded_in_both_passes() -> None:
         assert all(e["rows"][1] <= 32 for e in rec.of("flash.tile") if e["pass_"] == pass_)
 
 
-def test_single_step_softmax_is_recorded_without_tiles() -> None:
-    q, k, v = _qkv(1, 2, 32)
-    with counted("softmax") as n, trace.recording() as rec:
-        az.attention(q, k, v, backend="flash")
-    assert n["delta"] == 1 and len(rec.of("flash.softmax")) == 1
-    assert rec.of("flash.softmax")[0]["shape"] == (1, 2, 32, 32)
-    assert rec.of("flash.tile") == []
-
-
 def test_nothing_is_recorded_when_not_recording() -> None:
     q, k, v = _qkv(1, 2, 64)
-    with flash.block_sizes(rows=16, cols=16, softmax=False):
+    with flash.block_sizes(rows=16, cols=16):
         assert not trace.active()
         plain = az.attention(q, k, v, backend="flash", causal=True)
         with trace.recording() as rec:

@@ -92,7 +92,7 @@ def test_trace_records_the_tiles_causal_and_window_keep(Lq: int, Lk: int, kw: di
     per_head = sum(len(e["key_blocks"]) for e in events if e["batch"] == 0 and e["head"] == 0)
     # B = 1: one flash chunk of G heads (Lq >= 2 · 16 here: flash keeps the forced 16 rows under causal)
     q1, k1, v1 = (t[:1, :, :].double().cpu() for t in (q, k, v))
-    with flash.block_sizes(rows=bm, cols=bn, softmax=False, unshifted=False, threads=1):
+    with flash.block_sizes(rows=bm, cols=bn):
         before = flash.COUNTS["forward"]
         az.attention(q1, k1, v1, backend="flash", **kw)
         flash_tiles = flash.COUNTS["forward"] - before

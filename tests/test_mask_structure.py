@@ -134,7 +134,7 @@ def test_attention_with_a_structured_mask_equals_the_dense_one(backend: str, Lq:
 def _blocks(**kw: object) -> tuple[int, int]:
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 64, 64, 8))
     flash.COUNTS.update(forward=0, backward=0)
-    with flash.block_sizes(rows=8, cols=8, softmax=False):
+    with flash.block_sizes(rows=8, cols=8):
         out = az.attention(q, k, v, backend="flash", **kw)
         out.sum().backward()  # type: ignore[union-attr]
     return flash.COUNTS["forward"], flash.COUNTS["backward"]
@@ -150,7 +150,7 @@ def test_a_causal_mask_costs_what_causal_costs() -> None:
 
 def test_the_drop_in_is_causal_costs_what_causal_costs() -> None:
     q, k, v = qkv(1, 2, 2, 48, 64, 8)
-    with flash.block_sizes(rows=8, cols=8, softmax=False):
+    with flash.block_sizes(rows=8, cols=8):
         flash.COUNTS.update(forward=0)
         az.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left, Lq != Lk: a Mask
         tl = flash.COUNTS["forward"]

@@ -438,9 +438,9 @@ def test_dropout_backward_uses_forward_entries(backend: str, dtype: torch.dtype,
 
 # ---------------------------------------------------------------------------------------------
 # Hypothesis: random shapes and masks, float64, against the naive formula. flash runs with blocks
-# of 3-8 rows and columns (its default is 256 × 128 and up), so that lengths up to 20 span several
-# row and key blocks with a partial last one, and causal, window, mask and bias edges fall inside
-# and across blocks; ``kv`` of 1 float puts every (batch, kv head) pair in a chunk of its own.
+# of 3-8 rows and columns (its default is 128 × 128), so that lengths up to 20 span several row and
+# key blocks with a partial last one, and causal, window, mask and bias edges fall inside and
+# across blocks.
 
 
 @st.composite
@@ -461,7 +461,6 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
     blocks = {
         "rows": draw(st.integers(3, 8)),
         "cols": draw(st.integers(3, 8)),
-        "kv": draw(st.sampled_from([1, 1 << 21])),
     }
     return dict(
         B=B,
@@ -484,7 +483,7 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
 def crossing(**kw: Any) -> dict[str, Any]:
     """A fixed problem for ``@example``: every feature on, lengths spanning several blocks."""
     pb: dict[str, Any] = dict(B=2, Hkv=2, Hq=6, Lq=17, Lk=19, D=5, Dv=3, causal=True, window=None, mask_kind="full",
-                              with_bias=True, scale=None, seed=7, blocks={"rows": 4, "cols": 5, "kv": 1})  # fmt: skip
+                              with_bias=True, scale=None, seed=7, blocks={"rows": 4, "cols": 5})  # fmt: skip
     return pb | kw
 
 
@@ -493,9 +492,9 @@ def crossing(**kw: Any) -> dict[str, Any]:
 @given(pb=problems())
 @example(pb=crossing())  # causal, GQA (G = 3), a full mask and a bias over 5 × 4 blocks
 @example(pb=crossing(causal=False, window=(2, 3), Lq=20, Lk=20, mask_kind="rows", with_bias=False,
-                     blocks={"rows": 3, "cols": 7, "kv": 1 << 21}))  # fmt: skip
+                     blocks={"rows": 3, "cols": 7}))  # fmt: skip
 @example(pb=crossing(Lq=19, Lk=6, window=(5, 0), mask_kind="keys", Hq=2, Hkv=2,
-                     blocks={"rows": 5, "cols": 4, "kv": 1}))  # fmt: skip  # Lq > Lk: rows with no key
+                     blocks={"rows": 5, "cols": 4}))  # fmt: skip  # Lq > Lk: rows with no key
 def test_property_matches_naive(backend: str, pb: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(pb["seed"])
     B, Hq, Hkv, Lq, Lk, D, Dv = (pb[n] for n in ("B", "Hq", "Hkv", "Lq", "Lk", "D", "Dv"))

@@ -1,5 +1,5 @@
-"""Numeric constants shared by the plain-PyTorch code (``flash.py``) and the Triton kernels
-(``kernels/``): plain floats, no imports, so that either side can import them."""
+"""Numeric constants of the Triton kernels (``kernels/``, which work in base 2): plain floats, no
+imports, so that the host side can read them without importing triton."""
 
 from __future__ import annotations
 

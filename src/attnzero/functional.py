@@ -72,8 +72,7 @@ def _auto(q: Tensor, v: Tensor) -> str:
     """The fastest correct backend for these inputs (see docs/benchmarks.md for the measurements).
     Whether gradients are needed does not change it: ``choose`` then takes the triton backend's
     split-KV decode path only when no input requires grad."""
-    # flash, on any device: with one key block (``flash._forward_softmax``) it is three ops per
-    # task, as few as any formula; its worker threads keep a busy machine's cores out of each op.
+    # flash, on any device (the tiled online softmax in plain PyTorch).
     name = "flash"
     if q.is_cuda and q.dtype != torch.float64 and _TRITON_INSTALLED and _fits_triton(q, v):
         name = "triton"  # the Triton kernels (kernels/), for every size on CUDA up to their head dims

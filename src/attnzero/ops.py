@@ -5,7 +5,7 @@ Letters: B batch, Hq / Hkv query / key-value heads (G = Hq // Hkv), Lq / Lk quer
 D head dim of q and k, Dv head dim of v.
 
 Why ops. Traced by dynamo, a backend's Python breaks the graph at each host-side decision: the flash
-backend's read-backs, its thread pool and per-block Python loops, the dropout seed's ``.item()``.
+backend's read-backs and per-block Python loops, the dropout seed's ``.item()``.
 So each backend ``name`` is registered as two ops, ``attnzero::{name}_attention`` and
 ``attnzero::{name}_attention_backward`` (``torch.library.custom_op``): a fake implementation gives the output
 shapes, ``register_autograd`` ties the backward op to the forward one, and the compiled program runs
@@ -16,8 +16,8 @@ eager calls draw it, and read only here.
 
 The backends. Each implementation (``NAMES``) is a ``Backend`` of three functions with one
 interface (``BACKENDS``): ``attention``, the eager differentiable entry that ``functional.py``
-calls (it takes ``need_lse``: with False the lse may come back as None, which lets flash take its
-single-step softmax); ``forward(q, k, v, *, mask, bias, causal, window, scale, dropout_p, dropout_seed) -> (out,
+calls (it takes ``need_lse``: with False the lse may come back as None, where a backend can save
+computing it); ``forward(q, k, v, *, mask, bias, causal, window, scale, dropout_p, dropout_seed) -> (out,
 lse)``, a plain function; and ``backward(dout, q, k, v, out, lse, *, <the same>, bias_grad) ->
 (dq, dk, dv, dbias)``, a plain function that recomputes P = exp(s − lse) from the ``out`` and
 ``lse`` it is given — also those of the same queries over more keys than these, such as the ring's

@@ -3,8 +3,7 @@ kernel ran, which block a ring rank held at which step. The ladder (``attnzero l
 pictures from these records, so a picture shows the schedule that ran, not a drawing of the plan.
 
 Instrumented code calls ``note(kind, **fields)``; it costs one truth test of a list when nothing is
-recording. ``recording()`` collects every event noted while it is open, from every thread (the flash
-backend's worker threads note their own tiles)::
+recording. ``recording()`` collects every event noted while it is open, from every thread::
 
     with trace.recording() as rec:
         az.attention(q, k, v, causal=True, backend="flash")

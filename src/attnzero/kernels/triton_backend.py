@@ -658,21 +658,25 @@ def attention(
     return out, (lse if shift is None else lse + shift)
 
 
-def _shifted_bias(bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """``(bias − c, c)`` with ``c`` the bias's per-row shift (``flash.bias_row_shift``: rows whose bias
-    is far from 0 everywhere, as an additive mask writes a fully masked row), else ``(bias, None)``.
-    The softmax does not change; the lse of the shifted bias is ``c`` smaller, and keeps the bits
-    that ``lse ≈ c`` (−1e9, say) cannot: the backward's P = exp(s − lse) needs them."""
-    from ..flash import bias_row_shift
+# A row whose bias lies farther than this from 0 everywhere (an additive mask's fully masked row,
+# −1e9 or ``finfo.min``) is computed less its bias's row max (``_shifted_bias``).
+_ROW_SHIFT_MIN = 32.0
 
-    shift = bias_row_shift(bias, torch.float32)
-    if bias is None or shift is None:
+
+def _shifted_bias(bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """``(bias − c, c)`` with ``c`` the bias's finite row max (B|1, H|1, Lq|1) in the rows whose bias
+    is far from 0 everywhere (``|c| > _ROW_SHIFT_MIN``, 0 in the others), else ``(bias, None)``.
+    The softmax does not change; the lse of the shifted bias is ``c`` smaller, and keeps the bits
+    that ``lse ≈ c`` (−1e9, say) cannot: the backward's P = exp(s − lse) needs them. One read-back
+    per call with a bias."""
+    if bias is None:
+        return bias, None
+    c = bias.amax(dim=-1).to(torch.float32)  # (B|1, H|1, Lq|1)
+    c = torch.where(torch.isfinite(c), c, 0.0)
+    if float(c.abs().max()) <= _ROW_SHIFT_MIN:
         return bias, None
     # only rows far from 0 are shifted: 0 is subtracted exactly elsewhere, even from a 16-bit bias
-    # (the shift is also asked for when the bias holds -inf or an overflowing entry)
-    from ..flash import _ROW_SHIFT_MIN
-
-    shift = torch.where(shift.abs() > _ROW_SHIFT_MIN, shift, 0.0)  # (B|1, H|1, Lq|1)
+    shift = torch.where(c.abs() > _ROW_SHIFT_MIN, c, 0.0)  # (B|1, H|1, Lq|1)
     return bias - shift.unsqueeze(-1).to(bias.dtype), shift  # (differentiable in bias: the identity)
 
 

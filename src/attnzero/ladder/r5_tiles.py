@@ -3,7 +3,7 @@
 Rung 4 walked ONE query row through the keys block by block, keeping a running max ``m``, a running
 sum ``l`` and an unnormalised output ``acc``. The flash backend (``attnzero/flash.py``) does the same
 for a whole block of query rows at once: a tile is (a block of query rows) × (a block of key
-columns), and ``_forward_rows`` runs rung 4's recurrence on every row of its block, one key block
+columns), and ``_forward_block`` runs rung 4's recurrence on every row of its block, one key block
 at a time. Nothing here is a copy of that code: this rung calls ``az.attention(...,
 backend="flash")`` with small block sizes (``flash.block_sizes``) and reads back the tiles the
 backend noted while it ran (``attnzero.trace``, events "flash.tile"). The check runs rung 4's
@@ -64,10 +64,9 @@ def tiled_forward(
     q: Tensor, k: Tensor, v: Tensor, rows: int, cols: int, **mask_args: Any
 ) -> tuple[Tensor, Tensor, Record]:
     """The flash backend's forward with tiles of ``rows`` query rows × ``cols`` key columns, and
-    the record of what it did. ``softmax=False``: no single-step shortcut for short keys;
-    ``unshifted=False``: the online softmax with its running max (``flash._forward_rows``), which
-    is rung 4's recurrence."""
-    with flash.block_sizes(rows=rows, cols=cols, softmax=False, unshifted=False), trace.recording() as rec:
+    the record of what it did: the online softmax with its running max (``flash._forward_block``),
+    rung 4's recurrence."""
+    with flash.block_sizes(rows=rows, cols=cols), trace.recording() as rec:
         out, lse = az.attention(q, k, v, backend="flash", return_lse=True, **mask_args)  # (B, H, L, D), (B, H, L)
     return out, lse, rec
 
@@ -104,14 +103,6 @@ def tile_map(tiles: Sequence[Event], Lq: int, Lk: int) -> Tensor:
     return grid
 
 
-def _workers(tiles: Sequence[Event]) -> dict[int, int]:
-    """Thread id → worker number, in the order the workers first appear."""
-    seen: dict[int, int] = {}
-    for e in tiles:
-        seen.setdefault(e["thread"], len(seen))
-    return seen
-
-
 # Colours of SKIPPED, VISITED and MASKED, and their legend
 COLOURS = ["#f4f4f4", "#9ecae1", "#fdae6b"]
 LABELS = ["skipped (never computed)", "visited, every pair kept", "visited, mask evaluated"]
@@ -122,13 +113,12 @@ def legend(fig: Any, ncol: int = 4) -> None:
     from matplotlib.patches import Patch
 
     handles = [Patch(fc=c, ec="#333333", label=t) for c, t in zip(COLOURS, LABELS, strict=True)]
-    handles.append(Patch(fc="none", ec="none", label="0, 1, …: the worker thread that ran the tile"))
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
 
 
 def draw_tiles(ax: Any, tiles: Sequence[Event], L: int, keep: Tensor | None, title: str) -> None:
-    """One panel: the recorded tiles over the L × L scores, coloured by ``tile_map``, each outlined
-    and labelled with the worker thread that ran it; the border of the kept pairs as a thin line."""
+    """One panel: the recorded tiles over the L × L scores, coloured by ``tile_map``, each outlined;
+    the border of the kept pairs as a thin line."""
     import matplotlib.colors as mcolors
     from matplotlib.patches import Rectangle
 
@@ -136,12 +126,9 @@ def draw_tiles(ax: Any, tiles: Sequence[Event], L: int, keep: Tensor | None, tit
               interpolation="nearest")  # fmt: skip
     if keep is not None and not bool(keep.all()):  # where the mask keeps pairs (context; the colours are the record)
         ax.contour(keep.float().numpy(), levels=[0.5], colors="#7f2704", linewidths=0.7)
-    workers = _workers(tiles)
     for e in tiles:
         (r0, r1), (c0, c1) = e["rows"], e["cols"]
         ax.add_patch(Rectangle((c0 - 0.5, r0 - 0.5), c1 - c0, r1 - r0, fill=False, lw=0.6, ec="#333333"))
-        ax.text((c0 + c1 - 1) / 2, (r0 + r1 - 1) / 2, str(workers[e["thread"]]), ha="center", va="center",
-                fontsize=5, color="#333333")  # fmt: skip
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("key j", fontsize=8)
     ax.set_ylabel("query i", fontsize=8)

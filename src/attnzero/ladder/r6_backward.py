@@ -5,7 +5,7 @@ its gradient, the L × L probabilities P among them: memory grows with L². The 
 only q, k, v, the output O and the log-sum-exp (O(L)) and, in the backward, recomputes each tile of
 P from them: ``p_ij = exp(s_ij − lse_i)`` is exact, no running max needed, since the lse is the
 row's final normaliser. With ``D_i = Σ_d dO_id O_id`` the gradients are, tile by tile
-(``flash._backward_rows``)::
+(``flash._backward_block``)::
 
     dV_j += Σ_i p_ij dO_i            dp_ij = dO_i · v_j
     ds_ij = p_ij (dp_ij − D_i)       dQ_i += scale Σ_j ds_ij k_j       dK_j += scale Σ_i ds_ij q_i
@@ -44,7 +44,7 @@ def flash_grads(
     """(dQ, dK, dV) of ``(O · dout).sum()`` by the flash backend, with tiles of ``rows`` × ``cols``,
     and the record of its forward and backward tiles. The forward saves q, k, v, O and the lse;
     the backward recomputes P from them, tile by tile."""
-    with flash.block_sizes(rows=rows, cols=cols, softmax=False, unshifted=False), trace.recording() as rec:
+    with flash.block_sizes(rows=rows, cols=cols), trace.recording() as rec:
         out = az.attention(q, k, v, backend="flash", **mask_args)  # (B, H, L, D)
         grads = torch.autograd.grad(out, (q, k, v), dout)  # dQ, dK, dV: (B, H, L, D) each
     return grads, rec

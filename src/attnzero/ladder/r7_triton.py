@@ -107,7 +107,7 @@ def flash_tiles(q: Tensor, k: Tensor, v: Tensor, block: tuple[int, int], **kw: A
     """Rung 5: the flash backend on the same problem with the kernel's tile sizes; its output and
     how many tiles its block counter saw (``flash.COUNTS["forward"]``, one per (chunk, row block, key
     block): one chunk when B = Hkv = 1)."""
-    with flash.block_sizes(rows=block[0], cols=block[1], softmax=False, unshifted=False, threads=1):
+    with flash.block_sizes(rows=block[0], cols=block[1]):
         before = flash.COUNTS["forward"]
         out = attend(q, k, v, backend="flash", **kw)
         return out, flash.COUNTS["forward"] - before
