@@ -298,7 +298,8 @@ class _KernelAttention(torch.autograd.Function):
 
             needs = tuple(ctx.needs_input_grad[:4])
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)
-        dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3], **ctx.options)
+        want_dbias = ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=want_dbias, **ctx.options)
         return dq, dk, dv, dbias, None
 
 
