@@ -86,6 +86,20 @@ def need_kernel() -> None:
         absent(f"the CPU kernel cannot be built here: {cpu_kernel.why()}")
 
 
+@contextmanager
+def flash_py() -> Iterator[None]:
+    """In the block, backend="flash" runs flash.py itself rather than the compiled CPU kernel: for
+    the tests of flash.py's own workings (its ``COUNTS``, its routes), whatever this run builds."""
+    from attnzero import functional
+
+    real = functional._takes_kernel
+    functional._takes_kernel = lambda q, bias: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        functional._takes_kernel = real
+
+
 def need(*modules: str) -> None:
     """Python modules of the ``hf`` extra that a test needs (see ``absent``)."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]

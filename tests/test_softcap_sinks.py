@@ -15,6 +15,7 @@ from conftest import (
     absent,
     check_against_golden,
     dense_keep,
+    flash_py,
     naive_attention,
     need,
     qkv,
@@ -286,7 +287,7 @@ def test_flash_single_step_takes_tanh_every_way(scale_q: float) -> None:
     outs = []
     for route in routes:
         before = flash.COUNTS["softmax"]
-        with flash.block_sizes(tanh=route):
+        with flash_py(), flash.block_sizes(tanh=route):
             check_against_golden("flash", torch.float32, q * scale_q, k, v, causal=True, softcap=5.0, grads=False)
             outs.append(az.attention(q.float() * scale_q, k.float(), v.float(), causal=True, softcap=5.0,
                                      backend="flash"))  # fmt: skip
