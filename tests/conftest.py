@@ -62,6 +62,44 @@ def absent(message: str) -> None:
     pytest.skip(message)
 
 
+def kernel_off() -> bool:
+    """Whether this run turned the compiled CPU kernel off (``ATTNZERO_NO_BUILD=1``: the second run of
+    the backend tests, on flash.py)."""
+    return os.environ.get("ATTNZERO_NO_BUILD", "") not in ("", "0")
+
+
+def kernel_built() -> bool:
+    """Whether backend="flash" runs the compiled CPU kernel here (built, or loaded from the cache)."""
+    from attnzero import cpu_kernel
+
+    return not kernel_off() and cpu_kernel.available()
+
+
+def need_kernel() -> None:
+    """A test of the compiled CPU kernel itself: skipped in the ATTNZERO_NO_BUILD=1 run, otherwise
+    a kernel that cannot be built is a missing dependency (``absent``: fails under CI)."""
+    from attnzero import cpu_kernel
+
+    if kernel_off():
+        pytest.skip("ATTNZERO_NO_BUILD=1: this run tests flash.py without the kernel")
+    if not cpu_kernel.available():
+        absent(f"the CPU kernel cannot be built here: {cpu_kernel.why()}")
+
+
+@contextmanager
+def flash_py() -> Iterator[None]:
+    """In the block, backend="flash" runs flash.py itself rather than the compiled CPU kernel: for
+    the tests of flash.py's own workings (its ``COUNTS``, its routes), whatever this run builds."""
+    from attnzero import functional
+
+    real = functional._takes_kernel
+    functional._takes_kernel = lambda q, bias: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        functional._takes_kernel = real
+
+
 def need(*modules: str) -> None:
     """Python modules of the ``hf`` extra that a test needs (see ``absent``)."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]

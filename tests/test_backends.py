@@ -14,16 +14,20 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import qkv
+from conftest import kernel_built, need_kernel, qkv
 
 import attnzero as az
 from attnzero import functional, ops, reference
 from attnzero.distributed import _merge
 
-NAMES = ["reference", "flash", "triton"]
+NAMES = ["reference", "flash", "cpu_kernel", "triton"]
+# what backend="flash" runs on CPU: the compiled kernel where it is built, else flash.py
+FLASH_CPU = "cpu_kernel" if kernel_built() else "flash"
 
 
 def _runnable(name: str) -> None:
+    if name == "cpu_kernel":
+        need_kernel()
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             pytest.skip("backend='triton' needs `pip install triton`")
@@ -42,7 +46,7 @@ def test_backward_from_a_global_out_and_lse(name: str, causal: bool) -> None:
     part's backward from the merged (global) out and lse adds up to the whole backward."""
     _runnable(name)
     dev = _device(name)
-    dtype = torch.float64 if name != "triton" else torch.float32
+    dtype = torch.float32 if name in ("triton", "cpu_kernel") else torch.float64
     q, k, v = (t.to(dev, dtype) for t in qkv(2, 4, 2, 19, 19, 16))
     dout = torch.randn(2, 4, 19, 16, dtype=dtype, device=dev)
     be = ops.backend(name)
@@ -118,11 +122,17 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_choose_names_what_runs_on_cpu() -> None:
     tiny, big = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 200, 8)
-    assert functional.choose("auto", tiny, tiny, needs_grad=True) == "flash"
-    assert functional.choose("auto", big, big, needs_grad=False) == "flash"
-    assert functional.choose("auto", big.double(), big.double(), needs_grad=True) == "flash"
-    for name in ("reference", "flash"):
-        assert functional.choose(name, big, big, needs_grad=True) == name
+    assert functional.choose("auto", tiny, tiny, needs_grad=True) == FLASH_CPU
+    assert functional.choose("auto", big, big, needs_grad=False) == FLASH_CPU
+    assert functional.choose("auto", big.half(), big.half(), needs_grad=False) == FLASH_CPU
+    assert functional.choose("auto", big.double(), big.double(), needs_grad=True) == "flash"  # float64: flash.py
+    assert functional.choose("flash", big, big, needs_grad=True) == FLASH_CPU
+    assert functional.choose("reference", big, big, needs_grad=True) == "reference"
+    # a bias row far from 0 everywhere (an additive mask's -1e9) stays on flash.py (its shifted lse)
+    far = torch.zeros(1, 1, 200, 200)
+    far[..., 3, :] = -1e9
+    assert functional.choose("flash", big, big, needs_grad=True, bias=far) == "flash"
+    assert functional.choose("flash", big, big, needs_grad=True, bias=torch.zeros(1, 1, 200, 200)) == FLASH_CPU
     assert set(ops.NAMES) == set(ops.BACKENDS)
 
 
@@ -131,8 +141,9 @@ def test_attention_runs_the_chosen_backend(monkeypatch: pytest.MonkeyPatch) -> N
     q = torch.randn(1, 2, 9, 8, dtype=torch.float64)
     az.attention(q, q, q)
     az.attention(q, q, q, backend="reference")
-    assert names == ["flash", "reference"]
-    monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad, v=None: "flash")
+    az.attention(q.float(), q.float(), q.float())
+    assert names == ["flash", "reference", FLASH_CPU]
+    monkeypatch.setattr(functional, "choose", lambda name, q, k, *, needs_grad, v=None, bias=None: "flash")
     az.attention(q, q, q, backend="reference")
     assert names[-1] == "flash"  # a patched choice is honoured
 

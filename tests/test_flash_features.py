@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import dense_keep, qkv, torch_threads
+from conftest import dense_keep, flash_py, qkv, torch_threads
 
 import attnzero as az
 from attnzero import dropout, flash, geometry
@@ -572,7 +572,7 @@ def test_a_causal_mask_costs_what_causal_costs(evaluated: list[tuple[Any, Any]])
         assert _blocks_visited(q, k, v, mask=az.masks.causal(128, align=align)) == want  # type: ignore[arg-type]
     xs = [t.clone().float().requires_grad_(True) for t in (q, k, v)]
     reset_counts()
-    with flash.block_sizes(rows=16, cols=16):  # (auto is flash on the CPU)
+    with flash_py(), flash.block_sizes(rows=16, cols=16):  # (auto is flash on the CPU: flash.py pinned)
         az.scaled_dot_product_attention(*xs, is_causal=True).sum().backward()
     assert (flash.COUNTS["forward"], flash.COUNTS["backward"]) == want
     assert evaluated == []

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import batching, checks, dropout, geometry, ops, reference
+from . import batching, checks, cpu_kernel, dropout, geometry, ops, reference
 from .checks import ArgumentError, ArgumentTypeError
 from .masks import Mask
 from .masks import causal as causal_mask
@@ -104,7 +104,26 @@ def _takes_decode(q: Tensor, k: Tensor) -> bool:
     )
 
 
-def choose(name: str, q: Tensor, k: Tensor, *, needs_grad: bool, v: Tensor | None = None) -> str:
+@torch.compiler.assume_constant_result
+def _kernel_built() -> bool:
+    """Whether the compiled CPU kernel is here (built on first use; a constant for dynamo)."""
+    return cpu_kernel.available()
+
+
+def _takes_kernel(q: Tensor, bias: Tensor | None) -> bool:
+    """Whether "flash" runs as the compiled CPU kernel (``cpu_kernel.py``): CPU, float32 / bfloat16 /
+    float16, a bias it takes (``cpu_kernel.unsupported``; when compiling, none: its values cannot be
+    read there), and the kernel built (else flash.py, after one warning that says why)."""
+    if q.device.type != "cpu" or q.dtype not in cpu_kernel.DTYPES:
+        return False
+    if torch.compiler.is_compiling():
+        return bias is None and _kernel_built()
+    return cpu_kernel.unsupported(q, bias) is None and _kernel_built()
+
+
+def choose(
+    name: str, q: Tensor, k: Tensor, *, needs_grad: bool, v: Tensor | None = None, bias: Tensor | None = None
+) -> str:
     """The implementation that runs (one of ``ops.NAMES``) for backend ``name`` — the one place where
     it is decided, for ``attention`` and the ring alike:
 
@@ -113,7 +132,9 @@ def choose(name: str, q: Tensor, k: Tensor, *, needs_grad: bool, v: Tensor | Non
       ``TRITON_MAX_HEAD_DIM``; a clear ImportError / ValueError otherwise); then float64 →
       "flash" (float64 is not a GPU-kernel dtype: the plain-PyTorch tiled backend computes it in
       float64 on the same device, with gradients), and the split-KV decode kernel
-      ("triton_decode") when no input requires grad and the shapes suit it (``_takes_decode``).
+      ("triton_decode") when no input requires grad and the shapes suit it (``_takes_decode``);
+    * "flash" on CPU → the compiled kernel ("cpu_kernel") where it takes the inputs and is built
+      (``_takes_kernel``); flash.py otherwise (float64, no compiler, ``ATTNZERO_NO_BUILD=1``, ...).
     """
     values = k if v is None else v
     if name == "auto":
@@ -129,6 +150,8 @@ def choose(name: str, q: Tensor, k: Tensor, *, needs_grad: bool, v: Tensor | Non
             name = "flash"
         elif not needs_grad and _takes_decode(q, k):
             name = "triton_decode"
+    if name == "flash" and _takes_kernel(q, bias):
+        name = "cpu_kernel"
     return name
 
 
@@ -273,7 +296,7 @@ def _attention(
     want_lse = checks.flag("return_lse", return_lse)
     keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
 
-    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
+    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v, bias=add)
     lse: Tensor | None
     transformed = not torch.compiler.is_compiling() and batching.wrapped(q, k, v, keep, add, sink)
     if transformed and batching.forward_mode():

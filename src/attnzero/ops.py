@@ -26,7 +26,10 @@ Which implementation runs is decided once, in ``functional.choose`` (``"triton_d
 triton backend's split-KV path, taken only without gradients; float64 on ``backend="triton"``
 runs ``"flash"``); nothing here re-dispatches.
 
-The backward ops: ``flash`` and ``triton`` use their backend's ``backward`` (``flash.backward``; the
+``"cpu_kernel"`` is the compiled CPU kernel (``cpu_kernel.py``), which ``choose`` takes for
+``backend="flash"`` / ``"auto"`` on CPU where it is built.
+
+The backward ops: ``flash``, ``cpu_kernel`` and ``triton`` use their backend's ``backward`` (``flash.backward``; the
 kernel op ``attnzero::triton_bwd``); the reference's is MATH.md's backward with every matrix
 materialised (``reference_backward`` below, from the P and Z its forward op kept; the reference's
 eager backward is autograd through the formula, which cannot run inside an op).
@@ -54,7 +57,7 @@ from . import sinks as _sinks
 from .masks import Mask
 from .reference import accum_dtype
 
-NAMES = ("reference", "flash", "triton", "triton_decode")
+NAMES = ("reference", "flash", "cpu_kernel", "triton", "triton_decode")
 # A window side without a bound, in an op's int arguments. Internal window sides may be any int
 # (functional.py folds a mask's band into the window: torch's top-left causal is a negative right
 # side), so the sentinel lies outside every side a check lets through (|side| < 2**62).
@@ -229,6 +232,28 @@ def _flash() -> Any:
     return flash
 
 
+def _kernel() -> Any:
+    from . import cpu_kernel
+
+    return cpu_kernel
+
+
+def _kernel_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None = None, **kw: Any
+) -> tuple[Tensor, Tensor | None]:
+    if sinks is not None:
+        return _with_sinks("cpu_kernel", q, k, v, sinks, **kw)
+    return _kernel().attention(q, k, v, **kw)  # type: ignore[no-any-return]
+
+
+def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    return _kernel().forward(q, k, v, **kw)  # type: ignore[no-any-return]
+
+
+def _kernel_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    return _kernel().backward(*args, **kw)  # type: ignore[no-any-return]
+
+
 def _triton() -> Any:
     from .kernels import triton_backend  # raises a clear ImportError when triton is missing
 
@@ -277,6 +302,8 @@ def _triton_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(_reference_attention, _reference_plain, reference_backward),
     "flash": Backend(_flash_attention, _flash_forward, _flash_backward),
+    # the compiled CPU kernel (cpu_kernel.py, csrc/attention.cpp): flash's function in C++
+    "cpu_kernel": Backend(_kernel_attention, _kernel_forward, _kernel_backward),
     "triton": Backend(_triton_attention, _triton_forward, _triton_backward),
     # split-KV decode: no backward of its own (chosen only without gradients); its (out, lse) are the
     # forward kernel's, so the triton backward would apply

@@ -1,0 +1,324 @@
+"""The compiled CPU kernel (``csrc/attention.cpp``): its build, and the backend functions around it.
+
+Letters: B batch, Hq / Hkv query / key-value heads, Lq / Lk query / key length, D / Dv head dims.
+
+What it computes is flash.py's function — the online softmax of docs/MATH.md and its backward —
+for float32, bfloat16 and float16 on CPU (float32 accumulation), in one C++ loop per call over
+(batch, key-value head, query block) with ``at::parallel_for``: GQA reading K/V head ``h // G``
+without a copy, causal / window (bottom-right), dense bool masks through their strides, an
+``az.masks.Mask`` through a table of its blocks (skip / full / partial, ``_mask_table``), a float
+bias and its gradient, softcap, dropout with ``dropout.py``'s hash. Sinks are folded outside, as
+for every backend (``ops._WithSinks``). ``functional.choose`` decides when it runs
+(``unsupported``: float64, a bias whose rows sit far from 0, ... stay on flash.py).
+
+The build. On first use ``torch.utils.cpp_extension.load`` compiles the source into
+``$ATTNZERO_CACHE/cpu_kernel-<key>`` (else ``$XDG_CACHE_HOME/attnzero``, else ``~/.cache/attnzero``;
+the key hashes the source, the flags, torch's and Python's versions), printing one line while it
+does; later processes load the built library directly. cpp_extension's lock file makes processes
+that start together wait for one build. Where it cannot be built or loaded — ``ATTNZERO_NO_BUILD=1``,
+no C++ compiler, a cache directory that cannot be written, a failing build — ``available()`` is
+False, one warning says why and what to do, and attention runs on flash.py (same results within
+the tolerance rule, slower).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import geometry
+from .masks import Mask
+
+SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+# Query rows per block (the G heads of a group are stacked: G·BLOCK_Q rows share each K/V block),
+# key columns per block. The same sizes index the Mask tables (``_mask_table``).
+BLOCK_Q, BLOCK_K = 64, 64
+UNBOUNDED = -(2**63)  # a side of the band without a bound (the C++ side's UNBOUNDED)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A Mask without block structure is evaluated densely, up to this many entries (bytes); beyond, flash.py.
+DENSE_MASK_MAX = 1 << 28
+# flash.bias_row_shift's bound: a row whose bias is everywhere farther from 0 than this (an additive
+# mask's −1e9) needs the shifted lse that flash.py keeps; the kernel does not do that (yet).
+ROW_SHIFT_MIN = 32.0
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "ok": bool once tried; "why": the reason when not
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$ATTNZERO_CACHE``, else ``$XDG_CACHE_HOME/attnzero``, else
+    ``~/.cache/attnzero``."""
+    given = os.environ.get("ATTNZERO_CACHE")
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnzero"
+
+
+def _cpu_flags() -> list[str]:
+    """The vector width at::vec compiles for: AVX2 + FMA where this CPU has them, else at::vec's
+    scalar default (AVX-512 is not used: at::vec's AVX-512 float paths bring no gain on the CPUs
+    measured, and AVX2 runs everywhere AVX-512 does)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if "avx2" in flags and "fma" in flags:
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def _build_flags() -> list[str]:
+    return ["-O3", "-fno-math-errno", *_cpu_flags()]
+
+
+def _key(flags: list[str]) -> str:
+    parts = [SOURCE.read_text(), " ".join(flags), torch.__version__, sys.version, os.environ.get("CXX", "")]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def _library(build_dir: Path, name: str) -> Path:
+    return build_dir / f"{name}.so"
+
+
+def _load() -> str | None:
+    """Build (unless built) and load the kernel; None when loaded, else why not."""
+    if os.environ.get("ATTNZERO_NO_BUILD", "") not in ("", "0"):
+        return "ATTNZERO_NO_BUILD is set (unset it to build the kernel)"
+    if sys.platform != "linux":
+        return f"the kernel is built on Linux only, not {sys.platform}"
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx.split()[0]) is None:
+        return f"no C++ compiler: {cxx!r} not found (install g++, or point $CXX at one)"
+    flags = _build_flags()
+    key = _key(flags)
+    name = f"attnzero_cpu_{key}"
+    build_dir = cache_dir() / f"cpu_kernel-{key}"
+    done = build_dir / "built"  # written after a build that loaded: the library is whole
+    if done.exists():
+        torch.ops.load_library(str(_library(build_dir, name)))
+        return None
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        probe = build_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"cannot write the cache directory {build_dir}: {e} (set $ATTNZERO_CACHE to a writable directory)"
+    from torch.utils import cpp_extension
+
+    start = time.monotonic()
+    print(
+        f"attnzero: building the CPU attention kernel ({SOURCE.name}) into {build_dir}, once; about a minute",
+        file=sys.stderr,
+        flush=True,
+    )
+    cpp_extension.load(
+        name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
+        is_python_module=False, verbose=False,
+    )  # fmt: skip
+    if not done.exists():
+        done.write_text(f"built in {time.monotonic() - start:.0f} s\n")
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (tried once per process; the first failure warns)."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                try:
+                    why = _load()
+                except Exception as e:  # any failure of the build or the load: flash.py instead
+                    last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+                    why = f"the build failed: {type(e).__name__}: {last[0][:300]}"
+                _state["why"] = why or ""
+                _state["ok"] = why is None
+                if why is not None:
+                    warnings.warn(
+                        f"attnzero: the CPU attention kernel is not available — {why}. Attention on CPU runs "
+                        "flash.py's tiled PyTorch path instead (the same results, slower).",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+    return bool(_state["ok"])
+
+
+def why() -> str:
+    """Why the kernel is not available ("" when it is)."""
+    return "" if available() else str(_state["why"])
+
+
+def unsupported(q: Tensor, bias: Tensor | None = None) -> str | None:
+    """Why the kernel does not take these inputs (None: it does), before asking whether it is built:
+    the device, the dtype, and a bias row that sits far from 0 everywhere (see ``ROW_SHIFT_MIN``)."""
+    if q.device.type != "cpu":
+        return f"the kernel runs on CPU, not {q.device.type}"
+    if q.dtype not in DTYPES:
+        return f"the kernel takes float32, bfloat16 and float16, not {q.dtype} (flash.py computes it)"
+    if bias is not None and bias.numel() > 0:
+        c = bias.amax(dim=-1)  # (B|1, H|1, Lq|1)
+        c = torch.where(torch.isfinite(c), c, 0.0)
+        if float(c.abs().amax()) > ROW_SHIFT_MIN:
+            return "a bias row far from 0 everywhere (an additive mask): flash.py keeps its shifted lse"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The arguments as the C++ ops take them
+
+
+def _band(causal: bool, window: geometry.Window) -> tuple[int, int]:
+    left, right = geometry.band(causal, window)
+    return (UNBOUNDED if left is None else left), (UNBOUNDED if right is None else right)
+
+
+def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dense, table, tiles)`` for a Mask. Without block structure: its dense bool tensor
+    (B|1, H|1, Lq, Lk). With it: per batch of the mask (Bm = 1 or B), query block and key block
+    the kind — 0 SKIP, 1 FULL, 2 + t PARTIAL — as int32 (Bm, nqb, nkb), found from
+    ``Mask.key_range`` and ``Mask.classify``, and the PARTIAL blocks evaluated (``Mask.block``)
+    into tiles, bool (n, Bm, Hm, bm, bn), shared by the batches that need the same block."""
+    Bm, Hm = mask.shape[0], mask.shape[1]
+    if mask.band is None and mask._segments is None:  # no structure: evaluate it all
+        return mask.block((0, Lq), (0, Lk)).expand(Bm, Hm, Lq, Lk), None, None
+    nqb, nkb = -(-Lq // bm), -(-Lk // bn)
+    table = torch.zeros(Bm, nqb, nkb, dtype=torch.int32)
+    found: dict[tuple[int, int], int] = {}
+    tiles: list[Tensor] = []
+    for b in range(Bm):
+        for ib in range(nqb):
+            rows = (ib * bm, min(Lq, (ib + 1) * bm))
+            lo, hi = mask.key_range((b, b + 1), rows)
+            lo, hi = max(lo, 0), min(hi, Lk)
+            for jb in range(lo // bn, -(-hi // bn) if hi > lo else 0):
+                cols = (jb * bn, min(Lk, (jb + 1) * bn))
+                kind = mask.classify((b, b + 1), rows, cols)
+                if kind is geometry.FULL:
+                    table[b, ib, jb] = 1
+                elif kind is geometry.PARTIAL:
+                    if (ib, jb) not in found:
+                        tile = torch.zeros(Bm, Hm, bm, bn, dtype=torch.bool)
+                        r, c = rows[1] - rows[0], cols[1] - cols[0]
+                        tile[:, :, :r, :c] = mask.block(rows, cols).expand(Bm, Hm, r, c)
+                        found[(ib, jb)] = len(tiles)
+                        tiles.append(tile)
+                    table[b, ib, jb] = 2 + found[(ib, jb)]
+    pool = torch.stack(tiles) if tiles else torch.zeros(0, 1, 1, bm, bn, dtype=torch.bool)
+    return None, table, pool
+
+
+def _args(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: geometry.Window, scale: float, softcap: float | None, dropout_p: float, dropout_seed: int,
+) -> tuple[list[Any], list[Any]]:
+    """The tensors and the options of both ops, after (q, k, v)."""
+    if not available():
+        raise RuntimeError(f"attnzero: the CPU kernel is not available: {why()}")
+    Lq, Lk = q.shape[2], k.shape[2]
+    bm = max(1, min(BLOCK_Q, Lq))
+    dense: Tensor | None = None
+    table = tiles = None
+    if isinstance(mask, Mask):
+        dense, table, tiles = _mask_table(mask, Lq, Lk, bm, BLOCK_K)
+    elif mask is not None:
+        dense = mask
+    b32 = None if bias is None else bias.to(torch.float32)
+    left, right = _band(causal, window)
+    seed = dropout_seed if dropout_seed < 2**63 else dropout_seed - 2**64  # int64 bits
+    options = [left, right, float(scale), float(softcap or 0.0), float(dropout_p), seed, bm, BLOCK_K]
+    return [dense, b32, table, tiles], options
+
+
+def _rows(x: Tensor) -> Tensor:
+    """K or V as the kernel reads it: rows of unit stride (the float32 path hands them to sgemm)."""
+    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend (ops.Backend): plain forward and backward, and the differentiable entry
+
+
+@torch.no_grad()
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int, softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)``; fully blocked rows: 0, −inf."""
+    tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
+    out, lse = torch.ops.attnzero_cpu.forward(q, _rows(k), _rows(v), *tensors, *options)
+    return out, lse
+
+
+@torch.no_grad()
+def backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, mask: Tensor | Mask | None,
+    bias: Tensor | None, causal: bool, window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int,
+    bias_grad: bool = True, softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` from ``out`` and ``lse`` (also those of the same queries over more
+    keys: the ring's), recomputing P block by block; dbias in bias's shape and dtype, None
+    without a bias or when ``bias_grad`` is False."""
+    tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
+    want = bias is not None and bias_grad
+    dq, dk, dv, dbias = torch.ops.attnzero_cpu.backward(
+        dout, q, _rows(k), _rows(v), out, lse.to(torch.float32), *tensors, *options, want
+    )
+    return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
+
+
+class _KernelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any]
+    ) -> tuple[Tensor, Tensor]:
+        out, lse = forward(q, k, v, bias=bias, **options)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        del dlse  # lse is returned as non-differentiable
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+            from . import reference
+
+            needs = tuple(ctx.needs_input_grad[:4])
+            return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)
+        want_dbias = ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=want_dbias, **ctx.options)
+        return dq, dk, dv, dbias, None
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None = None, bias: Tensor | None = None,
+    causal: bool = False, window: geometry.Window = None, scale: float, dropout_p: float = 0.0,
+    dropout_seed: int = 0, need_lse: bool = True, softcap: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The backend entry used by ``functional.py``: ``(out, lse)``, differentiable in q, k, v and
+    bias (lse is not). The lse is always computed (``need_lse`` changes nothing here)."""
+    options: dict[str, Any] = {
+        "mask": mask, "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p,
+        "dropout_seed": dropout_seed, "softcap": softcap,
+    }  # fmt: skip
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    if not needs_grad:
+        return forward(q, k, v, bias=bias, **options)
+    out, lse = _KernelAttention.apply(q, k, v, bias, options)
+    return out, lse
+
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "attention", "available", "backward", "cache_dir", "forward", "unsupported", "why"]

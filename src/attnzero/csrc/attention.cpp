@@ -1,0 +1,545 @@
+// attnzero's CPU attention kernel: the online softmax of docs/MATH.md and its backward, in C++
+// against ATen, built on first use by attnzero/cpu_kernel.py (torch.utils.cpp_extension) and
+// registered as the ops torch.ops.attnzero_cpu.forward / .backward.
+//
+// Letters: B batch, Hq / Hkv query / key-value heads, G = Hq / Hkv, Lq / Lk query / key length,
+// D head dim of q and k, Dv head dim of v. bm / bn: query rows / key columns per block.
+//
+// Layout of the work. A task is one key-value head of one batch and one block of bm query rows:
+// the G query heads that read that K/V head are stacked into one block of R = G·bm rows (row
+// r = g·ni + ii is query head hkv·G + g, query i0 + ii), so each K/V block is read once for the
+// whole group (GQA without copying K/V). The forward runs one at::parallel_for over
+// (batch, kv head, query block); the backward one over (batch, kv head), each task owning its
+// dK / dV rows and its query heads' dQ rows (no races). Scores, probabilities and accumulators are
+// float32 whatever the input dtype (float32, bfloat16, float16); the products are MKL's sgemm,
+// the row math at::vec (exp, tanh).
+//
+// What blocks are computed. Per (query block, key block) the kind is SKIP (nothing kept: not
+// computed), FULL (everything kept: no masking) or PARTIAL (masked element by element). It is the
+// meet of the band of causal / window (computed here, bottom-right aligned: query i sits at
+// p = i + Lk - Lq and keeps p - left <= j <= p + right) and, for an az.masks.Mask, of a table the
+// Python side fills from the Mask's own structure (`table`, with the PARTIAL tiles evaluated into
+// `tiles`). A dense bool mask makes every block PARTIAL and is read through its (broadcast) strides.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+extern "C" {
+// MKL's sgemm (column-major, LP64), exported by libtorch_cpu; the same routine at::mm calls. Inside
+// at::parallel_for's OpenMP region it runs on the calling thread.
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
+}
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t UNBOUNDED = std::numeric_limits<int64_t>::min();  // ops.UNBOUNDED: a side without a bound
+
+// C (m×n, row-major, ldc) = alpha · op(A) · op(B) + beta · C, with op(A) m×k and op(B) k×n, all
+// row-major: the column-major sgemm computes Cᵀ = op(B)ᵀ · op(A)ᵀ on the same memory.
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  if (k == 0) {  // nothing to multiply: C = beta · C
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : beta * C[i * ldc + j];
+    return;
+  }
+  sgemm_(tb ? "T" : "N", ta ? "T" : "N", &M, &N, &K, &alpha, B, &la, A, &lb, &beta, C, &lc);
+}
+
+// dropout.py's counter-based hash, bit for bit: lowbias32 applied to the low then the high 32 bits
+// of counter = ((b·Hq + h)·Lq + i)·Lk + j, each xor-ed with the seed's half; kept iff x >= threshold.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+inline bool dropout_kept(uint64_t counter, uint64_t seed, uint64_t threshold) {
+  uint32_t x = static_cast<uint32_t>(counter) ^ static_cast<uint32_t>(seed);
+  x = mix32(x);
+  x ^= static_cast<uint32_t>((counter >> 32) ^ (seed >> 32));
+  x = mix32(x);
+  return static_cast<uint64_t>(x) >= threshold;
+}
+
+enum Kind : int { SKIP = 0, FULL = 1, PARTIAL = 2 };
+
+// Everything a task reads besides its own scratch: sizes, the score options and the inputs' strides.
+struct Problem {
+  int64_t B, Hq, Hkv, G, Lq, Lk, D, Dv, bm, bn, nqb, nkb;
+  int64_t left, right;  // the band p - left <= j <= p + right; UNBOUNDED = no bound on that side
+  float scale, cap;     // cap 0: no softcap
+  bool dropout;
+  uint64_t seed, threshold;
+  float keep_scale;  // 1 / (1 - dropout_p)
+  const uint8_t* mask = nullptr;  // dense bool mask, strides ms (0 where it broadcasts)
+  int64_t ms[4] = {0, 0, 0, 0};
+  const float* bias = nullptr;  // float32 bias, strides bs (0 where it broadcasts)
+  int64_t bs[4] = {0, 0, 0, 0};
+  const int32_t* table = nullptr;  // (tb, nqb, nkb): 0 SKIP, 1 FULL, 2 + t PARTIAL with tile t
+  int64_t tb = 1;
+  const uint8_t* tiles = nullptr;  // (n, tiles_b, tiles_h, bm, bn) bool
+  int64_t tiles_b = 1, tiles_h = 1;
+
+  // The band's kind on query rows [i0, i1) × key columns [j0, j1) (geometry.classify): d = j - p
+  // spans [j0 - p_last, j1 - 1 - p_first] on the block.
+  Kind band_kind(int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
+    if (left == UNBOUNDED && right == UNBOUNDED) return FULL;
+    const int64_t off = Lk - Lq;
+    const int64_t d_min = j0 - (i1 - 1 + off), d_max = (j1 - 1) - (i0 + off);
+    const bool has_lo = left != UNBOUNDED, has_hi = right != UNBOUNDED;
+    if ((has_lo && d_max < -left) || (has_hi && d_min > right) || (has_lo && has_hi && right < -left)) return SKIP;
+    if ((!has_lo || d_min >= -left) && (!has_hi || d_max <= right)) return FULL;
+    return PARTIAL;
+  }
+
+  // The block's kind, the meet of the band, a dense mask and the Mask's table; `tile` the index of
+  // its evaluated tile (-1: none).
+  Kind kind(int64_t b, int64_t ib, int64_t jb, int64_t ni, int64_t nc, int64_t* tile) const {
+    *tile = -1;
+    const int64_t i0 = ib * bm, j0 = jb * bn;
+    Kind k = band_kind(i0, i0 + ni, j0, j0 + nc);
+    if (k == SKIP) return SKIP;
+    if (table != nullptr) {
+      const int32_t t = table[((tb > 1 ? b : 0) * nqb + ib) * nkb + jb];
+      if (t == 0) return SKIP;
+      if (t >= 2) {
+        *tile = t - 2;
+        k = PARTIAL;
+      }
+    }
+    if (mask != nullptr) k = PARTIAL;
+    return k;
+  }
+
+  // Whether (b, h, i, j) is kept by the band, the dense mask and the tile, in a PARTIAL block.
+  bool kept(int64_t b, int64_t h, int64_t i, int64_t j, int64_t tile, int64_t ii, int64_t jj) const {
+    const int64_t p = i + Lk - Lq;
+    if (left != UNBOUNDED && j < p - left) return false;
+    if (right != UNBOUNDED && j > p + right) return false;
+    if (mask != nullptr && !mask[b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3]]) return false;
+    if (tile >= 0) {
+      const int64_t at = ((tile * tiles_b + (tiles_b > 1 ? b : 0)) * tiles_h + (tiles_h > 1 ? h : 0)) * bm + ii;
+      if (!tiles[at * bn + jj]) return false;
+    }
+    return true;
+  }
+
+  // The scores of one row of a block, in place: x = q_i · k_j (from the matmul) becomes
+  // s_ij = scale · x, capped (softcap · tanh(s / softcap)), plus the bias b_ij, and −inf where
+  // blocked (PARTIAL blocks only). `t` (may be null): tanh of the capped scores, for the backward.
+  void scores(float* s, float* t, int64_t nc, int64_t b, int64_t h, int64_t i, int64_t ii, int64_t j0, Kind k,
+              int64_t tile) const {
+    const int64_t n = nc, step = Vec::size();
+    int64_t j = 0;
+    if (cap > 0.f) {  // s = cap · tanh(scale · x / cap); the tanh kept in t for d(cap · tanh)/dx = 1 − t²
+      const Vec f(scale / cap), c(cap);
+      for (; j + step <= n; j += step) {
+        Vec th = (Vec::loadu(s + j) * f).tanh();
+        if (t != nullptr) th.store(t + j);
+        (th * c).store(s + j);
+      }
+      for (; j < n; ++j) {
+        const float th = std::tanh(s[j] * (scale / cap));
+        if (t != nullptr) t[j] = th;
+        s[j] = cap * th;
+      }
+    } else {
+      const Vec f(scale);
+      for (; j + step <= n; j += step) (Vec::loadu(s + j) * f).store(s + j);
+      for (; j < n; ++j) s[j] *= scale;
+    }
+    if (bias != nullptr) {  // s_ij += b_ij
+      const float* br = bias + b * bs[0] + h * bs[1] + i * bs[2] + j0 * bs[3];
+      if (bs[3] == 1) {
+        for (j = 0; j + step <= n; j += step) (Vec::loadu(s + j) + Vec::loadu(br + j)).store(s + j);
+        for (; j < n; ++j) s[j] += br[j];
+      } else {
+        for (j = 0; j < n; ++j) s[j] += br[j * bs[3]];
+      }
+    }
+    if (k == PARTIAL)  // s_ij = −inf where the pair is blocked
+      for (j = 0; j < n; ++j)
+        if (!kept(b, h, i, j0 + j, tile, ii, j)) s[j] = NEG_INF;
+  }
+
+  // Z / (1 − dropout_p) of one row of a block: multiplies p in place (0 where dropped).
+  void drop(float* p, int64_t nc, int64_t b, int64_t h, int64_t i, int64_t j0) const {
+    const uint64_t start = static_cast<uint64_t>(((b * Hq + h) * Lq + i) * Lk + j0);
+    for (int64_t j = 0; j < nc; ++j) p[j] = dropout_kept(start + j, seed, threshold) ? p[j] * keep_scale : 0.f;
+  }
+};
+
+float row_max(const float* x, int64_t n) {
+  const int64_t step = Vec::size();
+  int64_t j = 0;
+  Vec mv(NEG_INF);
+  for (; j + step <= n; j += step) mv = at::vec::maximum(mv, Vec::loadu(x + j));
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// x_j = exp(x_j − shift) in place, returning Σ_j x_j.
+float exp_sum(float* x, int64_t n, float shift) {
+  const int64_t step = Vec::size();
+  int64_t j = 0;
+  const Vec sv(shift);
+  Vec acc(0.f);
+  for (; j + step <= n; j += step) {
+    Vec e = (Vec::loadu(x + j) - sv).exp();
+    e.store(x + j);
+    acc = acc + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
+
+// rows × cols of a (possibly strided, any-dtype) matrix into dense float32 (ld = cols).
+template <typename T>
+void load_rows(float* dst, const T* src, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = static_cast<float>(src[r * row_stride + c * col_stride]);
+}
+
+// A block of K or V rows [j0, j0 + nc) as float32 (ld returned): the tensor itself for float32,
+// else converted into `buf`.
+template <typename T>
+const float* kv_block(const at::Tensor& x, int64_t b, int64_t h, int64_t j0, int64_t nc, float* buf, int64_t* ld) {
+  const T* base = x.data_ptr<T>() + b * x.stride(0) + h * x.stride(1) + j0 * x.stride(2);
+  if constexpr (std::is_same_v<T, float>) {
+    *ld = x.stride(2);
+    return base;
+  } else {
+    load_rows(buf, base, nc, x.size(3), x.stride(2), x.stride(3));
+    *ld = x.size(3);
+    return buf;
+  }
+}
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left,
+                     int64_t right, double scale, double softcap, double dropout_p, int64_t seed, int64_t block_q,
+                     int64_t block_k) {
+  Problem P;
+  P.B = q.size(0), P.Hq = q.size(1), P.Lq = q.size(2), P.D = q.size(3);
+  P.Hkv = k.size(1), P.Lk = k.size(2), P.Dv = v.size(3);
+  P.G = P.Hq / P.Hkv;
+  P.bm = std::max<int64_t>(1, std::min(block_q, P.Lq));
+  P.bn = std::max<int64_t>(1, block_k);
+  P.nqb = (P.Lq + P.bm - 1) / P.bm, P.nkb = (P.Lk + P.bn - 1) / P.bn;
+  P.left = left, P.right = right;
+  P.scale = static_cast<float>(scale), P.cap = static_cast<float>(softcap);
+  P.dropout = dropout_p > 0.0;
+  P.seed = static_cast<uint64_t>(seed);
+  const double th = std::min(std::nearbyint(dropout_p * 4294967296.0), 4294967296.0);
+  P.threshold = static_cast<uint64_t>(th);
+  P.keep_scale = P.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f;
+  const std::vector<int64_t> full = {P.B, P.Hq, P.Lq, P.Lk};
+  if (mask.has_value()) {
+    const at::Tensor m = mask->expand(full);
+    P.mask = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+    for (int d = 0; d < 4; ++d) P.ms[d] = m.stride(d);
+  }
+  if (bias.has_value()) {
+    const at::Tensor bb = bias->expand(full);
+    P.bias = bb.data_ptr<float>();
+    for (int d = 0; d < 4; ++d) P.bs[d] = bb.stride(d);
+  }
+  if (table.has_value()) {
+    P.table = table->data_ptr<int32_t>();
+    P.tb = table->size(0);
+    TORCH_CHECK(table->size(1) == P.nqb && table->size(2) == P.nkb, "attnzero_cpu: table of the wrong shape");
+    if (tiles.has_value() && tiles->numel() > 0) {
+      P.tiles = reinterpret_cast<const uint8_t*>(tiles->data_ptr<bool>());
+      P.tiles_b = tiles->size(1), P.tiles_h = tiles->size(2);
+    }
+  }
+  return P;
+}
+
+// Query blocks in the order 0, n−1, 1, n−2, …: under causal the late blocks hold more keys, and
+// at::parallel_for gives each thread a contiguous range of tasks.
+inline int64_t zigzag(int64_t t, int64_t n) { return (t % 2 == 0) ? t / 2 : n - 1 - t / 2; }
+
+// ---------------------------------------------------------------------------------------------
+// Forward (MATH.md, "Forward with an online softmax")
+
+template <typename T>
+void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                  at::Tensor& lse) {
+  const int64_t tasks = P.B * P.Hkv * P.nqb;
+  const int64_t R_max = P.G * P.bm, D = P.D, Dv = P.Dv, bn = P.bn;
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    // per-thread scratch: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l
+    std::vector<float> qs(R_max * D), kb(bn * D), vb(bn * Dv), s(R_max * bn), acc(R_max * Dv), m(R_max), l(R_max);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / P.nqb, ib = zigzag(task % P.nqb, P.nqb);
+      const int64_t b = bh / P.Hkv, hkv = bh % P.Hkv;
+      const int64_t i0 = ib * P.bm, ni = std::min(P.bm, P.Lq - i0), R = P.G * ni;
+      for (int64_t g = 0; g < P.G; ++g)  // q rows of the group's heads, stacked: (G·ni, D)
+        load_rows(qs.data() + g * ni * D, qp + b * q.stride(0) + (hkv * P.G + g) * q.stride(1) + i0 * q.stride(2), ni,
+                  D, q.stride(2), q.stride(3));
+      std::fill(m.begin(), m.begin() + R, NEG_INF);  // m = −inf before the first kept key
+      std::fill(l.begin(), l.begin() + R, 0.f);
+      std::fill(acc.begin(), acc.begin() + R * Dv, 0.f);
+      for (int64_t jb = 0; jb < P.nkb; ++jb) {
+        const int64_t j0 = jb * bn, nc = std::min(bn, P.Lk - j0);
+        int64_t tile;
+        const Kind kind = P.kind(b, ib, jb, ni, nc, &tile);
+        if (kind == SKIP) continue;
+        int64_t ldk, ldv;
+        const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb.data(), &ldk);
+        const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb.data(), &ldv);
+        gemm(false, true, R, nc, D, 1.f, qs.data(), D, kp, ldk, 0.f, s.data(), bn);  // x_ij = q_i · k_j
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
+          float* sr = s.data() + r * bn;
+          P.scores(sr, nullptr, nc, b, h, i, ii, j0, kind, tile);  // s_ij (−inf where blocked)
+          const float m_new = std::max(m[r], row_max(sr, nc));   // m_new = max(m, max_j s_ij)
+          const float m_use = m_new == NEG_INF ? 0.f : m_new;     // a safe 0 inside the exp only
+          const float alpha = std::exp(m[r] - m_use);             // alpha = exp(m − m_new)
+          const float rowsum = exp_sum(sr, nc, m_use);            // p_ij = exp(s_ij − m_new)
+          l[r] = alpha * l[r] + rowsum;                           // l = alpha·l + Σ_j p_ij
+          m[r] = m_new;                                           // m = m_new
+          if (alpha != 1.f) {                                     // acc = alpha·acc (+ Σ_j p_ij v_j below)
+            float* ar = acc.data() + r * Dv;
+            for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
+          }
+          if (P.dropout) P.drop(sr, nc, b, h, i, j0);  // p̃_ij = p_ij · Z_ij / (1 − p) for the values only
+        }
+        gemm(false, false, R, Dv, nc, 1.f, s.data(), bn, vp, ldv, 1.f, acc.data(), Dv);  // acc += Σ_j p_ij v_j
+      }
+      for (int64_t r = 0; r < R; ++r) {  // O_i = acc / l, lse_i = m + log(l); a row with no kept key: 0, −inf
+        const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        T* orow = op + ((b * P.Hq + h) * P.Lq + i) * Dv;
+        const float* ar = acc.data() + r * Dv;
+        for (int64_t d = 0; d < Dv; ++d) orow[d] = static_cast<T>(ar[d] * inv);
+        lp[(b * P.Hq + h) * P.Lq + i] = (m[r] == NEG_INF || l[r] == 0.f) ? NEG_INF : m[r] + std::log(l[r]);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const std::optional<at::Tensor>& mask,
+                                           const std::optional<at::Tensor>& bias,
+                                           const std::optional<at::Tensor>& table,
+                                           const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
+                                           double scale, double softcap, double dropout_p, int64_t seed,
+                                           int64_t block_q, int64_t block_k) {
+  const Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed,
+                                 block_q, block_k);
+  at::Tensor out = at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_forward", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "attnzero_cpu: float64 runs on flash.py");
+    } else {
+      forward_impl<scalar_t>(P, q, k, v, out, lse);
+    }
+  });
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward (MATH.md, "Backward from (O, lse), recomputing P block by block")
+
+template <typename T>
+void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk,
+                   at::Tensor& dv, float* dbias, const int64_t* dbs, int64_t dbias_per_thread) {
+  const int64_t D = P.D, Dv = P.Dv, bn = P.bn, G = P.G, Lq = P.Lq;
+  const int64_t NR = G * Lq, R_max = G * P.bm;
+  const T* qp = q.data_ptr<T>();
+  const T* dop = dout.data_ptr<T>();
+  const T* outp = out.data_ptr<T>();
+  const float* lp = lse.data_ptr<float>();
+  T* dqp = dq.data_ptr<T>();
+  T* dkp = dk.data_ptr<T>();
+  T* dvp = dv.data_ptr<T>();
+  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
+    // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
+    std::vector<float> qf(NR * D), dof(NR * Dv), Dr(NR), lser(NR), dqa(NR * D);
+    std::vector<float> kb(bn * D), vb(bn * Dv), dka(bn * D), dva(bn * Dv);
+    std::vector<float> s(R_max * bn), dp(R_max * bn), pd(P.dropout ? R_max * bn : 0), th(P.cap > 0.f ? R_max * bn : 0);
+    float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? at::get_thread_num() * dbias_per_thread : 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / P.Hkv, hkv = task % P.Hkv;
+      for (int64_t ib = 0; ib < P.nqb; ++ib) {
+        const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = hkv * G + g, row0 = G * i0 + g * ni;
+          const int64_t qo = b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2);
+          load_rows(qf.data() + row0 * D, qp + qo, ni, D, q.stride(2), q.stride(3));
+          const int64_t go = b * dout.stride(0) + h * dout.stride(1) + i0 * dout.stride(2);
+          load_rows(dof.data() + row0 * Dv, dop + go, ni, Dv, dout.stride(2), dout.stride(3));
+          for (int64_t ii = 0; ii < ni; ++ii) {  // D_i = Σ_d dO_id · O_id
+            const T* orow = outp + b * out.stride(0) + h * out.stride(1) + (i0 + ii) * out.stride(2);
+            const float* gr = dof.data() + (row0 + ii) * Dv;
+            float sum = 0.f;
+            for (int64_t d = 0; d < Dv; ++d) sum += gr[d] * static_cast<float>(orow[d * out.stride(3)]);
+            Dr[row0 + ii] = sum;
+            lser[row0 + ii] = lp[b * lse.stride(0) + h * lse.stride(1) + (i0 + ii) * lse.stride(2)];
+          }
+        }
+      }
+      std::fill(dqa.begin(), dqa.end(), 0.f);
+      for (int64_t jb = 0; jb < P.nkb; ++jb) {
+        const int64_t j0 = jb * bn, nc = std::min(bn, P.Lk - j0);
+        int64_t ldk, ldv;
+        const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb.data(), &ldk);
+        const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb.data(), &ldv);
+        std::fill(dka.begin(), dka.begin() + nc * D, 0.f);
+        std::fill(dva.begin(), dva.begin() + nc * Dv, 0.f);
+        bool any = false;
+        for (int64_t ib = 0; ib < P.nqb; ++ib) {
+          const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0), R = G * ni, row0 = G * i0;
+          int64_t tile;
+          const Kind kind = P.kind(b, ib, jb, ni, nc, &tile);
+          if (kind == SKIP) continue;
+          any = true;
+          const float* qi = qf.data() + row0 * D;
+          const float* doi = dof.data() + row0 * Dv;
+          gemm(false, true, R, nc, D, 1.f, qi, D, kp, ldk, 0.f, s.data(), bn);  // x_ij = q_i · k_j
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
+            float* sr = s.data() + r * bn;
+            P.scores(sr, P.cap > 0.f ? th.data() + r * bn : nullptr, nc, b, h, i, ii, j0, kind, tile);
+            const float lse_i = lser[row0 + r];
+            if (lse_i == NEG_INF) {  // p_ij = 0 for a row with no kept key
+              std::fill(sr, sr + nc, 0.f);
+            } else {
+              exp_sum(sr, nc, lse_i);  // p_ij = exp(s_ij − lse_i) (0 where blocked)
+            }
+            if (P.dropout) {  // p̃_ij = p_ij · Z_ij / (1 − p)
+              float* pr = pd.data() + r * bn;
+              std::copy(sr, sr + nc, pr);
+              P.drop(pr, nc, b, h, i, j0);
+            }
+          }
+          const float* pt = P.dropout ? pd.data() : s.data();
+          gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, Dv, 1.f, dva.data(), Dv);  // dV_j += Σ_i p̃_ij dO_i
+          gemm(false, true, R, nc, Dv, 1.f, doi, Dv, vp, ldv, 0.f, dp.data(), bn);   // dp_ij = dO_i · v_j
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
+            float* dpr = dp.data() + r * bn;
+            const float* pr = s.data() + r * bn;
+            const float Di = Dr[row0 + r];
+            if (P.dropout) {  // ds_ij = p_ij (Z_ij · dp_ij / (1 − p) − D_i) = p̃_ij · dp_ij − p_ij · D_i
+              const float* ptr = pd.data() + r * bn;
+              for (int64_t j = 0; j < nc; ++j) dpr[j] = ptr[j] * dpr[j] - pr[j] * Di;
+            } else {  // ds_ij = p_ij (dp_ij − D_i)
+              for (int64_t j = 0; j < nc; ++j) dpr[j] = pr[j] * (dpr[j] - Di);
+            }
+            if (db != nullptr) {  // dbias_ij += ds_ij (summed where the bias broadcasts)
+              float* dbr = db + b * dbs[0] + h * dbs[1] + i * dbs[2] + j0 * dbs[3];
+              for (int64_t j = 0; j < nc; ++j) dbr[j * dbs[3]] += dpr[j];
+            }
+            if (P.cap > 0.f) {  // through the cap: ds · (1 − t²)
+              const float* tr = th.data() + r * bn;
+              for (int64_t j = 0; j < nc; ++j) dpr[j] *= 1.f - tr[j] * tr[j];
+            }
+          }
+          gemm(false, false, R, D, nc, P.scale, dp.data(), bn, kp, ldk, 1.f, dqa.data() + row0 * D, D);  // dQ_i += scale · Σ_j ds_ij k_j
+          gemm(true, false, nc, D, R, P.scale, dp.data(), bn, qi, D, 1.f, dka.data(), D);  // dK_j += scale · Σ_i ds_ij q_i
+        }
+        T* dkr = dkp + ((b * P.Hkv + hkv) * P.Lk + j0) * D;
+        T* dvr = dvp + ((b * P.Hkv + hkv) * P.Lk + j0) * Dv;
+        for (int64_t x = 0; x < nc * D; ++x) dkr[x] = static_cast<T>(any ? dka[x] : 0.f);
+        for (int64_t x = 0; x < nc * Dv; ++x) dvr[x] = static_cast<T>(any ? dva[x] : 0.f);
+      }
+      for (int64_t ib = 0; ib < P.nqb; ++ib) {  // dQ back to (B, Hq, Lq, D)
+        const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = hkv * G + g, row0 = G * i0 + g * ni;
+          T* dst = dqp + ((b * P.Hq + h) * Lq + i0) * D;
+          const float* src = dqa.data() + row0 * D;
+          for (int64_t x = 0; x < ni * D; ++x) dst[x] = static_cast<T>(src[x]);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
+    double scale, double softcap, double dropout_p, int64_t seed, int64_t block_q, int64_t block_k, bool bias_grad) {
+  const Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed,
+                                 block_q, block_k);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  // dbias, float32, in the bias's own (broadcast) shape: written in place by the task that owns its
+  // (batch, head) when the bias has every batch and query head, else summed from one copy per thread.
+  at::Tensor dbias = at::empty({0}, q.options().dtype(at::kFloat));
+  at::Tensor acc;
+  int64_t dbs[4] = {0, 0, 0, 0};
+  int64_t per_thread = 0;
+  if (bias.has_value() && bias_grad) {
+    const auto shape = bias->sizes();
+    const bool owned = shape[0] == P.B && shape[1] == P.Hq;
+    const int64_t n = owned ? 1 : at::get_num_threads();
+    acc = at::zeros({n, shape[0], shape[1], shape[2], shape[3]}, q.options().dtype(at::kFloat));
+    const at::Tensor one = acc[0].expand({P.B, P.Hq, P.Lq, P.Lk});
+    for (int d = 0; d < 4; ++d) dbs[d] = one.stride(d);
+    per_thread = owned ? 0 : acc.stride(0);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_backward", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "attnzero_cpu: float64 runs on flash.py");
+    } else {
+      backward_impl<scalar_t>(P, dout, q, k, v, out, lse, dq, dk, dv, acc.defined() ? acc.data_ptr<float>() : nullptr,
+                              dbs, per_thread);
+    }
+  });
+  if (acc.defined()) dbias = acc.sum(0);
+  return {dq, dk, dv, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnzero_cpu, m) {
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? table, Tensor? tiles, int left, "
+      "int right, float scale, float softcap, float dropout_p, int seed, int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def(
+      "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, "
+      "Tensor? table, Tensor? tiles, int left, int right, float scale, float softcap, float dropout_p, int seed, "
+      "int block_q, int block_k, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnzero_cpu, CPU, m) {
+  m.impl("forward", &forward);
+  m.impl("backward", &backward);
+}
