@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import geometry
+from . import geometry, reference
 from .masks import Mask
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
@@ -293,9 +293,7 @@ class _KernelAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, out, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
-            from . import reference
-
+        if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             needs = tuple(ctx.needs_input_grad[:4])
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)
         want_dbias = ctx.needs_input_grad[3]
