@@ -442,10 +442,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return _TORCH_DTYPE_NAMES.get(dtype, str(dtype))
 
 
+def _plainly_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two shapes are equal without deciding anything symbolic: the same ints, or the very
+    same size objects."""
+    return len(a) == len(b) and all(x is y or (type(x) is int and type(y) is int and x == y) for x, y in zip(a, b))
+
+
 def _broadcast(shapes: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
     """The broadcast of the leading-dim shapes of ``shapes`` (aligned from the right, a size of 1
     stretches), as torch broadcasts the leading dims of query, key and value; a pair that does not
     broadcast raises torch's phrase beside the names of the arguments."""
+    first, *rest = shapes.values()
+    if all(_plainly_equal(s, first) for s in rest):  # the common call: nothing to broadcast
+        return tuple(first)
     out: list[Any] = []
     owner: list[str] = []
     for name, shape in shapes.items():
