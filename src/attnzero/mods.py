@@ -50,7 +50,7 @@ class ModError(TypeError, RuntimeError):
     and a ``RuntimeError`` like torch's own errors."""
 
 
-class _IndexWithTensors(TorchFunctionMode):
+class IndexWithTensors(TorchFunctionMode):
     """``table[h, q_idx - kv_idx]`` with 0-d index tensors, under vmap: Python's indexing would ask
     each index for an int (``__index__``), which a batched tensor cannot give, so indexing by
     tensors only is sent to ``aten.index`` (advanced indexing, which vmap batches)."""
@@ -123,7 +123,7 @@ def score_block(score_mod: ScoreMod, s: Tensor, *, batches: Range, heads: Range,
         raise ValueError(f"s: expected the block's shape {want}, got {tuple(s.shape)}")
     if s.numel() == 0:
         return s
-    with _IndexWithTensors():
+    with IndexWithTensors():
         out = _nest(score_mod, True)(s, *idx)  # (nb, nh, r, c)
     return _checked("score_mod", out, want, s.dtype, "score")
 
@@ -134,12 +134,16 @@ def mask_block(
     """``mask_mod`` on one block: bool (nb, nh, r, c), True = may attend (a non-bool result counts
     non-zero as True)."""
     dev = torch.device("cpu") if device is None else torch.device(device)
-    idx = _indices(batches, heads, rows, cols, dev)
-    want = tuple(len(i) for i in idx)
+    return mask_on(mask_mod, *_indices(batches, heads, rows, cols, dev))
+
+
+def mask_on(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``mask_mod`` on the grid of four index vectors (any int values, int32): bool (nb, nh, r, c)."""
+    want = (len(b), len(h), len(q_idx), len(kv_idx))
     if 0 in want:
-        return torch.zeros(want, dtype=torch.bool, device=dev)
-    with _IndexWithTensors():
-        out = _nest(mask_mod, False)(*idx)  # (nb, nh, r, c)
+        return torch.zeros(want, dtype=torch.bool, device=kv_idx.device)
+    with IndexWithTensors():
+        out = _nest(mask_mod, False)(b, h, q_idx, kv_idx)  # (nb, nh, r, c)
     out = _checked("mask_mod", out, want, None, "bool")
     return out if out.dtype == torch.bool else out != 0
 
@@ -176,5 +180,14 @@ def check_callable(name: str, fn: Any) -> Any:
 
 
 __all__ = [
-    "INDEX_DTYPE", "MaskMod", "ModError", "ScoreMod", "mask_block", "mask_grid", "score_block", "score_grid",
+    "INDEX_DTYPE",
+    "IndexWithTensors",
+    "MaskMod",
+    "ModError",
+    "ScoreMod",
+    "mask_block",
+    "mask_grid",
+    "mask_on",
+    "score_block",
+    "score_grid",
 ]  # fmt: skip
