@@ -211,3 +211,40 @@ def test_multi_head_attention_trains_a_score_mod_module() -> None:
     q = plain._split_heads(plain.W_q(x), 4)
     k = plain._split_heads(plain.W_k(x), 4)
     torch.testing.assert_close(weights, az.attention_weights(q, k, bias=bias, causal=True))
+
+
+TABLE = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)  # a global a mod reads
+
+
+def test_score_block_backward_summed_over_blocks_is_autograds() -> None:
+    """What a tiled backend's backward calls per block: the scores' gradient and the captured
+    tensors' (found by captured_tensors in closures, globals, modules), summed over a tiling."""
+    scale = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    unused = torch.ones(2, dtype=torch.float64, requires_grad=True)
+
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * scale + TABLE[h, i - j + 4]
+
+    found = mods.captured_tensors(score_mod)
+    assert any(t is TABLE for t in found) and any(t is scale for t in found) and not any(t is unused for t in found)
+    module = torch.nn.Linear(2, 2)
+    assert {id(t) for t in mods.captured_tensors(module)} == {id(p) for p in module.parameters()}
+
+    s = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    g = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    x = s.clone().requires_grad_()
+    want = torch.autograd.grad(mods.score_grid(score_mod, x), [x, TABLE, scale], g)
+    ds = torch.zeros_like(s)
+    sums: list[Tensor] = [torch.zeros_like(TABLE), torch.zeros_like(scale)]
+    for r0 in (0, 2):
+        for c0 in (0, 3):
+            rows, cols = (r0, 5 if r0 else 2), (c0, 5 if c0 else 3)
+            blk = (slice(None), slice(None), slice(*rows), slice(*cols))
+            d, grads = mods.score_block_backward(
+                score_mod, s[blk], g[blk], [TABLE, scale], batches=(0, 2), heads=(0, 3), rows=rows, cols=cols
+            )
+            ds[blk] = d
+            sums = [a + (0 if b is None else b) for a, b in zip(sums, grads)]
+    torch.testing.assert_close(ds, want[0])
+    torch.testing.assert_close(sums[0], want[1])
+    torch.testing.assert_close(sums[1], want[2])

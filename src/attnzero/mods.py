@@ -31,7 +31,10 @@ Letters: B batch, H query heads, Lq / Lk query / key length; r, c a block's rows
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -148,6 +151,87 @@ def mask_on(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tens
     return out if out.dtype == torch.bool else out != 0
 
 
+def score_block_backward(
+    score_mod: ScoreMod,
+    s: Tensor,
+    ds_mod: Tensor,
+    captured: Sequence[Tensor] = (),
+    *,
+    batches: Range,
+    heads: Range,
+    rows: Range,
+    cols: Range,
+) -> tuple[Tensor, list[Tensor | None]]:
+    """The backward of ``score_block`` on one block, for a tiled backend's own backward: given the
+    block's scaled scores ``s`` (nb, nh, r, c) and the gradient ``ds_mod`` of the *modified* scores,
+    ``(ds, grads)`` — the gradient of the scores before the mod, and of each tensor in ``captured``
+    (``captured_tensors(score_mod)``; None where the mod does not use it). Summed over the blocks,
+    the captured gradients are the whole call's. Recomputes the mod on the block (autograd)."""
+    with torch.enable_grad():
+        x = s.detach().requires_grad_(True)
+        y = score_block(score_mod, x, batches=batches, heads=heads, rows=rows, cols=cols)
+        wrt = [x, *[t for t in captured if t.requires_grad]]
+        got = torch.autograd.grad(y, wrt, ds_mod, allow_unused=True)
+    ds = torch.zeros_like(s) if got[0] is None else got[0]
+    rest = iter(got[1:])
+    return ds, [next(rest) if t.requires_grad else None for t in captured]
+
+
+def captured_tensors(fn: Any) -> list[Tensor]:
+    """The tensors a mod reads besides its arguments, for a backend that must give them gradients
+    outside autograd's graph (its own backward, ``score_block_backward``): closure cells, the
+    globals its code names, an ``nn.Module``'s parameters and buffers (a mod that is a module, or a
+    bound method of one), a ``functools.partial``'s arguments — followed into the functions they
+    hold, each tensor once, in the order found."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 8:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for t in (*obj.parameters(), *obj.buffers()):
+                found.setdefault(id(t), t)
+        elif isinstance(obj, functools.partial):
+            for x in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(x, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, depth + 1)
+        elif inspect.ismethod(obj):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+        elif inspect.isfunction(obj):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    visit(cell.cell_contents, depth + 1)
+            for name in _names(obj.__code__):
+                if name in obj.__globals__:
+                    visit(obj.__globals__[name], depth + 1)
+        elif callable(obj) and not isinstance(obj, type):  # an instance with a __call__ of its class
+            visit(vars(type(obj)).get("__call__"), depth + 1)
+            visit(vars(obj) if hasattr(obj, "__dict__") else None, depth + 1)
+
+    visit(fn, 0)
+    return list(found.values())
+
+
+def _names(code: Any) -> list[str]:
+    """The global names a code object and the code objects nested in it (lambdas, inner
+    functions) refer to."""
+    out = list(code.co_names)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            out += _names(c)
+    return out
+
+
 def score_grid(score_mod: ScoreMod, s: Tensor, *, q_offset: int = 0, kv_offset: int = 0) -> Tensor:
     """``score_mod`` on the whole grid of scaled scores ``s`` (B, H, Lq, Lk) (what the reference
     calls); query ``i`` is at position ``q_offset + i``, key ``j`` at ``kv_offset + j``."""
@@ -185,9 +269,11 @@ __all__ = [
     "MaskMod",
     "ModError",
     "ScoreMod",
+    "captured_tensors",
     "mask_block",
     "mask_grid",
     "mask_on",
     "score_block",
+    "score_block_backward",
     "score_grid",
 ]  # fmt: skip
