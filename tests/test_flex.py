@@ -272,7 +272,7 @@ def test_the_mask_utilities_are_torchs() -> None:
 
 def test_an_and_masks_block_mask_and_a_noop_one() -> None:
     q, k, v = _qkv(1, H, H, L, L, 16)
-    for mm in (flex.and_masks(causal, document), flex.or_masks(prefix_lm, document), flex.noop_mask):
+    for mm in (flex.or_masks(prefix_lm, flex.and_masks(causal, document)), flex.noop_mask):
         bm = flex.create_block_mask(mm, 1, 1, L, L, device="cpu", BLOCK_SIZE=16)
         got = flex.flex_attention(q, k, v, block_mask=bm, score_mod=alibi)
         want = _torch_flex(q, k, v, block_mask=bm, score_mod=alibi)

@@ -228,3 +228,28 @@ def test_bad_arguments_are_named() -> None:
         M.from_mod(lambda b, h, q, kv: q >= kv, 1, 1, 4, 4, block_size=0)
     with pytest.raises(TypeError, match="mask_mod: expected a 0-d"):
         M.from_mod(lambda b, h, q, kv: torch.stack([q, kv]) > 0, 1, 1, 4, 4)
+
+
+def test_backends_evaluate_the_mod_on_partial_blocks_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the table is built, attention calls the mask_mod only on table blocks that are partial:
+    not on skipped ones (nor full ones, which need no mask)."""
+    mod, _, shape = CASES["prefix_lm"]
+    mask = M.from_mod(mod, *shape, block_size=8)
+    table = mask.table
+    assert table is not None
+    calls: list[tuple[int, int]] = []
+    real = mods.mask_on
+
+    def spy(mm: object, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        qb, kb = {int(x) // 8 for x in q}, {int(x) // 8 for x in kv}
+        assert len(qb) == len(kb) == 1  # one table block per call
+        calls.append((qb.pop(), kb.pop()))
+        return real(mm, b, h, q, kv)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mods, "mask_on", spy)
+    q, k, v = qkv(1, 1, 1, shape[2], shape[3], 8)
+    for backend in ("reference", "flash"):
+        calls.clear()
+        with flash.block_sizes(rows=16, cols=16):  # flash blocks of 2 × 2 table blocks
+            az.attention(q, k, v, mask=mask, backend=backend)
+        assert calls and all(int(table.kinds[0, 0, i, j]) == blocks.PARTIAL for i, j in calls)

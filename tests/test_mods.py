@@ -248,3 +248,20 @@ def test_score_block_backward_summed_over_blocks_is_autograds() -> None:
     torch.testing.assert_close(ds, want[0])
     torch.testing.assert_close(sums[0], want[1])
     torch.testing.assert_close(sums[1], want[2])
+
+
+def test_score_mod_and_a_mask_from_a_mod_trace_under_torch_compile_fullgraph() -> None:
+    q, k, v = (t.float().requires_grad_() for t in qkv(1, 2, 2, 24, 24, 8))
+    rel = torch.randn(2, 47)
+    mask = az.masks.from_mod(lambda b, h, i, j: (j < 5) | (j <= i), 1, 1, 24, 24, block_size=8)
+
+    def fn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = az.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s + rel[h, i - j + 23])
+        assert isinstance(out, Tensor)
+        return out
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="eager")(q, k, v)  # dynamo's tracing, no inductor build
+    torch.testing.assert_close(got, fn(q, k, v))
+    got.sum().backward()
+    assert q.grad is not None

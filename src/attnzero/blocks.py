@@ -10,9 +10,9 @@ chunked: never a dense (B, H, Lq, Lk) tensor) and what ``attnzero.flex`` reads f
   (a backend with other block sizes): the table blocks they touch are all SKIP → SKIP, all FULL →
   FULL, else PARTIAL — each table block's kind holds for every part of it;
 * ``key_range(batches, rows)`` — from the first to the last key block that any of those rows keeps;
-* ``gate(keep, b, h, q_idx, kv_idx)`` — a predicate made exact by the table: False on SKIP blocks,
-  True on FULL ones, ``keep`` on PARTIAL ones (a BlockMask's unlisted blocks are blocked even where
-  its mask_mod would keep a pair).
+* ``keep(mask_mod, b, h, q_idx, kv_idx)`` — the Mask's predicate made exact by the table: False on
+  SKIP blocks, True on FULL ones, the mask_mod on PARTIAL ones only, which is all it is evaluated
+  on (a BlockMask's unlisted blocks are blocked even where its mask_mod would keep a pair).
 
 Every answer is over the batches asked for and every head, as the backends ask today (their chunks
 hold several heads); ``heads=`` narrows it to some query heads.
@@ -115,10 +115,40 @@ class BlockTable:
         hi = h.long() if H > 1 else torch.zeros_like(h, dtype=torch.long)
         return kinds[bi, hi, q_idx.long() // self.bq, kv_idx.long() // self.bk]
 
-    def gate(self, keep: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """``keep`` made exact by the table: False on SKIP blocks, True on FULL ones."""
-        kind = self.kind_at(b, h, q_idx, kv_idx)
-        return torch.where(kind == FULL, True, (kind == PARTIAL) & keep)
+    def keep(self, mask_mod: mods.MaskMod | None, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """The predicate of a Mask with this table, at index tensors that broadcast (``Mask.block``'s
+        grid): False on SKIP blocks, True on FULL ones, ``mask_mod`` on PARTIAL ones (None: True) —
+        the mod evaluated on each partial table block of the region only (for the region's batches
+        and heads), never on a skipped or full one. Other index tensors than a grid of aranges: the
+        mod on every pair asked for, gated by the table (also when compiling: no read-backs)."""
+        kind = self.kind_at(b, h, q_idx, kv_idx)  # (broadcast shape) int8
+        full, partial = kind == FULL, kind == PARTIAL
+        if mask_mod is None:
+            return full | partial
+        if torch.compiler.is_compiling():  # tensor ops only (no read-back): the mod on every pair, gated
+            return full | (partial & call_indices(mask_mod, b, h, q_idx, kv_idx))
+        if not bool(partial.any()):
+            return full
+        idx = (b, h, q_idx, kv_idx)
+        shape = partial.shape
+        grid = len(shape) == 4 and all(
+            t.ndim == 4 and all(n == 1 for d, n in enumerate(t.shape) if d != axis) for axis, t in enumerate(idx)
+        )
+        qv, kvv = q_idx.reshape(-1), kv_idx.reshape(-1)
+        r0, r1, c0, c1 = int(qv[0]), int(qv[-1]) + 1, int(kvv[0]), int(kvv[-1]) + 1
+        if not grid or (r1 - r0, c1 - c0) != (len(qv), len(kvv)):
+            return full | (partial & call_indices(mask_mod, b, h, q_idx, kv_idx))
+        bv, hv = (t.reshape(-1).to(mods.INDEX_DTYPE) for t in (b, h))
+        out = full.expand(shape).clone()
+        qb0, kb0 = r0 // self.bq, c0 // self.bk
+        region = self.kinds[:, :, qb0 : -(-r1 // self.bq), kb0 : -(-c1 // self.bk)]  # (B|1, H|1, nq, nk)
+        for qb, kb in (region == PARTIAL).any(dim=(0, 1)).nonzero().tolist():
+            rs, re = max(r0, (qb0 + qb) * self.bq), min(r1, (qb0 + qb + 1) * self.bq)  # the block's rows here
+            cs, ce = max(c0, (kb0 + kb) * self.bk), min(c1, (kb0 + kb + 1) * self.bk)
+            rows, cols = slice(rs - r0, re - r0), slice(cs - c0, ce - c0)
+            vals = mods.mask_on(mask_mod, bv, hv, qv[rows].to(mods.INDEX_DTYPE), kvv[cols].to(mods.INDEX_DTYPE))
+            out[:, :, rows, cols] |= partial[:, :, rows, cols] & vals  # (nb, nh, r', c')
+        return out
 
     def combine(self, other: BlockTable, word: str) -> BlockTable | None:
         """The table of ``self and other`` / ``self or other`` when both have the same blocks and

@@ -166,6 +166,7 @@ def _validate(query: Any, key: Any, value: Any, block_mask: Any, enable_gqa: boo
 def _kinds(block_mask: BlockMask, n_q: int, n_k: int) -> Tensor:
     """The BlockMask's table as int8 kinds (B|1, H|1, n_q, n_k): listed partial blocks PARTIAL, listed
     full blocks FULL, every other block SKIP."""
+
     def mark(kinds: Tensor, num: Tensor, idx: Tensor, code: int) -> Tensor:
         num, idx = num.to("cpu", torch.int64), idx.to("cpu", torch.int64)  # (B, H, nQ'), (B, H, nQ', nK')
         listed = torch.arange(idx.shape[-1]).view(1, 1, 1, -1) < num[..., :n_q].unsqueeze(-1)  # (B, H, n_q, nK')
@@ -189,47 +190,12 @@ def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     n_q, n_k = -(-Lq // bq), -(-Lk // bk)
     table = blocks.BlockTable(_kinds(block_mask, n_q, n_k), (bq, bk), (Lq, Lk))
-    mask_mod = block_mask.mask_mod
+    mask_mod = None if block_mask.mask_mod is noop_mask else block_mask.mask_mod
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        kind = table.kind_at(b, h, q, kv)  # (broadcast shape) int8
-        out = kind == blocks.FULL
-        partial = kind == blocks.PARTIAL
-        if mask_mod is noop_mask or not bool(partial.any()):
-            return out | partial
-        return _on_partial_blocks(mask_mod, table, out, partial, b, h, q, kv)
+        return table.keep(mask_mod, b, h, q, kv)
 
-    return Mask(keep, (B, H, Lq, Lk), f"block_mask({getattr(mask_mod, '__name__', 'mask_mod')})", table=table)
-
-
-def _on_partial_blocks(
-    mask_mod: mods.MaskMod, table: blocks.BlockTable, out: Tensor, partial: Tensor, *idx: Tensor
-) -> Tensor:
-    """``out`` with ``mask_mod``'s values where ``partial``: the mod is called on each partial table
-    block of the region (for the region's batches and heads), never on a skipped or full block. The
-    index tensors are ``Mask.block``'s grid (each an arange along its own dim) or, otherwise, any
-    broadcasting tensors (the mod then runs on every pair of the region, gated by the table)."""
-    b, h, q, kv = idx
-    shape = partial.shape
-    grid = len(shape) == 4 and all(
-        t.ndim == 4 and all(n == 1 for d, n in enumerate(t.shape) if d != axis) for axis, t in enumerate(idx)
-    )
-    qv, kvv = q.reshape(-1), kv.reshape(-1)
-    r0, r1, c0, c1 = int(qv[0]), int(qv[-1]) + 1, int(kvv[0]), int(kvv[-1]) + 1
-    if not grid or (r1 - r0, c1 - c0) != (len(qv), len(kvv)):
-        return out | (partial & blocks.call_indices(mask_mod, b, h, q, kv))
-    bv, hv = (t.reshape(-1).to(mods.INDEX_DTYPE) for t in (b, h))
-    out = out.expand(shape).clone()
-    bq, bk = table.bq, table.bk
-    qb0, kb0 = r0 // bq, c0 // bk
-    region = table.kinds[:, :, qb0 : -(-r1 // bq), kb0 : -(-c1 // bk)]  # (B|1, H|1, nq, nk)
-    for qb, kb in (region == blocks.PARTIAL).any(dim=(0, 1)).nonzero().tolist():
-        rs, re = max(r0, (qb0 + qb) * bq), min(r1, (qb0 + qb + 1) * bq)  # the block's rows in the region
-        cs, ce = max(c0, (kb0 + kb) * bk), min(c1, (kb0 + kb + 1) * bk)
-        rows, cols = slice(rs - r0, re - r0), slice(cs - c0, ce - c0)
-        vals = mods.mask_on(mask_mod, bv, hv, qv[rows].to(mods.INDEX_DTYPE), kvv[cols].to(mods.INDEX_DTYPE))
-        out[:, :, rows, cols] |= partial[:, :, rows, cols] & vals  # (nb, nh, r', c')
-    return out
+    return Mask(keep, (B, H, Lq, Lk), f"block_mask({getattr(mask_mod, '__name__', 'noop_mask')})", table=table)
 
 
 def _dense_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Tensor:
@@ -245,6 +211,7 @@ def _dense_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int, device:
 
 def _kinds_traced(block_mask: BlockMask, n_q: int, n_k: int) -> Tensor:
     """``_kinds`` on the BlockMask's own device, without leaving the graph."""
+
     def mark(kinds: Tensor, num: Tensor, idx: Tensor, code: int) -> Tensor:
         listed = torch.arange(idx.shape[-1], device=idx.device).view(1, 1, 1, -1) < num[..., :n_q].unsqueeze(-1)
         cols = torch.where(listed, idx[..., :n_q, :].long().clamp(0, n_k), n_k)

@@ -554,7 +554,7 @@ def from_mod(
     table = blocks.evaluate(mask_mod, shape, (int(pair[0]), int(pair[1])), dev)
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        return blocks.call_indices(mask_mod, b, h, q, kv)
+        return table.keep(mask_mod, b, h, q, kv)  # the mod on partial blocks only
 
     name = f"from_mod({getattr(mask_mod, '__name__', type(mask_mod).__name__)})"
     return Mask(keep, shape, name, table=table)
