@@ -290,3 +290,20 @@ def test_it_traces_under_torch_compile_fullgraph(score: str | None) -> None:
     torch.testing.assert_close(out, flex.flex_attention(q, k, v, score_mod=sm, block_mask=bm))
     out.sum().backward()
     assert q.grad is not None
+
+
+def test_flash_visits_exactly_the_listed_blocks() -> None:
+    """Without a score_mod the block mask runs on flash, which visits the blocks the BlockMask lists
+    (partial or full) and no other: B = H = 1 and flash's blocks = the BlockMask's."""
+    from attnzero import flash
+
+    q, k, v = _qkv(1, 1, 1, L, L, 8)
+    for mm in (causal, document, prefix_lm):
+        bm = TF.create_block_mask(mm, 1, 1, L, L, device="cpu", BLOCK_SIZE=16)
+        assert bm.full_kv_num_blocks is not None
+        listed = int(bm.kv_num_blocks.sum()) + int(bm.full_kv_num_blocks.sum())
+        flash.COUNTS.update(forward=0)
+        with flash.block_sizes(rows=16, cols=16, softmax=False):
+            got = flex.flex_attention(q, k, v, block_mask=bm)
+        assert flash.COUNTS["forward"] == listed < (L // 16) ** 2
+        torch.testing.assert_close(got, _torch_flex(q, k, v, block_mask=bm), atol=2e-5, rtol=2e-5)
