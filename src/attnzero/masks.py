@@ -541,8 +541,8 @@ def from_mod(
         ■ ■ ■ ·
         ■ ■ ■ ■
     """
-    if mods.check_callable("mask_mod", mask_mod) is None:
-        raise TypeError("mask_mod: expected a function mask_mod(b, h, q_idx, kv_idx) -> bool, got None")
+    if mask_mod is None or not callable(mask_mod):
+        raise TypeError(f"mask_mod: expected a function {mods.SIGNATURES['mask_mod']}, got {type(mask_mod).__name__}")
     sizes = tuple(_check_len(n, x) for n, x in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)))
     shape: Shape4 = (sizes[0], sizes[1], sizes[2], sizes[3])
     bs = 128 if block_size is None else block_size
