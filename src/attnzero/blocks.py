@@ -108,9 +108,17 @@ class BlockTable:
         return got
 
     def kind_at(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """The int8 kind of the block of each pair (indices broadcast against each other)."""
+        """The int8 kind of the block of each pair (indices broadcast against each other). On
+        ``Mask.block``'s grid (each index varying along its own dim of 4), by one index_select per
+        dim, (B'|1, H'|1, r, c) — the table's dims of 1 stay 1; else by advanced indexing."""
         kinds = self.kinds.to(kv_idx.device)
         B, H = kinds.shape[:2]
+        idx = (b, h, q_idx, kv_idx)
+        if _is_grid(idx):
+            k = kinds if B == 1 else kinds.index_select(0, b.reshape(-1).long())
+            k = k if H == 1 else k.index_select(1, h.reshape(-1).long())
+            k = k.index_select(2, q_idx.reshape(-1).long() // self.bq)
+            return k.index_select(3, kv_idx.reshape(-1).long() // self.bk)  # (B'|1, H'|1, r, c)
         bi = b.long() if B > 1 else torch.zeros_like(b, dtype=torch.long)
         hi = h.long() if H > 1 else torch.zeros_like(h, dtype=torch.long)
         return kinds[bi, hi, q_idx.long() // self.bq, kv_idx.long() // self.bk]
@@ -130,16 +138,14 @@ class BlockTable:
         if not bool(partial.any()):
             return full
         idx = (b, h, q_idx, kv_idx)
-        shape = partial.shape
-        grid = len(shape) == 4 and all(
-            t.ndim == 4 and all(n == 1 for d, n in enumerate(t.shape) if d != axis) for axis, t in enumerate(idx)
-        )
+        shape = torch.broadcast_shapes(*(t.shape for t in idx), partial.shape)
+        grid = _is_grid(idx)
         qv, kvv = q_idx.reshape(-1), kv_idx.reshape(-1)
         r0, r1, c0, c1 = int(qv[0]), int(qv[-1]) + 1, int(kvv[0]), int(kvv[-1]) + 1
         if not grid or (r1 - r0, c1 - c0) != (len(qv), len(kvv)):
             return full | (partial & call_indices(mask_mod, b, h, q_idx, kv_idx))
         bv, hv = (t.reshape(-1).to(mods.INDEX_DTYPE) for t in (b, h))
-        out = full.expand(shape).clone()
+        out = full.expand(shape).clone()  # (nb, nh, r, c)
         qb0, kb0 = r0 // self.bq, c0 // self.bk
         region = self.kinds[:, :, qb0 : -(-r1 // self.bq), kb0 : -(-c1 // self.bk)]  # (B|1, H|1, nq, nk)
         for qb, kb in (region == PARTIAL).any(dim=(0, 1)).nonzero().tolist():
@@ -166,6 +172,11 @@ class BlockTable:
         """How many (batch, head, query block, key block) are skipped, partial, full."""
         return {name: int((self.kinds == code).sum()) for name, code in (("skip", SKIP), ("partial", PARTIAL),
                                                                          ("full", FULL))}  # fmt: skip
+
+
+def _is_grid(idx: tuple[Tensor, ...]) -> bool:
+    """Whether four index tensors are a grid: 4-D each, varying only along its own dim."""
+    return all(t.ndim == 4 and all(n == 1 for d, n in enumerate(t.shape) if d != axis) for axis, t in enumerate(idx))
 
 
 def evaluate(
@@ -218,10 +229,7 @@ def call_indices(mask_mod: mods.MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv
     of the broadcast shape, flattened. Bool of the broadcast shape."""
     idx = (b, h, q_idx, kv_idx)
     shape = torch.broadcast_shapes(*(i.shape for i in idx))
-    grid = len(shape) == 4 and all(
-        i.ndim == 4 and all(n == 1 for d, n in enumerate(i.shape) if d != axis) for axis, i in enumerate(idx)
-    )
-    if grid:
+    if _is_grid(idx):
         vecs = [i.reshape(-1).to(mods.INDEX_DTYPE) for i in idx]  # (B|1,), (H|1,), (r,), (c,)
         return _broadcast_call(mask_mod, vecs).expand(shape)
     flat = [i.expand(shape).reshape(-1).to(mods.INDEX_DTYPE) for i in idx]  # (N,) each
