@@ -307,3 +307,29 @@ def test_flash_visits_exactly_the_listed_blocks() -> None:
             got = flex.flex_attention(q, k, v, block_mask=bm)
         assert flash.COUNTS["forward"] == listed < (L // 16) ** 2
         torch.testing.assert_close(got, _torch_flex(q, k, v, block_mask=bm), atol=2e-5, rtol=2e-5)
+
+
+def test_a_top_k_block_map() -> None:
+    """attention-gym's top-k block sparsity: per (head, query block), the k key blocks of largest
+    mean score, as a hand-made BlockMask (noop mask_mod) — the attention equals the dense mask of
+    those blocks, forward and backward."""
+    Lq, S, bs, top = 64, 96, 16, 2
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 2, Lq, S, 8))
+    with torch.no_grad():
+        qb, kb = q.view(1, 2, Lq // bs, bs, 8).mean(3), k.view(1, 2, S // bs, bs, 8).mean(3)
+        idx = (qb @ kb.transpose(-2, -1)).topk(top, dim=-1).indices.to(torch.int32)  # (1, 2, 4, top)
+    num = torch.full((1, 2, Lq // bs), top, dtype=torch.int32)
+    padded = torch.cat([idx, torch.zeros(1, 2, Lq // bs, S // bs - top, dtype=torch.int32)], -1)  # (.., nK)
+    bm = TF.BlockMask.from_kv_blocks(num, padded, BLOCK_SIZE=bs, seq_lengths=(Lq, S))
+    keep = torch.zeros(1, 2, Lq, S, dtype=torch.bool)
+    for h in range(2):
+        for i in range(Lq // bs):
+            for j in idx[0, h, i].tolist():
+                keep[0, h, i * bs : (i + 1) * bs, j * bs : (j + 1) * bs] = True
+    got = flex.flex_attention(q, k, v, block_mask=bm)
+    want = az.attention(q, k, v, mask=keep, backend="reference")
+    torch.testing.assert_close(got, want)
+    g1 = torch.autograd.grad(got.sum(), (q, k, v))
+    g2 = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)

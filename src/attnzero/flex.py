@@ -20,6 +20,11 @@ does not list is blocked, even where its ``mask_mod`` would keep a pair, and is 
 (``BlockMask``, ``create_block_mask``, ``create_mask``, ``and_masks``, ``or_masks``, ``noop_mask``,
 ``AuxRequest``, ``AuxOutput``) are torch's own, re-exported.
 
+These are the semantics of torch's kernels (its compiled Flex). torch's *eager* CPU path, which
+materialises the scores, evaluates the mask_mod on every pair and ignores the block table, so a
+hand-made BlockMask (a top-k block map, a full block whose mask_mod would block pairs) gives other
+results there than in torch's compiled Flex; attnzero gives the compiled one's, eager.
+
 Which backend runs: what ``az.attention``'s "auto" picks — with a ``score_mod`` the reference for
 now (the tiled backends do not take one yet), else flash / triton with the block table skipping
 blocks. ``kernel_options``: the keys in ``IGNORED_KERNEL_OPTIONS`` tune torch's kernels and cannot
