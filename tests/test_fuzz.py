@@ -142,8 +142,10 @@ def golden(
     dout: torch.Tensor | None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    score_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Golden:
-    """softmax(scale·q·kᵀ + bias) v over kept pairs, float64. ``keep`` bool, broadcastable to
+    """softmax(scale·q·kᵀ + bias) v over kept pairs, float64. ``score_fn``: a score_mod written
+    densely, on the (B, Hq, Lq, Lk) scaled scores, before softcap and bias (DESIGN.md). ``keep`` bool, broadcastable to
     (B, Hq, Lq, Lk); a pair whose score is -inf (a -inf bias) is not kept either; rows without a
     kept pair give out 0, lse -inf, p 0. ``softcap``: each score s = scale·q·k becomes
     softcap·tanh(s / softcap) before the bias. ``sinks`` ((Hq,) or (B, Hq, Lq)): one more term
@@ -176,6 +178,11 @@ def golden(
     kk = k.repeat_interleave(G, dim=1)  # (B, Hq, Lk, D): query head h reads kv head h // G
     vv = v.repeat_interleave(G, dim=1)  # (B, Hq, Lk, Dv)
     s = torch.einsum("bhid,bhjd->bhij", q, kk) * scale  # (B, Hq, Lq, Lk)
+    mod_size = torch.zeros(())  # what a score_mod adds to a score's size (its rounding)
+    if score_fn is not None:
+        s0 = s.detach()
+        s = score_fn(s)
+        mod_size = torch.where(torch.isfinite(s.detach()), (s.detach() - s0).abs(), 0.0)
     tanh: torch.Tensor | None = None  # t = tanh(s / softcap), (B, Hq, Lq, Lk)
     capped = torch.zeros(())  # |softcap·t|
     if softcap is not None:
@@ -224,7 +231,7 @@ def golden(
     pv = p_acc @ vv.detach().abs()  # (B, Hq, Lq, Dv): sizes of the terms of out
     mags["out"] = amax(pv)
     # how far each kept pair's score may round (see the docstring), and each row's
-    prod = (scale * torch.einsum("bhid,bhjd->bhij", q.detach().abs(), kk.detach().abs())).abs()
+    prod = (scale * torch.einsum("bhid,bhjd->bhij", q.detach().abs(), kk.detach().abs())).abs() + mod_size
     sz = prod
     if tanh is not None:
         sz = torch.maximum((1 - tanh * tanh) * prod, capped)
@@ -645,9 +652,12 @@ class Problem:
     alibi: tuple[int, int, int] | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # (Hq,) or (B, Hq, Lq); a leaf with a gradient where the case has them
+    score_mod: Callable[..., torch.Tensor] | None = None  # a Flex score_mod (test_random_mod_case)
+    score_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # the same, dense, for the golden
 
     def kwargs(self) -> dict[str, Any]:
-        return dict(mask=self.mask, causal=self.causal, window=self.window, scale=self.scale, softcap=self.softcap)
+        kw = dict(mask=self.mask, causal=self.causal, window=self.window, scale=self.scale, softcap=self.softcap)
+        return kw | ({} if self.score_mod is None else {"score_mod": self.score_mod})
 
 
 def bf16_faithful(
@@ -974,7 +984,7 @@ def check_case(pb: Problem, backends: list[str]) -> list[str]:
     # (no torch.set_flush_denormal around the golden: torch's worker threads that start inside it
     # keep flushing subnormals after it is switched off, so a backend run later lost them in
     # some chunks of its ops, at random; the golden costs the same without it)
-    gold = golden(pb.q, pb.k, pb.v, pb.keep, pb.bias, pb.scale, pb.dout, pb.softcap, pb.sinks)
+    gold = golden(pb.q, pb.k, pb.v, pb.keep, pb.bias, pb.scale, pb.dout, pb.softcap, pb.sinks, pb.score_fn)
     assert not any(torch.isnan(t).any() for t in (gold.out, gold.lse, *gold.grads.values())), "golden has NaN"
     fails: list[str] = []
     before = snapshot(pb)
@@ -1019,7 +1029,8 @@ def check_case(pb: Problem, backends: list[str]) -> list[str]:
     # the probabilities: az.attention_weights against the golden p
     try:
         w = az.attention_weights(pb.q, pb.k, mask=pb.mask, bias=pb.bias, causal=pb.causal, window=pb.window,
-                                 scale=pb.scale, softcap=pb.softcap, sinks=pb.sinks)  # fmt: skip
+                                 scale=pb.scale, softcap=pb.softcap, sinks=pb.sinks,
+                                 score_mod=pb.score_mod)  # fmt: skip
         msg = judge("p", "weights", w, gold.p, None, gold, dtype=pb.dtype, rdt=pb.dtype)
         if msg:
             fails.append(f"attention_weights: {msg}")
@@ -1083,6 +1094,90 @@ def test_random_structured_case(i: int) -> None:
     seed = 4_000_003 + BASE_SEED + i
     pb = draw(seed, structured=True)
     fail_with(check_case(pb, ["flash"]), pb, ", structured=True")
+
+
+# ---------------------------------------------------------------------------------------------
+# score_mods and mask_mods (Flex's functions): each written once for one pair (what attnzero calls,
+# vmapped) and once densely on index grids (what the golden applies)
+
+
+def _grids(B: int, H: int, Lq: int, Lk: int) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.arange(n).view([n if d == i else 1 for d in range(4)]) for i, n in enumerate((B, H, Lq, Lk)))
+
+
+def draw_mods(pb: Problem, rng: random.Random, gen: torch.Generator) -> Problem:
+    """``pb`` with a score_mod and / or a mask from a mask_mod (``az.masks.from_mod``, and-ed with the
+    case's own mask), drawn from attention-gym's kinds."""
+    B, Hq, Lq, Lk = pb.q.shape[0], pb.q.shape[1], pb.q.shape[2], pb.k.shape[2]
+    b, h, i, j = _grids(B, Hq, Lq, Lk)
+    kind = rng.choice(["score", "mask", "both"])
+    if kind in ("score", "both"):
+        name = rng.choice(["alibi", "rel", "half", "cut", "tanh"])
+        if name == "alibi":
+            slopes = torch.rand(Hq, generator=gen, dtype=F64).to(F32)  # float32: promotes no score
+
+            def mod(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+                return s - slopes[h] * (q - kv).abs()
+
+            fn = lambda s: s - slopes.to(F64).view(1, Hq, 1, 1) * (i - j).abs()  # noqa: E731
+        elif name == "rel":
+            table = (torch.randn(Hq, Lq + Lk - 1, generator=gen, dtype=F64) * 2).to(F32)
+
+            def mod(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+                return s + table[h, q - kv + Lk - 1]
+
+            fn = lambda s: s + table.to(F64)[h, i - j + Lk - 1]  # noqa: E731
+        elif name == "half":
+            mod = lambda s, b, h, q, kv: s * 0.5  # noqa: E731
+            fn = lambda s: s * 0.5  # noqa: E731
+        elif name == "cut":  # −inf blocks pairs: some rows entirely
+            mod = lambda s, b, h, q, kv: torch.where((q + kv + h) % 3 != 0, s, float("-inf"))  # noqa: E731
+            fn = lambda s: torch.where((i + j + h) % 3 != 0, s, NEG_INF)  # noqa: E731
+        else:
+            mod = lambda s, b, h, q, kv: 3.0 * torch.tanh(s / 3.0) + b  # noqa: E731
+            fn = lambda s: 3.0 * torch.tanh(s / 3.0) + b  # noqa: E731
+        pb.score_mod, pb.score_fn = mod, fn
+        pb.desc.append(f"score_mod {name}")
+    if kind in ("mask", "both"):
+        name = rng.choice(["prefix", "dilated", "sparse", "per_head", "documents"])
+        n = rng.randint(1, max(1, Lk))
+        if name == "prefix":
+            mm = lambda b, h, q, kv: (kv < n) | (kv <= q)  # noqa: E731
+            dense = (j < n) | (j <= i)
+        elif name == "dilated":
+            mm = lambda b, h, q, kv: (q - kv) % 3 == 0  # noqa: E731
+            dense = (i - j) % 3 == 0
+        elif name == "sparse":
+            bm = torch.rand(B, Hq, -(-Lq // 8), -(-Lk // 8), generator=gen) < 0.5
+            mm = lambda b, h, q, kv: bm[b, h, q // 8, kv // 8]  # noqa: E731
+            dense = bm[b, h, i // 8, j // 8]
+        elif name == "per_head":
+            mm = lambda b, h, q, kv: (q - kv).abs() <= h + b  # noqa: E731
+            dense = (i - j).abs() <= h + b
+        else:
+            ids = torch.sort(torch.randint(0, 4, (max(Lq, Lk),), generator=gen)).values
+            mm = lambda b, h, q, kv: ids[q] == ids[kv]  # noqa: E731
+            dense = ids[i] == ids[j]
+        size = rng.choice([4, 8, 16, (4, 16), (16, 8)])
+        mine = az.masks.from_mod(mm, B, Hq, Lq, Lk, block_size=size)
+        pb.mask = mine if pb.mask is None else az.masks.and_(mine, pb.mask)
+        pb.keep = pb.keep & dense
+        pb.desc.append(f"mask_mod {name} block_size={size}")
+    return pb
+
+
+MOD_EXAMPLES = max(4, EXAMPLES // 16)
+
+
+@pytest.mark.parametrize("i", range(MOD_EXAMPLES))
+def test_random_mod_case(i: int) -> None:
+    """Cases of test_random_case with a score_mod and / or a mask_mod: the reference (the only backend
+    that takes a score_mod yet) and "auto"; flash too where only a mask_mod is drawn."""
+    seed = 7_000_001 + BASE_SEED + i
+    pb = draw(seed)
+    rng, gen = random.Random(seed + 1), torch.Generator().manual_seed(seed + 1)
+    pb = draw_mods(pb, rng, gen)
+    fail_with(check_case(pb, ["auto"] if pb.score_mod is not None else ["flash"]), pb)
 
 
 TRITON_EXAMPLES = max(6, EXAMPLES // 7)

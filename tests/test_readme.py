@@ -39,3 +39,29 @@ def test_readme_modern_attention_example_runs() -> None:
         exec(compile(block, str(path), "exec"), scope)
         out = scope["out"]
         assert isinstance(out, torch.Tensor) and out.shape == (1, 8, 512, 64) and torch.isfinite(out).all()
+
+
+def test_readme_flex_snippet_runs_and_is_torchs_by_its_import(tmp_path: Path) -> None:
+    """The FlexAttention snippet runs as written (forward and the CPU backward), and with its import
+    switched back to torch's gives torch's output (forward only: torch refuses the CPU backward)."""
+    import warnings
+
+    block = next(b for b in python_blocks(README) if "attnzero.flex" in b)
+    ours: dict[str, object] = {}
+    torch.manual_seed(0)
+    exec(compile(block, str(README), "exec"), ours)
+    q = ours["q"]
+    assert isinstance(q, torch.Tensor) and q.grad is not None and torch.isfinite(q.grad).all()
+    theirs_src = block.replace("from attnzero.flex import", "from torch.nn.attention.flex_attention import")
+    theirs_src = "\n".join(line for line in theirs_src.splitlines() if "requires_grad_" not in line and
+                           ".backward()" not in line)  # fmt: skip
+    theirs: dict[str, object] = {}
+    path = tmp_path / "torch_flex.py"  # its own file: torch's compile reads the mods' source lines
+    path.write_text(theirs_src, encoding="utf-8")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(theirs_src, str(path), "exec"), theirs)
+    out, want = ours["out"], theirs["out"]
+    assert isinstance(out, torch.Tensor) and isinstance(want, torch.Tensor)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)

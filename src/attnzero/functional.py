@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import batching, checks, cpu_kernel, dropout, geometry, ops, reference
+from . import batching, checks, cpu_kernel, dropout, geometry, mods, ops, reference
 from .checks import ArgumentError, ArgumentTypeError
 from .masks import Mask
 from .masks import causal as causal_mask
@@ -223,6 +223,7 @@ def attention(
     dropout_p: float = 0.0,
     backend: BackendName = "auto",
     return_lse: bool = False,
+    score_mod: mods.ScoreMod | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention ``softmax(scale · Q Kᵀ + bias) V`` over kept pairs.
 
@@ -245,6 +246,12 @@ def attention(
             entries follow torch's RNG state.
         backend: "reference", "flash", "triton" or "auto".
         return_lse: also return the natural-log log-sum-exp of the scores, (B, Hq, Lq).
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
+            each scaled score ``scale · q · k`` before ``softcap`` and ``bias`` (a kept pair's score
+            is ``bias + cap(score_mod(scale · q · k, ...))``); ``h`` is the query head, ``q_idx`` /
+            ``kv_idx`` the 0-based positions; −inf blocks the pair. Called as Flex calls it (vmapped
+            over 0-d int32 indices, ``mods.py``); tensors it captures get gradients. For now only the
+            reference backend runs it ("auto" picks it).
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or ``(out, lse)``. A query row with no kept key gives
@@ -258,7 +265,7 @@ def attention(
     with _as_given(q):
         return _attention(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
-            dropout_p=dropout_p, backend=backend, return_lse=return_lse,
+            dropout_p=dropout_p, backend=backend, return_lse=return_lse, score_mod=score_mod,
         )  # fmt: skip
 
 
@@ -277,6 +284,7 @@ def _attention(
     dropout_p: Any = 0.0,
     backend: Any = "auto",
     return_lse: Any = False,
+    score_mod: Any = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``attention`` after autocast: validate, then run one backend — directly in eager mode, or
     through its custom ops (``ops.py``) when compiling or for zero sizes."""
@@ -294,10 +302,29 @@ def _attention(
     p = checks.dropout_p(dropout_p)
     name = checks.choice("backend", backend, BACKENDS)
     want_lse = checks.flag("return_lse", return_lse)
+    fn = mods.check_callable("score_mod", score_mod)
+    if checks.is_zero(Lk):
+        fn = None  # no pair to modify: every row is blocked, as without it (ops.py answers it)
     keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
 
-    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v, bias=add)
     lse: Tensor | None
+    if fn is not None:
+        # A score_mod runs on the reference for now: flash and triton do not take one yet (their
+        # block loops are being rewritten), so "auto" picks the reference and they refuse rather
+        # than run without it. Eager and compiled alike: dynamo traces the formula and the vmapped
+        # mod (an op's schema cannot hold a function).
+        if name in ("flash", "triton"):
+            raise ArgumentError(
+                f"score_mod: backend={name!r} does not run a score_mod yet; use backend='reference' or 'auto'"
+            )
+        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        out, lse = reference.attention(
+            q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
+            dropout_p=p, dropout_seed=seed, score_mod=fn,
+        )  # fmt: skip
+        return (out, lse) if want_lse else out
+
+    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v, bias=add)
     transformed = not torch.compiler.is_compiling() and batching.wrapped(q, k, v, keep, add, sink)
     if transformed and batching.forward_mode():
         name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
@@ -341,6 +368,7 @@ def attention_weights(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    score_mod: mods.ScoreMod | None = None,
 ) -> Tensor:
     """The attention probabilities (B, Hq, Lq, Lk) in q's dtype, for inspection and plots.
     Same arguments as :func:`attention`; fully blocked rows are 0. With ``sinks`` a row's weights
@@ -356,11 +384,13 @@ def attention_weights(
         sc = checks.scale(scale, q.shape[-1])
         cap = checks.softcap(softcap)
         sink = checks.sinks(sinks, B, Hq, Lq, q.device)
+        fn = mods.check_callable("score_mod", score_mod)
         if checks.is_zero(B * Hq * Lq * Lk):  # no weights at all; D = 0 needs nothing special (scores 0)
             return _empty(full, q, k, add, sink)
         p, _ = reference.probabilities(
-            q, k, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink
-        )
+            q, k, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
+            score_mod=fn,
+        )  # fmt: skip
         return p.to(q.dtype)
 
 

@@ -33,10 +33,14 @@ skip whole blocks and pay no masking on blocks kept whole, without evaluating th
   padding). With sorted ids a block of rows sees one interval of keys (``key_range``) and a block
   is skipped, kept whole or partial by its first and last ids (``classify``);
 * ``exact`` — whether the mask *is* its band and segments (then a block they keep whole needs no
-  predicate at all), or only lies inside them (``from_tensor``, ``or_``, a custom predicate).
+  predicate at all), or only lies inside them (``from_tensor``, ``or_``, a custom predicate);
+* a ``BlockTable`` (``blocks.py``) — skip / partial / full per (batch, head, query block, key
+  block), what ``from_mod`` computes from a FlexAttention ``mask_mod`` once per block.
 
 ``and_`` intersects bands and joins segments (pairs of ids relabelled as one id); ``or_`` keeps the
-hull of the bands only.
+hull of the bands only. Where a part has a table, the combination keeps its parts and answers from
+them: for ``and_`` a block is SKIP if any part skips it and FULL if every part keeps it whole; for
+``or_`` FULL if any part keeps it whole and SKIP if every part skips it.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from . import geometry
+from . import blocks, geometry, mods
 
 __all__ = [
     "Mask",
@@ -58,6 +62,7 @@ __all__ = [
     "and_",
     "causal",
     "document",
+    "from_mod",
     "from_tensor",
     "or_",
     "padding",
@@ -179,6 +184,8 @@ class Mask:
         band: Band | None = None,
         segments: Segments | None = None,
         exact: bool = False,
+        table: blocks.BlockTable | None = None,
+        parts: tuple[str, list[Mask]] | None = None,
     ) -> None:
         if len(shape) != 4:
             raise ValueError(f"shape: expected 4 sizes (B, H, Lq, Lk), got {tuple(shape)}")
@@ -188,6 +195,8 @@ class Mask:
         self.band = band  # pairs kept only where lo <= j - i <= hi
         self._segments = segments  # pairs kept only where the ids are equal
         self.exact = exact and (band is not None or segments is not None)  # kept = band ∧ segments
+        self.table = table  # skip / partial / full per block, exact (``blocks.BlockTable``)
+        self.parts = parts  # ("and" | "or", masks): a combination that answers from its parts
 
     # -- block structure (see the module docstring)
 
@@ -202,7 +211,7 @@ class Mask:
         for (a dim of size 1 broadcasts index 0), so it is dropped otherwise."""
         if self.band is None or self.shape[2:] == (q_len, kv_len):
             return self
-        return Mask(self.keep, self.shape, self.name, segments=self._segments)
+        return Mask(self.keep, self.shape, self.name, segments=self._segments, table=self.table, parts=self.parts)
 
     def without_band(self) -> Mask | None:
         """What is left once the band is enforced elsewhere (``attention`` joins it to ``causal`` /
@@ -226,12 +235,31 @@ class Mask:
         if self._segments is not None and lo < hi:
             a, z = self._segments.key_range(batches, rows)
             lo, hi = max(lo, a), min(hi, z)
+        if self.table is not None and lo < hi:
+            a, z = self.table.key_range(batches, rows if Lq > 1 else (0, 1))
+            lo, hi = max(lo, a), min(hi, z)
+        if self.parts is not None and lo < hi:
+            ranges = [m.key_range(batches, rows) for m in self.parts[1]]
+            ranges = [(a, z) for a, z in ranges if a < z]
+            if self.parts[0] == "and":  # inside every part's range
+                a, z = (
+                    (max(r[0] for r in ranges), min(r[1] for r in ranges))
+                    if len(ranges) == len(self.parts[1])
+                    else (0, 0)
+                )
+            else:  # inside the hull of the parts' ranges
+                a, z = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else (0, 0)
+            lo, hi = max(lo, a), min(hi, z)
         return (lo, hi) if lo < hi else (0, 0)
 
     def classify(self, batches: Range, rows: Range, cols: Range) -> geometry.Kind:
         """SKIP (no pair of the block is kept, for any of ``batches``, any head), FULL (every pair is:
         no mask to evaluate) or PARTIAL (evaluate ``block``)."""
         Lq, Lk = self.shape[2], self.shape[3]
+        if self.table is not None or self.parts is not None:  # exact answers, before the rest
+            known = self._classify_parts(batches, rows, cols)
+            if known is not geometry.PARTIAL:
+                return known
         kinds = []
         if self.band is not None:
             kinds.append(geometry.classify(rows, cols, Lq, Lk, False, _band_window(self.band, Lq, Lk)))
@@ -242,6 +270,22 @@ class Mask:
         if self.exact and kinds and all(k is geometry.FULL for k in kinds):
             return geometry.FULL
         return geometry.PARTIAL
+
+    def _classify_parts(self, batches: Range, rows: Range, cols: Range) -> geometry.Kind:
+        """What the table, or the parts of a combination, say of a block (each answer exact)."""
+        if self.table is not None:
+            Lq, Lk = self.shape[2], self.shape[3]
+            return self.table.classify(batches, rows if Lq > 1 else (0, 1), cols if Lk > 1 else (0, 1))
+        assert self.parts is not None
+        word, ms = self.parts
+        kinds = [m.classify(batches, rows, cols) for m in ms]
+        if word == "and":
+            if geometry.SKIP in kinds:
+                return geometry.SKIP
+            return geometry.FULL if all(k is geometry.FULL for k in kinds) else geometry.PARTIAL
+        if geometry.FULL in kinds:
+            return geometry.FULL
+        return geometry.SKIP if all(k is geometry.SKIP for k in kinds) else geometry.PARTIAL
 
     def block(
         self,
@@ -472,6 +516,51 @@ def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
     return Mask(keep, t.shape, name)
 
 
+def from_mod(
+    mask_mod: mods.MaskMod,
+    B: int,
+    H: int,
+    Lq: int,
+    Lk: int,
+    *,
+    block_size: int | tuple[int, int] | None = None,
+    device: torch.device | str | None = None,
+) -> Mask:
+    """A Mask from FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend),
+    written for one pair and called as Flex calls it (``mods.py``). ``B`` or ``H`` of 1 broadcast
+    (the mod is evaluated at index 0 only). The mod is evaluated once over every block of
+    ``block_size`` query rows × keys (default 128 × 128; an int or a ``(rows, keys)`` pair), tile by
+    tile, and each (batch, head, query block, key block) kept as skip / partial / full
+    (``blocks.BlockTable``): memory is O(blocks + one tile), never a dense (B, H, Lq, Lk) tensor.
+    Backends then skip the blocks it blocks and pay no masking on the blocks it keeps whole, at any
+    block size of theirs. ``device``: where the mod runs (the device of the tensors it captures).
+    ``from_mod(lambda b, h, q, kv: (kv < 2) | (kv <= q), 1, 1, 4, 4)`` (prefix-LM)::
+
+        ■ ■ · ·
+        ■ ■ · ·
+        ■ ■ ■ ·
+        ■ ■ ■ ■
+    """
+    if mask_mod is None or not callable(mask_mod):
+        raise TypeError(f"mask_mod: expected a function {mods.SIGNATURES['mask_mod']}, got {type(mask_mod).__name__}")
+    sizes = tuple(_check_len(n, x) for n, x in (("B", B), ("H", H), ("Lq", Lq), ("Lk", Lk)))
+    shape: Shape4 = (sizes[0], sizes[1], sizes[2], sizes[3])
+    bs = 128 if block_size is None else block_size
+    pair = (bs, bs) if isinstance(bs, int) else tuple(bs)
+    if len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in pair):
+        raise ValueError(
+            f"block_size: expected None, a positive int or a (rows, keys) pair of them, got {block_size!r}"
+        )
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    table = blocks.evaluate(mask_mod, shape, (int(pair[0]), int(pair[1])), dev)
+
+    def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return table.keep(mask_mod, b, h, q, kv)  # the mod on partial blocks only
+
+    name = f"from_mod({getattr(mask_mod, '__name__', type(mask_mod).__name__)})"
+    return Mask(keep, shape, name, table=table)
+
+
 def _as_mask(m: Mask | Tensor) -> Mask:
     if isinstance(m, Mask):
         return m
@@ -500,6 +589,8 @@ def _combine(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tens
     parts = [m.at(full[2], full[3]) for m in ms]  # a band broadcast along a length says nothing there
     name = f" {word} ".join(m.name for m in ms)
     bands = [m.band for m in parts]
+    if any(m.table is not None or m.parts is not None for m in parts):
+        return _combine_blocks(keep, full, name, parts, word)
     if word == "and":  # kept where every mask keeps: bands intersect, segments join
         band = _intersect([b for b in bands if b is not None])
         segs = [m._segments for m in parts if m._segments is not None]
@@ -512,6 +603,24 @@ def _combine(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tens
         hull = (None if None in los else min(x for x in los if x is not None),
                 None if None in his else max(x for x in his if x is not None))  # fmt: skip
     return Mask(keep, full, name, band=hull if hull != (None, None) else None)
+
+
+def _combine_blocks(keep: MaskMod, shape: Shape4, name: str, parts: list[Mask], word: str) -> Mask:
+    """A combination with a block table in a part: one table when every part is a table of the same
+    blocks, else the parts kept, each answering for itself (``Mask._classify_parts``). An ``and``
+    keeps the band of its parts (``attention`` joins it to causal / window)."""
+    tables = [m.table for m in parts]
+    if all(t is not None for t in tables) and all(m.shape == shape for m in parts):
+        table = tables[0]
+        for t in tables[1:]:
+            assert table is not None and t is not None
+            table = table.combine(t, word)
+            if table is None:
+                break
+        if table is not None:
+            return Mask(keep, shape, name, table=table)
+    band = _intersect([m.band for m in parts if m.band is not None]) if word == "and" else None
+    return Mask(keep, shape, name, band=band, parts=(word, parts))
 
 
 def _intersect(bands: list[Band]) -> Band | None:

@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import checks, rotary
+from . import checks, mods, rotary
 from .cache import KVCache
 from .functional import BACKENDS, BackendName, attention, attention_weights
 from .masks import Mask
+from .mods import ScoreMod
 from .rotary import RotaryEmbedding
 
 
@@ -98,6 +99,9 @@ class MultiHeadAttention(nn.Module):
             of shape (num_heads,), initialised to 0, the logit of a virtual key of value 0 in
             every row's softmax (the weights of a row then sum to less than 1). Without it the
             attribute ``sinks`` is None.
+        score_mod: None, or FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``
+            (``az.attention``'s): an ``nn.Module`` (ALiBi slopes or a relative-bias table as its
+            Parameters) becomes a submodule, so its parameters train with the rest.
 
     Decoding: ``forward(x, cache=az.KVCache(B, max_len, num_kv_heads, d_k))`` appends the new
     keys/values (after rotary) to the cache and attends causally to everything cached; the
@@ -118,6 +122,7 @@ class MultiHeadAttention(nn.Module):
         rope: bool | RotaryEmbedding = False,
         softcap: float | None = None,
         sinks: bool = False,
+        score_mod: ScoreMod | None = None,
     ) -> None:
         super().__init__()
         for name, val in (("d_model", d_model), ("num_heads", num_heads)):
@@ -151,6 +156,7 @@ class MultiHeadAttention(nn.Module):
         self.sinks: nn.Parameter | None = (
             nn.Parameter(torch.zeros(num_heads)) if checks.flag("sinks", sinks) else None
         )  # (num_heads,): exp(0) = 1, one virtual key's worth of weight, as gpt-oss starts
+        self.score_mod: ScoreMod | None = mods.check_callable("score_mod", score_mod)  # a Module registers
 
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}", f"num_kv_heads={self.num_kv_heads}"]
@@ -223,7 +229,7 @@ class MultiHeadAttention(nn.Module):
         try:
             out = attention(
                 q, k, v, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks,
-                dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+                dropout_p=self.dropout if self.training else 0.0, backend=self.backend, score_mod=self.score_mod,
             )
         except BaseException:
             if cache is not None:
@@ -234,7 +240,9 @@ class MultiHeadAttention(nn.Module):
         output = self.W_o(out)  # (B, Lq, d_model)
         if not want_weights:
             return output
-        return output, attention_weights(q, k, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks)
+        return output, attention_weights(
+            q, k, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks, score_mod=self.score_mod
+        )
 
     def _check_inputs(self, query: Any, key: Any, value: Any, key_padding_mask: Any) -> None:
         for name, x, width in (("query", query, self.d_model), ("key", key, self.kdim), ("value", value, self.vdim)):

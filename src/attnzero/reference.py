@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dropout
+from . import dropout, mods
 from .masks import Mask, keep_block
 
 
@@ -43,12 +43,14 @@ def probabilities(
     scale: float,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    score_mod: mods.ScoreMod | None = None,
 ) -> tuple[Tensor, Tensor]:
     """P = softmax(scale · Q Kᵀ + bias, blocked → 0) and its log-sum-exp, in the accumulator dtype.
     Returns ``p (B, Hq, Lq, Lk)`` and ``lse (B, Hq, Lq)``. ``softcap``: each score becomes
     ``softcap · tanh(score / softcap)`` before the bias. ``sinks`` ((Hq,) or (B, Hq, Lq)): one more
     term ``exp(sink)`` in each row's denominator (and in the lse); a row with no kept key then has
-    P = 0 and lse = sink."""
+    P = 0 and lse = sink. ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites each scaled score first
+    (``mods.py``)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -58,6 +60,8 @@ def probabilities(
     q_grouped = q.reshape(B, Hkv, G * Lq, D)  # (B, Hkv, G·Lq, D)
     s = q_grouped.to(acc) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G·Lq, Lk)
     s = s.view(B, Hq, Lq, Lk) * scale  # (B, Hq, Lq, Lk)
+    if score_mod is not None:
+        s = mods.score_grid(score_mod, s)  # the user's function of (score, b, h, q_idx, kv_idx)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)  # soft-capped into (−softcap, softcap)
 
@@ -101,12 +105,14 @@ def attention(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
+    score_mod: mods.ScoreMod | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V (``softcap`` and
-    ``sinks`` as in :func:`probabilities`)."""
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V (``softcap``,
+    ``sinks`` and ``score_mod`` as in :func:`probabilities`)."""
     p, lse = probabilities(
-        q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
-    )
+        q, k, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
+        score_mod=score_mod,
+    )  # fmt: skip
     B, Hq, Lq, Lk = p.shape
     Hkv, Dv = v.shape[1], v.shape[3]
 

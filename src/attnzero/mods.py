@@ -1,0 +1,280 @@
+"""How a ``score_mod`` and a ``mask_mod`` are called: the way torch's FlexAttention calls them.
+
+A *score mod* ``score_mod(score, b, h, q_idx, kv_idx) -> score`` rewrites one pair's scaled score
+``scale · q · k``; a *mask mod* ``mask_mod(b, h, q_idx, kv_idx) -> bool`` says whether the pair is
+kept (True = may attend). ``b`` is the batch index, ``h`` the *query* head, ``q_idx`` / ``kv_idx``
+the 0-based positions of the query and the key (no bottom-right shift; the ring adds its global
+offset). Each argument is a 0-d int32 tensor and the function is written for one pair::
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+Here it is called for a whole block at once by ``torch.func.vmap``, nested once per index (kv
+innermost, then q, h, b — as torch's Flex nests them), so everything that runs in Flex runs here:
+indexing captured tensors with the indices, reductions or ``torch.dot`` over captured tensors,
+``h.new_zeros(h.shape)``, integer division, an ``autograd.Function`` with a vmap rule. A plain
+broadcast call (the mod once on index tensors of shapes (B,1,1,1), (1,H,1,1), (1,1,r,1),
+(1,1,1,c)) gives other results for mods that reduce or read shapes, no probe can prove two calls
+equal on every block, and it is not faster: vmap's batching rules broadcast too (ALiBi on a
+(1, 8, 2048, 2048) score grid, CPU: 0.49 s vmapped, 0.51 s broadcast) — so it is not used.
+
+Two entries, one per kind of backend:
+
+* ``score_block`` / ``mask_block`` — one block of (batches × query heads × rows × cols), what a
+  tiled backend calls per block (flash, the Triton fallbacks, the ring with global positions);
+* ``score_grid`` / ``mask_grid`` — the whole (B, H, Lq, Lk) grid, what the reference calls.
+
+Tensors a mod captures may require grad: the block is an ordinary autograd graph, so their
+gradients come back through whatever backward differentiates it (the reference: autograd).
+
+Letters: B batch, H query heads, Lq / Lk query / key length; r, c a block's rows and columns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+Range = tuple[int, int]  # [start, stop)
+
+INDEX_DTYPE = torch.int32  # the dtype of b, h, q_idx, kv_idx, as torch's Flex passes them
+
+
+class ModError(TypeError, RuntimeError):
+    """A mod returned something attention cannot use (a different shape or dtype): a ``TypeError``,
+    and a ``RuntimeError`` like torch's own errors."""
+
+
+class IndexWithTensors(TorchFunctionMode):
+    """``table[h, q_idx - kv_idx]`` with 0-d index tensors, under vmap: Python's indexing would ask
+    each index for an int (``__index__``), which a batched tensor cannot give, so indexing by
+    tensors only is sent to ``aten.index`` (advanced indexing, which vmap batches)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is Tensor.__getitem__ and len(args) == 2:
+            x, index = args
+            parts = index if isinstance(index, tuple) else (index,)
+            if parts and all(isinstance(i, Tensor) for i in parts):
+                return torch.ops.aten.index.Tensor(x, list(parts))
+        return func(*args, **(kwargs or {}))
+
+
+def _nest(fn: Callable[..., Any], with_score: bool) -> Callable[..., Tensor]:
+    """``fn`` vmapped over (b, h, q_idx, kv_idx): kv innermost, b outermost. The score, when there is
+    one, is mapped at every level (its dims are (b, h, q, kv)); each index only at its own level.
+    What ``fn`` returns for one pair must be a 0-d tensor (else ``ModError``)."""
+    name, what = ("score_mod", "score") if with_score else ("mask_mod", "bool")
+    user = fn
+
+    def one_pair(*args: Tensor) -> Tensor:
+        out = user(*args)
+        if not isinstance(out, Tensor):
+            raise ModError(f"{name}: expected a 0-d torch.Tensor {what} per pair, got {type(out).__name__}")
+        if out.ndim != 0:
+            raise ModError(
+                f"{name}: expected a 0-d tensor {what} per (b, h, q_idx, kv_idx), got shape {tuple(out.shape)}"
+            )
+        return out
+
+    fn = one_pair  # (``user`` keeps the user's function: ``fn`` is rebound below)
+    lead = (0,) if with_score else ()
+    for level in (3, 2, 1, 0):  # kv, q, h, b
+        dims = tuple(0 if i == level else None for i in range(4))
+        fn = torch.vmap(fn, in_dims=lead + dims)
+    return fn
+
+
+def _indices(batches: Range, heads: Range, rows: Range, cols: Range, device: torch.device) -> list[Tensor]:
+    """The four index vectors of a block: b (nb,), h (nh,), q_idx (r,), kv_idx (c,), int32."""
+    return [torch.arange(a, z, dtype=INDEX_DTYPE, device=device) for a, z in (batches, heads, rows, cols)]
+
+
+def _checked(name: str, out: Any, shape: tuple[int, ...], dtype: torch.dtype | None, what: str) -> Tensor:
+    """The mod's result over the block, refused unless it has the block's shape (and ``dtype``)."""
+    if not isinstance(out, Tensor):
+        raise ModError(f"{name}: expected a torch.Tensor {what}, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        extra = tuple(out.shape[len(shape) :]) if tuple(out.shape[: len(shape)]) == shape else tuple(out.shape)
+        raise ModError(
+            f"{name}: expected a 0-d tensor {what} per (b, h, q_idx, kv_idx), the block of shape {shape}; "
+            f"got {extra if extra else tuple(out.shape)} per pair"
+        )
+    if dtype is not None and out.dtype != dtype:
+        raise ModError(
+            f"{name}: expected the score's dtype {dtype} back, got {out.dtype} (a captured tensor of another "
+            f"dtype promotes it: cast it, e.g. table.to(score.dtype))"
+        )
+    return out
+
+
+def score_block(score_mod: ScoreMod, s: Tensor, *, batches: Range, heads: Range, rows: Range, cols: Range) -> Tensor:
+    """``score_mod`` applied to one block of scaled scores ``s`` (nb, nh, r, c): batches
+    ``[b0, b1)``, query heads ``[h0, h1)``, query positions ``[r0, r1)``, key positions
+    ``[c0, c1)`` (give global positions where the block sits in a longer sequence). Returns the
+    modified scores, same shape and dtype (else ``ModError``); −inf blocks a pair."""
+    idx = _indices(batches, heads, rows, cols, s.device)
+    want = tuple(len(i) for i in idx)
+    if tuple(s.shape) != want:  # (a caller's error, not the user's)
+        raise ValueError(f"s: expected the block's shape {want}, got {tuple(s.shape)}")
+    if s.numel() == 0:
+        return s
+    with IndexWithTensors():
+        out = _nest(score_mod, True)(s, *idx)  # (nb, nh, r, c)
+    return _checked("score_mod", out, want, s.dtype, "score")
+
+
+def mask_block(
+    mask_mod: MaskMod, *, batches: Range, heads: Range, rows: Range, cols: Range, device: torch.device | str | None
+) -> Tensor:
+    """``mask_mod`` on one block: bool (nb, nh, r, c), True = may attend (a non-bool result counts
+    non-zero as True)."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    return mask_on(mask_mod, *_indices(batches, heads, rows, cols, dev))
+
+
+def mask_on(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``mask_mod`` on the grid of four index vectors (any int values, int32): bool (nb, nh, r, c)."""
+    want = (len(b), len(h), len(q_idx), len(kv_idx))
+    if 0 in want:
+        return torch.zeros(want, dtype=torch.bool, device=kv_idx.device)
+    with IndexWithTensors():
+        out = _nest(mask_mod, False)(b, h, q_idx, kv_idx)  # (nb, nh, r, c)
+    out = _checked("mask_mod", out, want, None, "bool")
+    return out if out.dtype == torch.bool else out != 0
+
+
+def score_block_backward(
+    score_mod: ScoreMod,
+    s: Tensor,
+    ds_mod: Tensor,
+    captured: Sequence[Tensor] = (),
+    *,
+    batches: Range,
+    heads: Range,
+    rows: Range,
+    cols: Range,
+) -> tuple[Tensor, list[Tensor | None]]:
+    """The backward of ``score_block`` on one block, for a tiled backend's own backward: given the
+    block's scaled scores ``s`` (nb, nh, r, c) and the gradient ``ds_mod`` of the *modified* scores,
+    ``(ds, grads)`` — the gradient of the scores before the mod, and of each tensor in ``captured``
+    (``captured_tensors(score_mod)``; None where the mod does not use it). Summed over the blocks,
+    the captured gradients are the whole call's. Recomputes the mod on the block (autograd)."""
+    with torch.enable_grad():
+        x = s.detach().requires_grad_(True)
+        y = score_block(score_mod, x, batches=batches, heads=heads, rows=rows, cols=cols)
+        wrt = [x, *[t for t in captured if t.requires_grad]]
+        got = torch.autograd.grad(y, wrt, ds_mod, allow_unused=True)
+    ds = torch.zeros_like(s) if got[0] is None else got[0]
+    rest = iter(got[1:])
+    return ds, [next(rest) if t.requires_grad else None for t in captured]
+
+
+def captured_tensors(fn: Any) -> list[Tensor]:
+    """The tensors a mod reads besides its arguments, for a backend that must give them gradients
+    outside autograd's graph (its own backward, ``score_block_backward``): closure cells, the
+    globals its code names, an ``nn.Module``'s parameters and buffers (a mod that is a module, or a
+    bound method of one), a ``functools.partial``'s arguments — followed into the functions they
+    hold, each tensor once, in the order found."""
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 8:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for t in (*obj.parameters(), *obj.buffers()):
+                found.setdefault(id(t), t)
+        elif isinstance(obj, functools.partial):
+            for x in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(x, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                visit(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                visit(x, depth + 1)
+        elif inspect.ismethod(obj):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+        elif inspect.isfunction(obj):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    visit(cell.cell_contents, depth + 1)
+            for name in _names(obj.__code__):
+                if name in obj.__globals__:
+                    visit(obj.__globals__[name], depth + 1)
+        elif callable(obj) and not isinstance(obj, type):  # an instance with a __call__ of its class
+            visit(vars(type(obj)).get("__call__"), depth + 1)
+            visit(vars(obj) if hasattr(obj, "__dict__") else None, depth + 1)
+
+    visit(fn, 0)
+    return list(found.values())
+
+
+def _names(code: Any) -> list[str]:
+    """The global names a code object and the code objects nested in it (lambdas, inner
+    functions) refer to."""
+    out = list(code.co_names)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            out += _names(c)
+    return out
+
+
+def score_grid(score_mod: ScoreMod, s: Tensor, *, q_offset: int = 0, kv_offset: int = 0) -> Tensor:
+    """``score_mod`` on the whole grid of scaled scores ``s`` (B, H, Lq, Lk) (what the reference
+    calls); query ``i`` is at position ``q_offset + i``, key ``j`` at ``kv_offset + j``."""
+    B, H, Lq, Lk = s.shape
+    return score_block(
+        score_mod, s, batches=(0, B), heads=(0, H), rows=(q_offset, q_offset + Lq), cols=(kv_offset, kv_offset + Lk)
+    )
+
+
+def mask_grid(mask_mod: MaskMod, B: int, H: int, Lq: int, Lk: int, device: torch.device | str | None = None) -> Tensor:
+    """``mask_mod`` on the whole (B, H, Lq, Lk) grid, bool — dense: only for small problems and tests
+    (``masks.from_mod`` evaluates it block by block)."""
+    return mask_block(mask_mod, batches=(0, B), heads=(0, H), rows=(0, Lq), cols=(0, Lk), device=device)
+
+
+SIGNATURES = {
+    "score_mod": "score_mod(score, b, h, q_idx, kv_idx) -> score",
+    "mask_mod": "mask_mod(b, h, q_idx, kv_idx) -> bool",
+}
+
+
+def check_callable(name: str, fn: Any) -> Any:
+    """``fn`` if it is None or callable, else a ``TypeError`` naming the argument (``score_mod`` or
+    ``mask_mod``) and the signature expected."""
+    if fn is not None and not callable(fn):
+        from .checks import ArgumentTypeError
+
+        raise ArgumentTypeError(f"{name}: expected None or a function {SIGNATURES[name]}, got {type(fn).__name__}")
+    return fn
+
+
+__all__ = [
+    "INDEX_DTYPE",
+    "IndexWithTensors",
+    "MaskMod",
+    "ModError",
+    "ScoreMod",
+    "captured_tensors",
+    "mask_block",
+    "mask_grid",
+    "mask_on",
+    "score_block",
+    "score_block_backward",
+    "score_grid",
+]  # fmt: skip

@@ -1,0 +1,267 @@
+"""score_mod on ``az.attention`` (mods.py, DESIGN.md "Programmable attention"): applied to the scaled
+score before softcap and bias, called as torch's Flex calls it (vmapped over 0-d int32 indices, so
+reductions, integer division and autograd.Functions inside work), gradients into captured tensors,
+−inf blocking a pair, refusals of wrong shapes and dtypes, and no silent run on a backend that
+cannot take it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import check_against_golden, qkv
+
+import attnzero as az
+from attnzero import mods
+
+Tensor = torch.Tensor
+
+
+def _rel_bias(rel: Tensor, Lq: int, Lk: int) -> Tensor:
+    """The dense (1, H, Lq, Lk) bias of ``rel[h, i - j + Lk - 1]``."""
+    d = torch.arange(Lq).view(-1, 1) - torch.arange(Lk).view(1, -1) + Lk - 1  # (Lq, Lk)
+    return rel[:, d].unsqueeze(0)
+
+
+def test_a_relative_bias_table_equals_its_dense_bias_and_gets_its_gradient() -> None:
+    B, H, Lq, Lk = 2, 4, 7, 9
+    q, k, v = (t.requires_grad_() for t in qkv(B, H, 2, Lq, Lk, 8))
+    rel = torch.randn(H, Lq + Lk - 1, dtype=torch.float64, requires_grad=True)
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + rel[h, q_idx - kv_idx + Lk - 1]
+
+    out = az.attention(q, k, v, score_mod=score_mod, backend="reference")
+    gq, gk, gv, grel = torch.autograd.grad(out.sum() + out.pow(2).sum(), (q, k, v, rel))
+    rel2 = rel.detach().clone().requires_grad_()
+    want = az.attention(q, k, v, bias=_rel_bias(rel2, Lq, Lk), backend="reference")
+    wq, wk, wv, wrel = torch.autograd.grad(want.sum() + want.pow(2).sum(), (q, k, v, rel2))
+    for a, b in ((out, want), (gq, wq), (gk, wk), (gv, wv), (grel, wrel)):
+        torch.testing.assert_close(a, b)
+    assert grel.abs().sum() > 0
+
+
+def test_the_mod_comes_before_softcap_and_bias() -> None:
+    """bias + cap(fn(scale·q·k)): doubling the score in the mod is doubling the scale."""
+    q, k, v = qkv(1, 2, 2, 5, 6, 4)
+    bias = torch.randn(1, 2, 5, 6, dtype=torch.float64)
+    got = az.attention(q, k, v, bias=bias, softcap=1.5, scale=0.3, score_mod=lambda s, b, h, i, j: 2 * s)
+    want = az.attention(q, k, v, bias=bias, softcap=1.5, scale=0.6)
+    torch.testing.assert_close(got, want)
+
+
+def test_indices_are_int32_query_heads_and_unshifted_positions() -> None:
+    """GQA: ``h`` is the query head; positions are 0-based in q and k (no bottom-right shift)."""
+    seen: dict[str, Any] = {}
+
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        seen["dtypes"] = {b.dtype, h.dtype, i.dtype, j.dtype}
+        seen["shapes"] = {b.shape, h.shape, i.shape, j.shape}
+        return s + 1000.0 * b + 100.0 * h + 10.0 * i + j  # fills the grid with its own indices
+
+    B, Hq, Hkv, Lq, Lk = 2, 4, 2, 3, 5
+    s = torch.zeros(B, Hq, Lq, Lk, dtype=torch.float64)
+    grid = mods.score_grid(score_mod, s)
+    assert seen["dtypes"] == {torch.int32} and seen["shapes"] == {torch.Size([])}
+    b, h, i, j = torch.meshgrid(*(torch.arange(n) for n in (B, Hq, Lq, Lk)), indexing="ij")
+    torch.testing.assert_close(grid, (1000 * b + 100 * h + 10 * i + j).double())
+    # and through attention: the same mod as a bias, with GQA
+    q, k, v = qkv(B, Hq, Hkv, Lq, Lk, 4)
+    got = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + 0.1 * h - 0.2 * i + 0.3 * j + 0.5 * b)
+    bias = (0.1 * h - 0.2 * i + 0.3 * j + 0.5 * b).double()
+    torch.testing.assert_close(got, az.attention(q, k, v, bias=bias))
+
+
+class _Square(torch.autograd.Function):
+    """x² with its own backward and a vmap rule: what a Flex user may call inside a mod."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_mods_that_only_run_vmapped_run() -> None:
+    """What Flex's vmapped call allows and a broadcast call would get wrong or refuse: torch.dot and
+    sum over captured tensors, h.new_zeros(h.shape), integer division, an autograd.Function."""
+    q, k, v = qkv(1, 3, 3, 6, 6, 4)
+    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        bump = torch.dot(w[h], w[h]) + w[h].sum() + h.new_zeros(h.shape)
+        return _Square.apply(s) + bump * ((i // 2) == (j // 2))
+
+    out = az.attention(q, k, v, score_mod=score_mod)
+    same = ((torch.arange(6) // 2).view(-1, 1) == (torch.arange(6) // 2).view(1, -1)).double()  # (6, 6)
+    wd = w.detach()
+    bump = (wd * wd).sum(1) + wd.sum(1)  # (3,)
+    scale = 4**-0.5
+    s = (q @ k.transpose(-2, -1)) * scale
+    bias = bump.view(1, 3, 1, 1) * same - s + s * s  # so that bias + s = s² + bump·same
+    torch.testing.assert_close(out, az.attention(q, k, v, bias=bias))
+    (gw,) = torch.autograd.grad(out.sum(), w)
+    assert torch.isfinite(gw).all() and gw.abs().sum() > 0
+
+
+def test_minus_inf_blocks_a_pair_and_a_blocked_row_is_zero() -> None:
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 4, 4, 4))
+
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return torch.where((j <= i) & (i != 2), s, float("-inf"))  # causal, and row 2 blocked
+
+    out, lse = az.attention(q, k, v, score_mod=score_mod, return_lse=True)
+    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    keep[2] = False
+    want, wlse = az.attention(q, k, v, mask=keep, return_lse=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, wlse)
+    assert (out[:, :, 2] == 0).all() and (lse[:, :, 2] == float("-inf")).all()
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize(
+    ("mod", "message"),
+    [
+        (lambda s, b, h, i, j: s.to(torch.float16), "dtype"),
+        (lambda s, b, h, i, j: torch.stack([s, s]), "0-d"),
+        (lambda s, b, h, i, j: 1.0, "torch.Tensor"),
+    ],
+)
+def test_a_mod_that_changes_the_shape_or_dtype_is_refused(mod: Any, message: str) -> None:
+    q, k, v = qkv(1, 1, 1, 3, 3, 4)
+    with pytest.raises((mods.ModError, RuntimeError, ValueError), match=message):
+        az.attention(q, k, v, score_mod=mod)
+
+
+def test_a_score_mod_must_be_callable() -> None:
+    q, k, v = qkv(1, 1, 1, 3, 3, 4)
+    with pytest.raises(TypeError, match="score_mod: expected None or a function"):
+        az.attention(q, k, v, score_mod=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["flash", "triton"])
+def test_backends_without_score_mod_refuse_it_by_name(backend: str) -> None:
+    q, k, v = qkv(1, 1, 1, 3, 3, 4)
+    with pytest.raises(ValueError, match=f"score_mod: backend='{backend}' does not run a score_mod"):
+        az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s, backend=backend)  # type: ignore[arg-type]
+
+
+def test_auto_runs_the_score_mod_never_without_it() -> None:
+    q, k, v = qkv(1, 2, 2, 5, 5, 4)
+    got = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.0)
+    torch.testing.assert_close(got, v.mean(dim=2, keepdim=True).expand_as(got))
+
+
+def test_a_captured_tensor_it_does_not_use_gets_none() -> None:
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 1, 3, 3, 4))
+    unused = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    used = torch.ones(1, dtype=torch.float64, requires_grad=True)
+    out = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * used[0] + 0 * unused.detach()[0])
+    g_used, g_unused = torch.autograd.grad(out.sum(), (used, unused), allow_unused=True)
+    assert g_used is not None and g_unused is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_alibi_slopes_against_the_golden(dtype: torch.dtype) -> None:
+    slopes = az.masks.alibi_slopes(4)  # float32: promotes no score (float32, or float64 in the golden)
+
+    def alibi(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s - slopes[h] * (i + 3 - j).abs()  # bottom-right positions, Lk - Lq = 3
+
+    q, k, v = qkv(2, 4, 2, 13, 16, 8)
+    check_against_golden("reference", dtype, q, k, v, score_mod=alibi, causal=True)
+    got = az.attention(q, k, v, score_mod=alibi, causal=True)
+    torch.testing.assert_close(got, az.attention(q, k, v, bias=az.masks.alibi(4, 13, 16), causal=True))
+
+
+def test_multi_head_attention_trains_a_score_mod_module() -> None:
+    class Alibi(torch.nn.Module):
+        def __init__(self, heads: int) -> None:
+            super().__init__()
+            self.slopes = torch.nn.Parameter(torch.linspace(0.1, 1.0, heads))
+
+        def forward(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s - self.slopes[h] * (i - j).abs()
+
+    torch.manual_seed(0)
+    mha = az.MultiHeadAttention(16, 4, dropout=0.0, score_mod=Alibi(4))
+    assert any(n == "score_mod.slopes" for n, _ in mha.named_parameters())
+    x = torch.randn(2, 5, 16)
+    out, weights = mha(x, need_weights=True, causal=True)
+    out.sum().backward()
+    slopes = mha.score_mod.slopes  # type: ignore[union-attr]
+    assert slopes.grad is not None and slopes.grad.abs().sum() > 0
+    # the same as the dense ALiBi bias
+    plain = az.MultiHeadAttention(16, 4, dropout=0.0)
+    plain.load_state_dict({k: v for k, v in mha.state_dict().items() if not k.startswith("score_mod")})
+    d = (torch.arange(5).view(-1, 1) - torch.arange(5).view(1, -1)).abs()
+    bias = -slopes.detach().view(1, 4, 1, 1) * d
+    q = plain._split_heads(plain.W_q(x), 4)
+    k = plain._split_heads(plain.W_k(x), 4)
+    torch.testing.assert_close(weights, az.attention_weights(q, k, bias=bias, causal=True))
+
+
+TABLE = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)  # a global a mod reads
+
+
+def test_score_block_backward_summed_over_blocks_is_autograds() -> None:
+    """What a tiled backend's backward calls per block: the scores' gradient and the captured
+    tensors' (found by captured_tensors in closures, globals, modules), summed over a tiling."""
+    scale = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    unused = torch.ones(2, dtype=torch.float64, requires_grad=True)
+
+    def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * scale + TABLE[h, i - j + 4]
+
+    found = mods.captured_tensors(score_mod)
+    assert any(t is TABLE for t in found) and any(t is scale for t in found) and not any(t is unused for t in found)
+    module = torch.nn.Linear(2, 2)
+    assert {id(t) for t in mods.captured_tensors(module)} == {id(p) for p in module.parameters()}
+
+    s = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    g = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    x = s.clone().requires_grad_()
+    want = torch.autograd.grad(mods.score_grid(score_mod, x), [x, TABLE, scale], g)
+    ds = torch.zeros_like(s)
+    sums: list[Tensor] = [torch.zeros_like(TABLE), torch.zeros_like(scale)]
+    for r0 in (0, 2):
+        for c0 in (0, 3):
+            rows, cols = (r0, 5 if r0 else 2), (c0, 5 if c0 else 3)
+            blk = (slice(None), slice(None), slice(*rows), slice(*cols))
+            d, grads = mods.score_block_backward(
+                score_mod, s[blk], g[blk], [TABLE, scale], batches=(0, 2), heads=(0, 3), rows=rows, cols=cols
+            )
+            ds[blk] = d
+            sums = [a + (0 if b is None else b) for a, b in zip(sums, grads)]
+    torch.testing.assert_close(ds, want[0])
+    torch.testing.assert_close(sums[0], want[1])
+    torch.testing.assert_close(sums[1], want[2])
+
+
+def test_score_mod_and_a_mask_from_a_mod_trace_under_torch_compile_fullgraph() -> None:
+    q, k, v = (t.float().requires_grad_() for t in qkv(1, 2, 2, 24, 24, 8))
+    rel = torch.randn(2, 47)
+    mask = az.masks.from_mod(lambda b, h, i, j: (j < 5) | (j <= i), 1, 1, 24, 24, block_size=8)
+
+    def fn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = az.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s + rel[h, i - j + 23])
+        assert isinstance(out, Tensor)
+        return out
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="eager")(q, k, v)  # dynamo's tracing, no inductor build
+    torch.testing.assert_close(got, fn(q, k, v))
+    got.sum().backward()
+    assert q.grad is not None
