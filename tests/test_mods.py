@@ -151,11 +151,55 @@ def test_a_score_mod_must_be_callable() -> None:
         az.attention(q, k, v, score_mod=3)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("backend", ["flash", "triton"])
-def test_backends_without_score_mod_refuse_it_by_name(backend: str) -> None:
+def test_triton_refuses_a_score_mod_by_name() -> None:
     q, k, v = qkv(1, 1, 1, 3, 3, 4)
-    with pytest.raises(ValueError, match=f"score_mod: backend='{backend}' does not run a score_mod"):
-        az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s, backend=backend)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="score_mod: backend='triton' does not run a score_mod"):
+        az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("case", ["plain", "causal", "softcap", "mask", "bias", "dropout"])
+def test_flash_runs_a_score_mod_against_the_golden(dtype: torch.dtype, case: str) -> None:
+    """flash.py's tiles apply the mod per block (before the cap and the bias) and take its derivative
+    in their own backward: out, lse and the gradients of q, k, v and the bias within the tolerance
+    rule of the float64 golden, on small blocks (skipped, partial and whole ones), GQA, Lq != Lk."""
+    from attnzero import flash
+
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+    def alibi(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s - slopes[h].to(s.dtype) * (i - j).abs() + (b * 0.1).to(s.dtype)
+
+    q, k, v = qkv(2, 4, 2, 29, 37, 16)
+    kw: dict[str, Any] = {
+        "plain": {}, "causal": {"causal": True}, "softcap": {"softcap": 1.5, "window": (9, 2)},
+        "mask": {"mask": az.masks.causal(29, 37) & az.masks.padding([37, 20])},
+        "bias": {"bias": torch.randn(1, 4, 29, 37, dtype=torch.float64)}, "dropout": {"dropout_p": 0.2, "seed": 3},
+    }[case]  # fmt: skip
+    with flash.block_sizes(rows=8, cols=8):
+        check_against_golden("flash", dtype, q, k, v, score_mod=alibi, **kw)
+
+
+def test_flash_gives_captured_tensors_their_gradients() -> None:
+    """A relative-position table and ALiBi slopes as Parameters: flash's own backward sums their
+    gradients over the blocks it visits, equal to the reference's autograd."""
+    from attnzero import flash
+
+    H, L = 4, 23
+    rel = torch.randn(H, 2 * L - 1, dtype=torch.float64, requires_grad=True)
+    slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + rel[h, i - j + L - 1] - slopes[h] * (i - j).abs()
+
+    q, k, v = (t.requires_grad_() for t in qkv(2, H, 2, L, L, 8))
+    grads = {}
+    for backend in ("reference", "flash"):
+        with flash.block_sizes(rows=8, cols=8):
+            out = az.attention(q, k, v, score_mod=mod, causal=True, backend=backend)  # type: ignore[arg-type]
+        grads[backend] = torch.autograd.grad(out.square().sum(), (q, k, v, rel, slopes))
+    for got, want in zip(grads["flash"], grads["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_auto_runs_the_score_mod_never_without_it() -> None:

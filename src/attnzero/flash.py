@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dropout, geometry, reference, trace
+from . import dropout, geometry, mods, reference, trace
 from .masks import Mask, block_of, keep_block
 from .reference import accum_dtype
 
@@ -87,7 +87,7 @@ class _Problem:
     def __init__(
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
         window: tuple[int | None, int | None] | None, scale: float, softcap: float | None, dropout_p: float,
-        dropout_seed: int, block: tuple[int, int] | None,
+        dropout_seed: int, block: tuple[int, int] | None, score_mod: mods.ScoreMod | None = None,
     ) -> None:  # fmt: skip
         self.q, self.k, self.v = q, k, v
         self.B, self.Hq, self.Lq, self.D = q.shape
@@ -95,7 +95,10 @@ class _Problem:
         self.G = self.Hq // self.Hkv
         self.acc = accum_dtype(q.dtype)
         self.mask, self.bias, self.causal, self.window = mask, bias, causal, window
-        self.scale, self.softcap = scale, softcap
+        self.scale, self.softcap, self.score_mod = scale, softcap, score_mod
+        # The captured tensors' gradients, summed over blocks by the backward (score_mod only).
+        self.captured: list[Tensor] = mods.captured_tensors(score_mod) if score_mod is not None else []
+        self.dcaptured: list[Tensor | None] = [None] * len(self.captured)
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
         self.rows, self.cols = block or _BLOCK.get()
         # A bias far from 0 along a whole row: s − c with c the row's largest finite bias, so that
@@ -146,14 +149,21 @@ class _Problem:
 
     def score(
         self, s: Tensor, batches: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int], masked: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """One block of scores from ``s = q kᵀ`` (N, G·r, c), in place: ``scale · s``, capped, plus
-        the bias (less the row shift), −inf where causal / window cut the block and, if ``masked``,
-        where the mask blocks (docs/MATH.md sections 1 and 2). Returns the scores and
-        ``t = tanh(scale · q·k / softcap)`` (None without softcap), whose ``1 − t²`` the backward
-        needs. Forward and backward both take their scores from here: a variant is a step here."""
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """One block of scores from ``s = q kᵀ`` (N, G·r, c): ``scale · s``, the user's ``score_mod``,
+        capped, plus the bias (less the row shift), −inf where causal / window cut the block and, if
+        ``masked``, where the mask blocks (docs/MATH.md sections 1 and 2). Returns the scores,
+        ``t = tanh(y / softcap)`` (None without softcap; y the score the cap takes), whose ``1 − t²``
+        the backward needs, and ``x = scale · q·k`` before the mod (None without one), which its
+        backward needs. Forward and backward both take their scores from here: a variant is a step
+        here."""
         s4 = s.view(batches[1] - batches[0], self.Hq, rows[1] - rows[0], cols[1] - cols[0])  # (nb, Hq, r, c)
         s4.mul_(self.scale)  # s = scale · q·k
+        x = None
+        if self.score_mod is not None:  # s = score_mod(s, b, h, q_idx, kv_idx): a new block
+            x = s4
+            s4 = mods.score_block(self.score_mod, x, batches=batches, heads=(0, self.Hq), rows=rows, cols=cols)
+            s = s4.view(s.shape)
         t = None
         if self.softcap is not None:
             t = torch.tanh(s4 / self.softcap)  # t = tanh(s / softcap)
@@ -166,7 +176,7 @@ class _Problem:
         keep = keep_block(mask, self.causal, self.window, self.Lq, self.Lk, rows, cols, s.device)  # None: all kept
         if keep is not None:  # (B|1, Hq|1, r, c) or (r, c)
             s4.masked_fill_(_sel(keep, batches, (0, rows[1] - rows[0]), (0, cols[1] - cols[0])).logical_not(), NEG_INF)
-        return s, None if t is None else t.view(s.shape)
+        return s, None if t is None else t.view(s.shape), x
 
     def dropout_keep(self, batches: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> Tensor | None:
         """Z for one block, (N, G·r, c) bool: the entries ``dropout.keep_mask`` keeps for the whole
@@ -233,7 +243,7 @@ def _forward(pb: _Problem) -> tuple[Tensor, Tensor]:
                 trace.note("flash.rows_empty", pass_="forward", chunk=(*batches, 0, pb.Hkv), rows=rows)
             for cols, masked in blocks:
                 pb.note("forward", batches, rows, cols, masked)
-                s, _ = pb.score(torch.bmm(q, k[:, cols[0] : cols[1]].transpose(1, 2)), batches, rows, cols, masked)
+                s, _, _ = pb.score(torch.bmm(q, k[:, cols[0] : cols[1]].transpose(1, 2)), batches, rows, cols, masked)
                 _forward_block(st, s, v[:, cols[0] : cols[1]], pb.dropout_keep(batches, rows, cols))
             if pb.dropout_p > 0.0:
                 st.acc.mul_(1.0 / (1.0 - pb.dropout_p))  # the kept entries' 1 / (1 − p_drop), once per row
@@ -261,18 +271,19 @@ def forward(
     dropout_seed: int,
     softcap: float | None = None,
     block: tuple[int, int] | None = None,
+    score_mod: mods.ScoreMod | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))`` by an online softmax over key blocks.
     A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
     pb = _Problem(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
-                  dropout_p=dropout_p, dropout_seed=dropout_seed, block=block)  # fmt: skip
+                  dropout_p=dropout_p, dropout_seed=dropout_seed, block=block, score_mod=score_mod)  # fmt: skip
     out, lse = _forward(pb)
     return out, lse if pb.shift is None else lse + pb.shift.squeeze(-1)  # the row shift given back
 
 
 def _backward_block(
     pb: _Problem, s: Tensor, t: Tensor | None, lse: Tensor, d: Tensor, do: Tensor, q: Tensor, k: Tensor, v: Tensor,
-    z: Tensor | None,
+    z: Tensor | None, through_mod: Any = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One block of the backward (docs/MATH.md sections 4 and 5), from the scores ``s`` (N, G·r, c)
     and the cap's ``t``, the rows' ``lse`` and ``D`` (N, G·r, 1), their ``dO`` (N, G·r, Dv) and
@@ -289,6 +300,8 @@ def _backward_block(
         dp = torch.bmm(do, v.transpose(1, 2)).mul_(z).mul_(keep_scale)  # Z_ij dp_ij / (1 − p_drop)
     ds = dp.sub_(d).mul_(p)  # ds_ij = p_ij (dp_ij − D_i): the gradient of the score s_ij
     dsx = ds if t is None else ds * (1.0 - t * t)  # softcap: through d(softcap·tanh(x/softcap))/dx = 1 − t²
+    if through_mod is not None:
+        dsx = through_mod(dsx)  # score_mod: dx = (∂ score_mod / ∂x) · dy (its captured tensors' share noted)
     dq = torch.bmm(dsx, k).mul_(pb.scale)  # dQ_i = scale · Σ_j ds_ij k_j
     dk = torch.bmm(dsx.transpose(1, 2), q).mul_(pb.scale)  # dK_j = scale · Σ_i ds_ij q_i (the G heads summed)
     return dq, dk, dv, ds
@@ -327,12 +340,15 @@ def backward(
     bias_grad: bool = True,
     softcap: float | None = None,
     block: tuple[int, int] | None = None,
+    score_mod: mods.ScoreMod | None = None,
+    captured_grads: list[Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` from the saved ``out`` and ``lse``, recomputing P block by block.
     dk / dv are summed over each GQA group; dbias has bias's (broadcast) shape, None without bias
-    (or when ``bias_grad`` is False)."""
+    (or when ``bias_grad`` is False). With a ``score_mod``, the gradients of the tensors it captures
+    (``mods.captured_tensors``) are written into ``captured_grads`` (None where it does not use one)."""
     pb = _Problem(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
-                  dropout_p=dropout_p, dropout_seed=dropout_seed, block=block)  # fmt: skip
+                  dropout_p=dropout_p, dropout_seed=dropout_seed, block=block, score_mod=score_mod)  # fmt: skip
     if pb.shift is not None:
         lse = _shifted_lse(pb, lse)
     dq = torch.empty_like(q)
@@ -355,9 +371,10 @@ def backward(
             for cols, masked in blocks:
                 pb.note("backward", batches, rows, cols, masked)
                 kb, vb = kc[:, cols[0] : cols[1]], vc[:, cols[0] : cols[1]]  # (N, c, D), (N, c, Dv)
-                s, t = pb.score(torch.bmm(qr, kb.transpose(1, 2)), batches, rows, cols, masked)
+                s, t, x = pb.score(torch.bmm(qr, kb.transpose(1, 2)), batches, rows, cols, masked)
+                through = None if x is None else _through_mod(pb, x, batches, rows, cols)
                 dq_b, dk_b, dv_b, ds = _backward_block(pb, s, t, lse_r, d, do, qr, kb, vb,
-                                                       pb.dropout_keep(batches, rows, cols))  # fmt: skip
+                                                       pb.dropout_keep(batches, rows, cols), through)  # fmt: skip
                 dq_r += dq_b
                 dk_c[:, cols[0] : cols[1]] += dk_b
                 dv_c[:, cols[0] : cols[1]] += dv_b
@@ -369,14 +386,38 @@ def backward(
             g = dq[batches[0] : batches[1], :, rows[0] : rows[1]]  # (nb, Hq, r, D), a view
             g.copy_(dq_r.view(g.shape))
     db = dbias.to(bias.dtype) if dbias is not None and bias is not None else None
+    if captured_grads is not None:
+        captured_grads[:] = pb.dcaptured
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
+
+
+def _through_mod(pb: _Problem, x: Tensor, batches: tuple[int, int], rows: tuple[int, int],
+                 cols: tuple[int, int]) -> Any:  # fmt: skip
+    """The score_mod's step of the backward on one block: from the gradient of the modified score
+    (N, G·r, c), the gradient of ``x = scale · q·k`` (the mod's derivative, by autograd on the block)
+    — and the block's share of each captured tensor's gradient, added to ``pb.dcaptured``."""
+    fn = pb.score_mod
+    assert fn is not None
+
+    def step(dy: Tensor) -> Tensor:
+        dx, grads = mods.score_block_backward(
+            fn, x, dy.view(x.shape), pb.captured, batches=batches, heads=(0, pb.Hq), rows=rows, cols=cols
+        )  # (nb, Hq, r, c)
+        for i, g in enumerate(grads):
+            before = pb.dcaptured[i]
+            if g is not None:
+                pb.dcaptured[i] = g if before is None else before + g
+        return dx.view(dy.shape)  # (N, G·r, c)
+
+    return step
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any], *captured: Tensor
     ) -> tuple[Tensor, Tensor]:
+        del captured  # inputs only so that they get gradients (the score_mod reads them itself)
         out, lse = forward(q, k, v, bias=bias, **options)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.options = options
@@ -388,12 +429,29 @@ class _FlashAttention(torch.autograd.Function):
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, out, lse = ctx.saved_tensors
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
-            needs = tuple(ctx.needs_input_grad[:4])
             options = {key: value for key, value in ctx.options.items() if key != "block"}
-            return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **options), None)
+            return _graph_grads(dout, q, k, v, bias, ctx.needs_input_grad, options)
+        captured: list[Tensor | None] = []
         dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3],
-                                     **ctx.options)  # fmt: skip
-        return dq, dk, dv, dbias, None
+                                     captured_grads=captured, **ctx.options)  # fmt: skip
+        return dq, dk, dv, dbias, None, *captured
+
+
+def _graph_grads(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...], options: dict[str, Any]
+) -> tuple[Tensor | None, ...]:
+    """The gradients as differentiable functions (``reference.backward_with_graph``), those of a
+    score_mod's captured tensors too: what ``_FlashAttention.backward`` returns for a graph."""
+    fn = options.get("score_mod")
+    captured = mods.captured_tensors(fn) if fn is not None else []
+    grads = reference.backward_with_graph(dout, q, k, v, bias, tuple(needs[:4]), **options)
+    if not captured:
+        return (*grads, None)
+    with torch.enable_grad():
+        out, _ = reference.attention(q, k, v, bias=bias, **options)
+    wrt = [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
+    got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True) if wrt else ())
+    return (*grads, None, *[next(got) if n and t.requires_grad else None for t, n in zip(captured, needs[5:])])
 
 
 def attention(
@@ -411,18 +469,24 @@ def attention(
     need_lse: bool = True,
     softcap: float | None = None,
     block: tuple[int, int] | None = None,
+    score_mod: mods.ScoreMod | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The backend entry used by ``functional.py``: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``,
-    differentiable in q, k, v and bias (lse is not). The lse is always computed (``need_lse`` is
-    the backends' common signature)."""
+    differentiable in q, k, v, bias and the tensors a ``score_mod`` captures (lse is not). The lse
+    is always computed (``need_lse`` is the backends' common signature)."""
     del need_lse
     options: dict[str, Any] = {
         "mask": mask, "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p,
         "dropout_seed": dropout_seed, "softcap": softcap, "block": block or _BLOCK.get(),
     }  # fmt: skip
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))):
+    captured: list[Tensor] = []
+    if score_mod is not None:
+        options["score_mod"] = score_mod
+        captured = mods.captured_tensors(score_mod)
+    inputs = (q, k, v, bias, *captured)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
         return forward(q, k, v, bias=bias, **options)
-    out, lse = _FlashAttention.apply(q, k, v, bias, options)
+    out, lse = _FlashAttention.apply(q, k, v, bias, options, *captured)
     return out, lse
 
 

@@ -309,16 +309,27 @@ def _attention(
 
     lse: Tensor | None
     if fn is not None:
-        # A score_mod runs on the reference for now: flash and triton do not take one yet (their
-        # block loops are being rewritten), so "auto" picks the reference and they refuse rather
-        # than run without it. Eager and compiled alike: dynamo traces the formula and the vmapped
-        # mod (an op's schema cannot hold a function).
-        if name in ("flash", "triton"):
+        # A score_mod runs on flash.py's tiles (eager, a backward of its own that gives the captured
+        # tensors their gradients) or on the reference's formula — which "auto" takes where a tiled
+        # backend's Python cannot run: traced by dynamo (an op's schema cannot hold a function),
+        # under torch.func, and for empty problems. The compiled CPU kernel and the Triton kernels
+        # run no user function: backend="triton" refuses it by name rather than run without it.
+        if name == "triton":
             raise ArgumentError(
-                f"score_mod: backend={name!r} does not run a score_mod yet; use backend='reference' or 'auto'"
+                "score_mod: backend='triton' does not run a score_mod yet (no Triton code is generated from it); "
+                "use backend='flash' (it runs on any device) or 'auto'"
             )
+        special = (  # (sinks too, for now: flash folds them outside its Function, which a mod's grads need)
+            torch.compiler.is_compiling()
+            or batching.wrapped(q, k, v, keep, add, sink)
+            or 0 in (q.numel(), k.numel(), v.numel())
+            or sink is not None
+        )
+        if name in ("auto", "flash"):
+            name = "reference" if special else "flash"
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
-        out, lse = reference.attention(
+        run = reference.attention if name == "reference" else _flash_with_mod
+        out, lse = run(
             q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed, score_mod=fn,
         )  # fmt: skip
@@ -355,6 +366,16 @@ def _attention(
         assert lse is not None  # asked for: every backend gives it
         return out, lse
     return out
+
+
+def _flash_with_mod(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, **kw: Any) -> tuple[Tensor, Tensor]:
+    """flash.py with a score_mod (no sinks: those calls take the reference)."""
+    from . import flash
+
+    assert sinks is None
+    out, lse = flash.attention(q, k, v, **kw)
+    assert lse is not None
+    return out, lse
 
 
 def attention_weights(
