@@ -256,3 +256,36 @@ def test_fuzz_vmapped_calls_against_the_golden(seed: int) -> None:
     got_g = vmap(grad(loss(backend)), in_dims=in_dims)(q, k, v)
     for i in range(V):
         close(got_g[i], per_slice(grad(loss("reference")), i))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_float32_runs_of_every_backend_under_vmap_and_grad(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In float32 / bfloat16 backend="flash" on CPU is the compiled kernel where it is built: vmap
+    folds into it and grad/vjp go through it too; the results equal the slices' within the
+    tolerance rule against the float64 formula."""
+    from attnzero import cpu_kernel, ops
+    from attnzero.testing import assert_close_to_golden
+
+    ran: list[str] = []
+    real = ops.forward
+    monkeypatch.setattr(ops, "forward", lambda name, *a, **kw: ran.append(name) or real(name, *a, **kw))
+
+    V = 3
+    q, k, v = rand(V, 2, 4, 33, 16), rand(V, 2, 2, 40, 16), rand(V, 2, 2, 40, 16)
+    xs = [x.to(dtype) for x in (q, k, v)]
+    gold = vmap(attend("reference", causal=True))(q, k, v)
+    ref = vmap(attend("reference", causal=True))(*xs)
+    for backend in ALL[:2]:
+        got = vmap(attend(backend, causal=True))(*xs)
+        assert got.dtype == dtype
+        assert_close_to_golden(got, ref, gold, name=f"{backend} out")
+    assert ran[-1] == ("cpu_kernel" if cpu_kernel.available() else "flash")  # the vmap ran the backend itself
+
+    def loss(name: str) -> Callable[..., torch.Tensor]:
+        return lambda q, k, v: attend(name, causal=True)(q, k, v).float().square().sum()
+
+    gold_g = vmap(grad(loss("reference"), argnums=(0, 1, 2)))(q, k, v)
+    ref_g = vmap(grad(loss("reference"), argnums=(0, 1, 2)))(*xs)
+    got_g = vmap(grad(loss("flash"), argnums=(0, 1, 2)))(*xs)
+    for g, r, w in zip(got_g, ref_g, gold_g):
+        assert_close_to_golden(g, r, w, kind="grad", size=float(w.abs().max()) + 1.0)
