@@ -104,10 +104,15 @@ def _takes_decode(q: Tensor, k: Tensor) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result
 def _kernel_built() -> bool:
     """Whether the compiled CPU kernel is here (built on first use; a constant for dynamo)."""
     return cpu_kernel.available()
+
+
+# torch.compiler.assume_constant_result(_kernel_built), which only sets this mark: calling it here
+# would import torch._dynamo (seconds) and triton with attnzero — before a test run can choose
+# Triton's interpreter.
+_kernel_built._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _takes_kernel(q: Tensor, bias: Tensor | None) -> bool:
