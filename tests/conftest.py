@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 import torch
 
-import attnzero as az
-from attnzero.testing import assert_close_to_golden, assert_reference_sane, magnitude
-
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the suite may touch the network
 # Without a GPU, backend="triton" runs on CPU tensors under Triton's interpreter, which must be chosen
-# before the kernels are first imported (attnzero.kernels is imported on first use of the backend).
+# before Triton is first imported: attnzero.kernels is imported on first use of the backend, but
+# Triton itself may come earlier, with torch._dynamo (importing attnzero loads it), so before attnzero.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import attnzero as az
+from attnzero.testing import assert_close_to_golden, assert_reference_sane, magnitude
 
 # Every golden test is parametrized over this list: adding a backend is a one-line change here.
 BACKENDS: list[str] = ["reference", "flash"]

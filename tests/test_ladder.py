@@ -110,7 +110,7 @@ def test_max_error_never_passes_nan_or_inf() -> None:
 
 def test_unknown_rung_is_refused() -> None:
     with pytest.raises(ValueError, match="rung"):
-        ladder.module(10)
+        ladder.module(11)
     with pytest.raises(SystemExit):
         cli_main(["ladder", "x"])
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true", help="with --full: skip the memory measurements")
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png (default: out/bench)")
 
-    p = sub.add_parser("ladder", help="from the seeds' formula to the kernel: rungs 0-9, each run, checked and drawn")
+    p = sub.add_parser("ladder", help="from the seeds' formula to the kernel: rungs 0-10, each run, checked and drawn")
     p.add_argument("rungs", type=int, nargs="*", help=f"the rungs to run (default: all of {sorted(ladder.RUNGS)})")
     p.add_argument("--out", default="out/ladder", help="folder for the pictures (default: out/ladder)")
     p.add_argument("--no-pictures", action="store_true", help="run and check only")

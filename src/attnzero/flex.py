@@ -27,8 +27,9 @@ results there than in torch's compiled Flex; attnzero gives the compiled one's, 
 
 Which backend runs: what ``az.attention``'s "auto" picks — with a ``score_mod`` flash.py's tiles
 (the reference under torch.compile / torch.func), else the compiled CPU kernel / flash / triton
-with the block table skipping blocks. ``kernel_options``: the keys in ``IGNORED_KERNEL_OPTIONS`` tune torch's kernels and cannot
-change the result, so they are accepted and ignored; any other key raises, naming it.
+with the block table skipping blocks. ``kernel_options``: the keys in ``IGNORED_KERNEL_OPTIONS``
+tune torch's kernels and cannot change the result, so they are accepted and ignored; any other key
+raises, naming it.
 """
 
 from __future__ import annotations

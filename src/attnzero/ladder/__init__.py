@@ -29,6 +29,7 @@ RUNGS: dict[int, str] = {
     7: "r7_triton",
     8: "r8_decode",
     9: "r9_ring",
+    10: "r10_mods",
 }
 
 

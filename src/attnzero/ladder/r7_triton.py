@@ -38,9 +38,10 @@ def triton_backend() -> tuple[ModuleType | None, str]:
 
     Triton decides at import whether its kernels are compiled (GPU) or interpreted (CPU, under
     ``TRITON_INTERPRET=1``). Without CUDA the variable is set here, before the kernels are first
-    imported. If they were already imported compiled on a machine without a GPU, they cannot be
-    switched in this process: the answer is ``(None, RERUN)`` (the rung reruns itself in a fresh
-    interpreter, ``rerun_interpreted``)."""
+    imported. If they — or Triton's own ``@triton.jit`` library (``tl.cdiv``, imported with
+    ``torch._dynamo`` by whatever loaded it first) — were already imported compiled on a machine
+    without a GPU, they cannot be switched in this process: the answer is ``(None, RERUN)`` (the
+    rung reruns itself in a fresh interpreter, ``rerun_interpreted``)."""
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -48,7 +49,10 @@ def triton_backend() -> tuple[ModuleType | None, str]:
         from ..kernels import triton_backend as tb
     except ImportError as e:
         return None, f"the Triton rungs need the `triton` package (pip install triton): {e}"
-    if not cuda and not tb.interpreting():
+    import triton.language as tl
+
+    library = type(getattr(tl, "cdiv", None)).__name__ in ("InterpretedFunction", "function", "NoneType")
+    if not cuda and not (tb.interpreting() and library):
         return None, RERUN
     return tb, ""
 
