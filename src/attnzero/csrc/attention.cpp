@@ -527,6 +527,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, dbias};
 }
 
+// dropout_kept for n consecutive keys from (b, h, i, j0) of a (·, H, Lq, Lk) problem: the tests'
+// view of the hash (a row of 2³² keys cannot be run).
+at::Tensor keep_mask(int64_t seed, double dropout_p, int64_t H, int64_t Lq, int64_t Lk, int64_t b, int64_t h,
+                     int64_t i, int64_t j0, int64_t n) {
+  const double th = std::min(std::nearbyint(dropout_p * 4294967296.0), 4294967296.0);
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kBool));
+  bool* o = out.data_ptr<bool>();
+  const uint64_t start = static_cast<uint64_t>(((b * H + h) * Lq + i) * Lk + j0);
+  for (int64_t j = 0; j < n; ++j) o[j] = dropout_kept(start + j, static_cast<uint64_t>(seed), static_cast<uint64_t>(th));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnzero_cpu, m) {
@@ -537,9 +549,12 @@ TORCH_LIBRARY(attnzero_cpu, m) {
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, "
       "Tensor? table, Tensor? tiles, int left, int right, float scale, float softcap, float dropout_p, int seed, "
       "int block_q, int block_k, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("keep_mask(int seed, float dropout_p, int H, int Lq, int Lk, int b, int h, int i, int j0, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnzero_cpu, CPU, m) {
   m.impl("forward", &forward);
   m.impl("backward", &backward);
 }
+
+TORCH_LIBRARY_IMPL(attnzero_cpu, CompositeExplicitAutograd, m) { m.impl("keep_mask", &keep_mask); }
