@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import absent, torch_threads
+from conftest import absent, flash_py, torch_threads
 
 import attnzero as az
 from attnzero import flash, geometry, ladder, trace
@@ -121,7 +121,7 @@ def test_forward_tiles_recorded_are_the_blocks_counted(name: str, threads: int) 
 def test_tiles_on_worker_threads_with_split_tasks_match_the_counters() -> None:
     # 256-row tasks on two workers: the last ones are split in halves and helped with (parallel.py)
     q, k, v = _qkv(1, 2, 1024, 32, torch.float32)
-    with flash.block_sizes(rows=256, cols=128, threads=2), torch_threads(2):
+    with flash_py(), flash.block_sizes(rows=256, cols=128, threads=2), torch_threads(2):  # flash.py's own tiles
         with counted("forward") as n, counted("fallback") as fb, trace.recording() as rec:
             az.attention(q, k, v, backend="flash", causal=True)
     tiles = rec.of("flash.tile")
