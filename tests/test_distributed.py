@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import kernel_built
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP_TIMEOUT_S = 120  # default group: generous, the machine is shared
@@ -72,7 +73,11 @@ def expected_backend(c: tuple[Any, ...], choice: str, world: int) -> str:
     k = torch.empty(B, Hkv, L, D, dtype=getattr(torch, dtype))
     if choice == "auto":
         return functional.choose("auto", q, k, needs_grad=True)
-    return "flash" if dtype == "float64" else choice  # float64: functional routes triton to flash
+    if dtype == "float64":
+        return "flash"  # functional routes triton to flash, and flash stays flash.py
+    if choice == "flash" and kernel_built():
+        return "cpu_kernel"  # flash on CPU is the compiled kernel where it is built
+    return choice
 
 
 def _free_port() -> int:
@@ -319,9 +324,9 @@ def test_ring_runs_the_backend_of_the_one_choice(tmp_path: Path, monkeypatch: py
     used: list[str] = []
     real_choose = functional.choose
 
-    def choose(name: str, q: torch.Tensor, k: torch.Tensor, *, needs_grad: bool, v: Any = None) -> str:
+    def choose(name: str, q: torch.Tensor, k: torch.Tensor, *, needs_grad: bool, v: Any = None, bias: Any = None) -> str:  # noqa: E501
         assert v is not None, "the ring should pass v, as attention does (Dv takes part in the choice)"
-        chosen.append(real_choose(name, q, k, needs_grad=needs_grad, v=v))
+        chosen.append(real_choose(name, q, k, needs_grad=needs_grad, v=v, bias=bias))
         return chosen[-1]
 
     def spy(name: str, fn: Any) -> Any:

@@ -38,6 +38,7 @@ extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
             const int* ldc);
+int MKL_Set_Num_Threads_Local(int nt);  // MKL's C entry (the lowercase name is the Fortran one)
 }
 
 namespace {
@@ -79,6 +80,14 @@ inline bool dropout_kept(uint64_t counter, uint64_t seed, uint64_t threshold) {
   x = mix32(x);
   return static_cast<uint64_t>(x) >= threshold;
 }
+
+// MKL on one thread inside each task (the parallelism is the tasks'), restored afterwards: MKL
+// would otherwise start threads of its own in every product.
+struct OneMklThread {
+  int before;
+  OneMklThread() : before(MKL_Set_Num_Threads_Local(1)) {}
+  ~OneMklThread() { MKL_Set_Num_Threads_Local(before); }
+};
 
 enum Kind : int { SKIP = 0, FULL = 1, PARTIAL = 2 };
 
@@ -297,6 +306,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    OneMklThread one;
     // per-thread scratch: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l
     std::vector<float> qs(R_max * D), kb(bn * D), vb(bn * Dv), s(R_max * bn), acc(R_max * Dv), m(R_max), l(R_max);
     for (int64_t task = begin; task < end; ++task) {
@@ -386,6 +396,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   T* dkp = dk.data_ptr<T>();
   T* dvp = dv.data_ptr<T>();
   at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    OneMklThread one;
     // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
     // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
     std::vector<float> qf(NR * D), dof(NR * Dv), Dr(NR), lser(NR), dqa(NR * D);
@@ -527,6 +538,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, dbias};
 }
 
+// dropout_kept for n consecutive keys from (b, h, i, j0) of a (·, H, Lq, Lk) problem: the tests'
+// view of the hash (a row of 2³² keys cannot be run).
+at::Tensor keep_mask(int64_t seed, double dropout_p, int64_t H, int64_t Lq, int64_t Lk, int64_t b, int64_t h,
+                     int64_t i, int64_t j0, int64_t n) {
+  const double th = std::min(std::nearbyint(dropout_p * 4294967296.0), 4294967296.0);
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kBool));
+  bool* o = out.data_ptr<bool>();
+  const uint64_t start = static_cast<uint64_t>(((b * H + h) * Lq + i) * Lk + j0);
+  for (int64_t j = 0; j < n; ++j) o[j] = dropout_kept(start + j, static_cast<uint64_t>(seed), static_cast<uint64_t>(th));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnzero_cpu, m) {
@@ -537,9 +560,12 @@ TORCH_LIBRARY(attnzero_cpu, m) {
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, "
       "Tensor? table, Tensor? tiles, int left, int right, float scale, float softcap, float dropout_p, int seed, "
       "int block_q, int block_k, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("keep_mask(int seed, float dropout_p, int H, int Lq, int Lk, int b, int h, int i, int j0, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnzero_cpu, CPU, m) {
   m.impl("forward", &forward);
   m.impl("backward", &backward);
 }
+
+TORCH_LIBRARY_IMPL(attnzero_cpu, CompositeExplicitAutograd, m) { m.impl("keep_mask", &keep_mask); }

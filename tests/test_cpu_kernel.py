@@ -1,0 +1,255 @@
+"""The compiled CPU kernel (``attnzero.cpu_kernel``, ``csrc/attention.cpp``) against the float64
+golden with the tolerance rule, through ``az.attention(backend="flash")`` — which runs it on CPU for
+float32 / bfloat16 / float16 — checking each time that the kernel itself ran, forward and backward:
+awkward sizes, Lq ≠ Lk, GQA / MQA, causal and windows, every mask kind, fully blocked rows,
+non-contiguous inputs, bias gradients over broadcast dims, softcap, dropout (the reference's entries,
+same seed), and the block table built from a Mask's structure. The build itself:
+``test_cpu_kernel_build.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import check_against_golden, need_kernel, qkv, randn
+
+import attnzero as az
+from attnzero import cpu_kernel, geometry
+
+F64 = torch.float64
+KERNEL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KERNEL_IDS = ["f32", "bf16", "f16"]
+
+
+@pytest.fixture(autouse=True)
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Counts of the kernel's forward and backward calls (each test asserts the kernel ran)."""
+    need_kernel()
+    seen = {"forward": 0, "backward": 0}
+    for fn in ("forward", "backward"):
+        real = getattr(cpu_kernel, fn)
+
+        def spy(*args: Any, _real: Any = real, _fn: str = fn, **kw: Any) -> Any:
+            seen[_fn] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(cpu_kernel, fn, spy)
+    yield seen
+
+
+def golden(dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: dict[str, int],
+           grads: bool = True, **kw: Any) -> None:  # fmt: skip
+    """check_against_golden on backend="flash", which must have run the kernel."""
+    before = dict(calls)
+    check_against_golden("flash", dtype, q, k, v, grads=grads, **kw)
+    assert calls["forward"] > before["forward"]
+    assert calls["backward"] > before["backward"] or not grads
+
+
+# (B, Hq, Hkv, Lq, Lk, D, Dv): a single query and key, lengths that are no multiple of the blocks,
+# Lq ≠ Lk both ways, GQA and MQA, the head dims of DESIGN.md, a long decode row
+SHAPES = [
+    (1, 1, 1, 1, 1, 8, 8),
+    (1, 2, 2, 17, 17, 40, 40),
+    (2, 4, 2, 113, 77, 64, 32),
+    (1, 4, 1, 65, 130, 96, 96),
+    (1, 2, 1, 129, 64, 128, 128),
+    (1, 8, 2, 1, 1023, 64, 64),
+]
+
+
+CASES = [(s, d) for s in SHAPES for d in (KERNEL_DTYPES if s[3] * s[4] * s[1] < 10_000 else KERNEL_DTYPES[:1])]
+
+
+def _case_id(x: Any) -> str:
+    return "x".join(map(str, x)) if isinstance(x, tuple) else str(x)[6:]
+
+
+@pytest.mark.parametrize(("shape", "dtype"), CASES, ids=_case_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_against_the_golden(shape: tuple[int, ...], dtype: torch.dtype, causal: bool, calls: dict[str, int]) -> None:
+    B, Hq, Hkv, Lq, Lk, D, Dv = shape
+    q, k, v = qkv(B, Hq, Hkv, Lq, Lk, D, Dv)
+    golden(dtype, q, k, v, calls, causal=causal)
+
+
+@pytest.mark.parametrize("window", [(5, 0), (None, 3), (20, 7), (0, 0)], ids=str)
+def test_windows(window: tuple[int | None, int | None], calls: dict[str, int]) -> None:
+    """Bottom-right windows with Lq ≠ Lk both ways (more queries than keys: the first rows see no
+    key under causal), a one-key band."""
+    q, k, v = qkv(1, 4, 2, 70, 150, 16)
+    golden(torch.float32, q, k, v, calls, window=window)
+    q, k, v = qkv(1, 4, 2, 150, 70, 16)
+    golden(torch.float32, q, k, v, calls, window=window, causal=True)
+
+
+def test_top_left_causal_of_the_drop_in(calls: dict[str, int]) -> None:
+    """torch's top-left is_causal with Lq ≠ Lk: a window with a negative right side inside."""
+    q, k, v = (t.float().requires_grad_(True) for t in qkv(1, 2, 2, 40, 90, 16))
+    out = az.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(40, 90).tril().bool())
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g, g_want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+    assert calls["forward"] and calls["backward"]
+
+
+def _masks(B: int, H: int, Lq: int, Lk: int) -> dict[str, Any]:
+    """Every kind of mask, each with some fully blocked row."""
+    dense = torch.rand(B, 1, Lq, Lk) < 0.7
+    dense[:, :, 3] = False
+    lengths = [0, Lk - 5][:B] if B > 1 else [Lk - 5]
+    docs = az.masks.document(cu_seqlens=[0, 10, 70, Lk]) if Lq == Lk else None
+
+    def stripes(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return ((q + kv + h) % 3 != 0) & (q != 2)
+
+    out: dict[str, Any] = {
+        "dense": dense,
+        "dense_keys_only": torch.rand(1, 1, 1, Lk) < 0.8,
+        "padding": az.masks.padding(lengths, kv_len=Lk),
+        "window_mask": az.masks.window(Lq, Lk, left=9, right=2),
+        "causal_top_left": az.masks.causal(Lq, Lk, align="top_left"),
+        "predicate": az.masks.Mask(stripes, (1, H, Lq, Lk), "stripes"),
+        "from_tensor": az.masks.from_tensor(dense),
+        "padding_or_window": az.masks.or_(az.masks.padding(lengths, kv_len=Lk), az.masks.window(Lq, Lk, left=4)),
+    }
+    if docs is not None:
+        out["documents"] = docs
+        out["documents_and_causal"] = docs & az.masks.causal(Lq, Lk)
+    return out
+
+
+@pytest.mark.parametrize("name", [
+    "dense", "dense_keys_only", "padding", "window_mask", "causal_top_left", "predicate", "from_tensor",
+    "padding_or_window", "documents", "documents_and_causal",
+])  # fmt: skip
+def test_every_mask_kind(name: str, calls: dict[str, int]) -> None:
+    """Each kind with GQA, alone in float32 and with causal and a bias in bfloat16."""
+    B, H, L = 2, 2, 100
+    q, k, v = qkv(B, H, 1, L, L, 16)
+    mask = _masks(B, H, L, L)[name]
+    golden(torch.float32, q, k, v, calls, mask=mask)
+    golden(torch.bfloat16, q, k, v, calls, mask=mask, causal=True, bias=torch.randn(1, H, L, L, dtype=F64))
+
+
+def test_fully_blocked_rows_give_zero_and_no_nan(calls: dict[str, int]) -> None:
+    """A row with no kept key: output 0, lse −inf, zero gradients — by a mask, by causal with more
+    queries than keys (the first 69 rows), and by a bias of −inf."""
+    q, k, v = (t.float().requires_grad_(True) for t in qkv(1, 2, 1, 70, 70, 16))
+    k1, v1 = (t[:, :, :1].detach().requires_grad_(True) for t in (k, v))
+    mask = torch.ones(1, 1, 70, 70, dtype=torch.bool)
+    mask[..., 5, :] = False
+    bias = torch.zeros(1, 1, 70, 70)
+    bias[..., 9, :] = float("-inf")
+    for kw in ({"mask": mask}, {"causal": True}, {"bias": bias}):
+        kk, vv = (k1, v1) if "causal" in kw else (k, v)
+        out, lse = az.attention(q, kk, vv, return_lse=True, **kw)
+        rows = [5] if "mask" in kw else [9] if "bias" in kw else list(range(69))
+        assert torch.equal(out[:, :, rows], torch.zeros_like(out[:, :, rows]))
+        assert bool((lse[:, :, rows] == float("-inf")).all())
+        gq, gk, gv = torch.autograd.grad(out.sum(), (q, kk, vv))
+        assert torch.equal(gq[:, :, rows], torch.zeros_like(gq[:, :, rows]))
+        assert not any(bool(torch.isnan(g).any()) for g in (gq, gk, gv))
+    assert calls["forward"] == 3 and calls["backward"] == 3
+
+
+@pytest.mark.parametrize("layout", ["transpose", "strided", "sliced"])
+def test_non_contiguous_inputs(layout: str, calls: dict[str, int]) -> None:
+    q, k, v = qkv(2, 4, 2, 77, 90, 40, layout=layout)
+    golden(torch.float32, q, k, v, calls, causal=True)
+    golden(torch.bfloat16, q, k, v, calls, window=(30, 4))
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 60, 90), (2, 1, 1, 90), (2, 4, 60, 1), (1, 1, 60, 90), (2, 4, 60, 90)],
+                         ids=lambda s: "x".join(map(str, s)))  # fmt: skip
+def test_bias_and_its_gradient_over_broadcast_dims(shape: tuple[int, ...], calls: dict[str, int]) -> None:
+    q, k, v = qkv(2, 4, 2, 60, 90, 16)
+    golden(torch.float32, q, k, v, calls, bias=randn(*shape), causal=True)
+    golden(torch.float16, q, k, v, calls, bias=randn(*shape))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=KERNEL_IDS)
+def test_softcap(dtype: torch.dtype, calls: dict[str, int]) -> None:
+    """softcap · tanh(s / softcap) before the bias, with its gradient through the cap; large scores
+    where the cap bites."""
+    q, k, v = qkv(2, 4, 2, 70, 100, 32)
+    golden(dtype, q * 3, k, v, calls, softcap=2.0, causal=True, bias=torch.randn(1, 4, 70, 100, dtype=F64))
+    golden(dtype, q, k, v, calls, softcap=30.0, window=(16, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_dropout_drops_the_references_entries(dtype: torch.dtype, calls: dict[str, int]) -> None:
+    """Dropout with the same seed: the reference's entries (dropout.py's hash), forward and
+    backward; blocks of GQA heads, Lq ≠ Lk."""
+    q, k, v = qkv(2, 4, 2, 70, 130, 16)
+    golden(dtype, q, k, v, calls, dropout_p=0.3, seed=7, causal=True)
+    golden(dtype, q, k, v, calls, dropout_p=0.1, seed=8, bias=torch.randn(1, 4, 1, 130, dtype=F64), softcap=5.0)
+
+
+def test_dropout_counters_past_two_to_the_32() -> None:
+    """The counter ((b·H + h)·Lq + i)·Lk + j crosses 2³² inside a row: its high half enters the
+    kernel's hash as it enters dropout.keep_mask's (a row of 2³² keys is too long to run, so the
+    kernel's hash is asked directly)."""
+    from attnzero import dropout
+
+    seed, p = 123456789012345, 0.4
+    Lk = 2**32 + 64
+    want = dropout.keep_mask(seed, p, (1, 1, 1, Lk), cols=(2**32 - 32, 2**32 + 32))
+    got = cpu_kernel.dropout_keep(seed, p, (1, 1, 1, Lk), (0, 0, 0), 2**32 - 32, 64)
+    assert torch.equal(got.view(-1), want.view(-1))
+    want = dropout.keep_mask(seed, 0.1, (2, 3, 5, 77), rows=(4, 5), cols=(0, 77), batches=(1, 2), heads=(2, 3))
+    assert torch.equal(cpu_kernel.dropout_keep(seed, 0.1, (2, 3, 5, 77), (1, 2, 4), 0, 77), want.view(-1))
+
+
+def test_sinks_fold_outside(calls: dict[str, int]) -> None:
+    q, k, v = qkv(1, 4, 2, 40, 60, 16)
+    golden(torch.float32, q, k, v, calls, causal=True, sinks=torch.randn(4, dtype=F64))
+
+
+def test_a_document_mask_skips_its_blocks() -> None:
+    """The table of a document mask: blocks between documents SKIP, blocks inside one FULL (no
+    tile), only the blocks that a document edge cuts evaluated."""
+    L = 512
+    mask = az.masks.document(cu_seqlens=[0, 128, 300, 512])
+    dense, table, tiles = cpu_kernel._mask_table(mask, L, L, 64, 64)
+    assert dense is None and table is not None and tiles is not None
+    kinds = table[0]  # (8, 8)
+    assert int((kinds == 0).sum()) > 30  # most of the 64 blocks are between documents
+    assert bool((kinds[0, :2] == 1).all()) and bool((kinds[0, 2:] == 0).all())  # rows 0..63: document 0 only
+    assert tiles.shape[0] == int((kinds >= 2).sum()) < 16  # only where the edge at 300 cuts
+    keep = mask.to_tensor()[0, 0]
+    for ib in range(8):
+        for jb in range(8):
+            blk = keep[ib * 64 : (ib + 1) * 64, jb * 64 : (jb + 1) * 64]
+            kind = int(kinds[ib, jb])
+            if kind == 0:
+                assert not bool(blk.any())
+            elif kind == 1:
+                assert bool(blk.all())
+            else:
+                assert torch.equal(tiles[kind - 2, 0, 0], blk)
+    assert geometry.FULL is not None
+
+
+def test_decode_and_the_plain_functions(calls: dict[str, int]) -> None:
+    """The backend interface (ops.Backend): forward gives (out, lse) of a decode step, backward the
+    gradients from a given out and lse, as the reference's."""
+    from attnzero import ops
+
+    q, k, v = (t.float() for t in qkv(2, 8, 2, 1, 700, 64))
+    kw: dict[str, Any] = {"mask": None, "bias": None, "causal": True, "window": None, "scale": 0.125,
+                          "dropout_p": 0.0, "dropout_seed": 0}  # fmt: skip
+    out, lse = ops.backend("cpu_kernel").forward(q, k, v, **kw)
+    want, want_lse = ops.backend("reference").forward(q.double(), k.double(), v.double(), **kw)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = ops.backend("cpu_kernel").backward(dout, q, k, v, out, lse, **kw)
+    ref = ops.backend("reference").backward(dout.double(), q.double(), k.double(), v.double(), want, want_lse, **kw)
+    for a, b in zip(got[:3], ref[:3]):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,159 @@
+"""Building the CPU kernel is part of the product (``attnzero.cpu_kernel``): in fresh processes with
+a temporary cache, the first use prints one line and builds once even when 8 processes start
+together, and every way it cannot be had — ``ATTNZERO_NO_BUILD=1``, no compiler, a compiler that
+fails, a read-only or full cache directory — gives flash.py's results with exactly one warning that
+says why and what to do, never a crash.
+
+The cases that cannot build are quick (they stop before or at the compiler); the one that builds
+from scratch (``test_eight_processes_build_once``, about a minute) is the only one that really
+compiles, and every process of it checks its results against the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import kernel_off
+
+import attnzero
+
+SRC = str(Path(attnzero.__file__).resolve().parent.parent)
+
+# A fresh process: two float32 calls (forward and backward) and what they ran on
+CHILD = r"""
+import json, sys, warnings
+warnings.simplefilter("always")
+caught = []
+warnings.showwarning = lambda message, *a, **k: caught.append(str(message))
+import torch
+import attnzero as az
+from attnzero import cpu_kernel, functional
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 4, 70, 16, requires_grad=True) for _ in range(3))
+errs = []
+for _ in range(2):
+    out = az.attention(q, k, v, causal=True)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    x = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    want = az.attention(*x, causal=True, backend="reference")
+    g_want = torch.autograd.grad(want.sum(), x)
+    diffs = [(out.double() - want)] + [a.double() - b for a, b in zip(g, g_want)]
+    errs.append(max(float(d.abs().max()) for d in diffs))
+print(json.dumps({"chosen": functional.choose("flash", q, k, needs_grad=True), "err": max(errs),
+                  "warnings": [w for w in caught if "CPU attention kernel" in w]}))
+"""
+
+
+def _env(cache: Path, **extra: str) -> dict[str, str]:
+    env = {key: val for key, val in os.environ.items() if key not in ("ATTNZERO_NO_BUILD", "CXX")}
+    env.update({"ATTNZERO_CACHE": str(cache), "PYTHONPATH": SRC + os.pathsep + env.get("PYTHONPATH", ""),
+                "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    env.update(extra)
+    return env
+
+
+def _run(env: dict[str, str], preexec: Any = None) -> tuple[dict[str, Any], str]:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600, preexec_fn=preexec,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def _falls_back(result: dict[str, Any], stderr: str, reason: str, tried: bool = False) -> None:
+    """flash.py ran, with the reference's results, after one warning that says why (and, where a
+    build was tried, after its one line)."""
+    assert result["chosen"] == "flash"
+    assert result["err"] < 1e-4
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert reason in result["warnings"][0], result["warnings"][0]
+    assert "flash.py" in result["warnings"][0]
+    assert stderr.count("building the CPU attention kernel") == (1 if tried else 0), stderr
+
+
+def test_no_build(tmp_path: Path) -> None:
+    result, err = _run(_env(tmp_path, ATTNZERO_NO_BUILD="1"))
+    _falls_back(result, err, "ATTNZERO_NO_BUILD")
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_no_compiler(tmp_path: Path) -> None:
+    result, err = _run(_env(tmp_path, CXX=str(tmp_path / "no-such-c++")))
+    _falls_back(result, err, "no C++ compiler")
+
+
+def test_a_failing_compiler(tmp_path: Path) -> None:
+    """A compiler that runs and fails: the build fails, flash.py runs."""
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text("#!/bin/sh\necho 'broken-c++: internal error' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    result, err = _run(_env(tmp_path / "cache", CXX=str(cxx)))
+    _falls_back(result, err, "the build failed", tried=True)
+    assert "broken-c++" in result["warnings"][0] or "Error building" in result["warnings"][0]
+
+
+def test_a_read_only_cache(tmp_path: Path) -> None:
+    if os.geteuid() == 0:  # root writes through any mode bits: a read-only file system instead
+        cache = Path("/sys/attnzero-cache")
+        if not Path("/sys").is_dir() or _writable("/sys"):
+            pytest.skip("no read-only directory to point the cache at as root")
+    else:
+        cache = tmp_path / "ro"
+        cache.mkdir()
+        cache.chmod(0o555)
+    result, err = _run(_env(cache))
+    _falls_back(result, err, "cannot write the cache directory")
+
+
+def _writable(path: str) -> bool:
+    try:
+        os.mkdir(os.path.join(path, "attnzero-probe"))
+    except OSError:
+        return False
+    os.rmdir(os.path.join(path, "attnzero-probe"))
+    return True
+
+
+def _small_files() -> None:
+    """A full disk, as the build sees it: any file past 64 kB fails to grow (EFBIG, not a signal)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+
+def test_a_full_cache(tmp_path: Path) -> None:
+    result, err = _run(_env(tmp_path), preexec=_small_files)
+    _falls_back(result, err, "the build failed", tried=True)
+    print(result["warnings"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kernel_off(), reason="ATTNZERO_NO_BUILD=1: this run tests flash.py without the kernel")
+def test_eight_processes_build_once(tmp_path: Path) -> None:
+    """8 processes on an empty cache at once: one builds (and prints the one line), the others
+    wait for it and load the same library; all run the kernel, with the reference's results, and
+    none warns. Then a ninth process finds it built: no line, no build."""
+    env = _env(tmp_path)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+        for _ in range(8)
+    ]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    lines = [line for _, e in outs for line in e.splitlines() if "building the CPU attention kernel" in line]
+    assert len(lines) == 1, lines
+    assert str(tmp_path) in lines[0] and "about" in lines[0]
+    assert [len(list(p.iterdir())) for p in tmp_path.iterdir()] and len(list(tmp_path.iterdir())) == 1
+    for r in results:
+        assert r["chosen"] == "cpu_kernel" and r["err"] < 1e-4 and r["warnings"] == []
+    again, err = _run(env)
+    assert again["chosen"] == "cpu_kernel" and "building" not in err and again["warnings"] == []
