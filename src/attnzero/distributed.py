@@ -40,6 +40,14 @@ out and lse — the sink is a key of value 0, so P = exp(s − lse) and Δ = row
 exactly right — and computes this rank's dsinks from its own rows (``sinks.grad``), with no
 communication.
 
+A ``score_mod`` / ``mask_mod`` sees GLOBAL positions: a piece's local query ``i`` and key ``j`` are
+handed to the user's function as ``pos_q[i]`` / ``pos_k[j]``, the positions in the whole sequence of
+this rank's rows and of the held block's keys (``_positions``: both layouts, zigzag's two chunks
+included). The score_mod runs on flash.py's tiles forward and backward; the backward's per-piece
+gradients of the tensors it captures are summed into this rank's share (its query rows against every
+key) and, as for dsinks, not reduced across ranks: the sum over the ranks is the whole gradient. A
+mask_mod becomes, per piece, an ``az.masks.from_mod`` Mask, so the backend skips what it blocks.
+
 Letters: B batch, Hq / Hkv query / key-value heads, L this rank's slice length, D head dim of q and
 k, Dv head dim of v. Set the timeout of every wait with ``torch.distributed.init_process_group(...,
 timeout=...)``: a rank that raises or dies makes the others fail with a clear error within it.
@@ -57,7 +65,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import checks, functional, geometry, ops, trace
+from . import checks, functional, geometry, masks, mods, ops, trace
 from . import sinks as sinks_
 from .reference import accum_dtype
 
@@ -175,7 +183,7 @@ def _decode(name: str, x: int) -> str:
         return "None" if x == 0 else repr(struct.unpack("<d", struct.pack("<q", x))[0])
     if name == "sinks":
         return ("None", "per head (Hq,)", "per query (B, Hq, L)")[x] if 0 <= x < 3 else str(x)
-    if name in ("causal", "requires_grad"):
+    if name in ("causal", "requires_grad", "score_mod", "mask_mod"):
         return str(bool(x))
     if name == "layout":
         return repr(LAYOUTS[x])
@@ -273,6 +281,47 @@ def _note_step(pass_: str, ring: _Ring, step: int, src: int, L: int, layout: str
 
 
 # ---------------------------------------------------------------------------------------------
+# score_mod / mask_mod at global positions
+
+
+def _positions(rank: int, L: int, world: int, layout: str, device: torch.device) -> Tensor:
+    """The global positions (L,) int32 of rank ``rank``'s slice, in its local order."""
+    chunks = _chunks_of(rank, L, world, layout)  # (local slice, global start) of each chunk
+    return torch.cat([torch.arange(g, g + sl.stop - sl.start, dtype=mods.INDEX_DTYPE) for sl, g in chunks]).to(device)
+
+
+@dataclass(frozen=True)
+class _Mods:
+    """The user's ``score_mod`` / ``mask_mod`` (either may be None) and the tensors the score_mod
+    captures (``mods.captured_tensors``: they get gradients from the ring's backward)."""
+
+    score_mod: mods.ScoreMod | None = None
+    mask_mod: mods.MaskMod | None = None
+    captured: tuple[Tensor, ...] = ()
+
+    def on_piece(self, qpos: Tensor, kpos: Tensor, B: int, Hq: int) -> dict[str, Any]:
+        """A backend's ``mask`` (and ``score_mod``) arguments for one piece whose local query ``i`` sits at
+        global position ``qpos[i]`` and local key ``j`` at ``kpos[j]`` (int32 vectors): the mods
+        called with global positions (an index into the vectors, which vmap batches)."""
+        kw: dict[str, Any] = {"mask": None}
+        user_score, user_mask = self.score_mod, self.mask_mod
+        if user_score is not None:
+
+            def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return user_score(score, b, h, qpos[q_idx], kpos[kv_idx])
+
+            kw["score_mod"] = score_mod
+        if user_mask is not None:
+
+            def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return user_mask(b, h, qpos[q_idx], kpos[kv_idx])
+
+            # The piece's blocks classified once (skip / partial / full): backends skip what it blocks.
+            kw["mask"] = masks.from_mod(mask_mod, B, Hq, len(qpos), len(kpos), device=qpos.device)
+        return kw
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward and backward around the ring
 
 
@@ -295,11 +344,12 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 
 def _ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, causal: bool, scale: float, softcap: float | None,
-    ring: _Ring, layout: str, backend: ops.Backend,
+    ring: _Ring, layout: str, backend: ops.Backend, mo: _Mods,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) in the accumulator dtype), the
     sink folded in once the steps are merged."""
     B, Hq, L, _ = q.shape
+    pos_q = _positions(ring.rank, L, ring.world, layout, q.device)  # (L,) global positions of our queries
     acc = accum_dtype(q.dtype)
     out = torch.zeros(B, Hq, L, v.shape[-1], dtype=acc, device=q.device)  # (B, Hq, L, Dv)
     lse = torch.full((B, Hq, L), float("-inf"), dtype=acc, device=q.device)  # (B, Hq, L)
@@ -310,11 +360,12 @@ def _ring_forward(
         src = (ring.rank - step) % ring.world  # whose keys/values we hold now
         blocks = _blocks(ring.rank, src, L, causal, layout, ring.world)
         _note_step("forward", ring, step, src, L, layout, blocks)  # a no-op unless recording
+        pos_k = _positions(src, L, ring.world, layout, q.device)  # (L,) global positions of the held keys
         for rows, cols, blk_causal in blocks:
             out_b, lse_b = backend.forward(
                 _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
-                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, softcap=softcap,
-                dropout_p=0.0, dropout_seed=0,
+                bias=None, causal=blk_causal, window=None, scale=scale, softcap=softcap,
+                dropout_p=0.0, dropout_seed=0, **mo.on_piece(pos_q[rows], pos_k[cols], B, Hq),
             )  # fmt: skip
             _merge(out[:, :, rows], lse[:, :, rows], out_b, lse_b)
         if nxt is not None:
@@ -326,12 +377,16 @@ def _ring_forward(
 
 def _ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    causal: bool, scale: float, softcap: float | None, ring: _Ring, layout: str, backend: ops.Backend,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dq, dk, dv) of this rank's slices. Blocks travel as in the forward; each block's dK/dV
-    partial sum travels one hop behind it and reaches its owner after W hops. ``out`` and ``lse``
-    are the global ones, the sink folded in when there is one."""
-    L = q.shape[2]
+    causal: bool, scale: float, softcap: float | None, ring: _Ring, layout: str, backend: ops.Backend, mo: _Mods,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:  # fmt: skip
+    """(dq, dk, dv) of this rank's slices, and this rank's share of the gradient of each tensor the
+    score_mod captures (``mo.captured``; None where no piece used it): the terms of this rank's
+    query rows, against every key. Blocks travel as in the forward; each block's dK/dV partial sum
+    travels one hop behind it and reaches its owner after W hops. ``out`` and ``lse`` are the global
+    ones, the sink folded in when there is one."""
+    B, Hq, L, _ = q.shape
+    pos_q = _positions(ring.rank, L, ring.world, layout, q.device)  # (L,)
+    dcaptured: dict[int, Tensor] = {}  # id(captured tensor) -> its gradient, summed over the pieces
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, Hq, L, D)
     kv = [k, v]
@@ -343,15 +398,24 @@ def _ring_backward(
         dv_b = torch.zeros(v.shape, dtype=acc, device=v.device)  # (B, Hkv, L, Dv)
         blocks = _blocks(ring.rank, src, L, causal, layout, ring.world)
         _note_step("backward", ring, step, src, L, layout, blocks)  # a no-op unless recording
+        pos_k = _positions(src, L, ring.world, layout, q.device)  # (L,)
         for rows, cols, blk_causal in blocks:
             # The backward recomputes P = exp(s - lse) with the GLOBAL out and lse, which gives
-            # exactly this block's share of dq, dk, dv.
+            # exactly this block's share of dq, dk, dv (and of the captured tensors' gradients).
+            piece = mo.on_piece(pos_q[rows], pos_k[cols], B, Hq)
+            grads: list[Tensor | None] = []
+            if mo.score_mod is not None:
+                piece["captured_grads"] = grads  # filled by flash.backward, in captured_tensors' order
             dq_p, dk_p, dv_p, _ = backend.backward(
                 _part(dout, rows), _part(q, rows), _part(kv[0], cols), _part(kv[1], cols),
                 _part(out, rows), _part(lse, rows),
-                mask=None, bias=None, causal=blk_causal, window=None, scale=scale, softcap=softcap,
-                dropout_p=0.0, dropout_seed=0,
+                bias=None, causal=blk_causal, window=None, scale=scale, softcap=softcap,
+                dropout_p=0.0, dropout_seed=0, **piece,
             )  # fmt: skip
+            if grads:  # the piece's mod captures the user's tensors (and its own position vectors)
+                for t, g in zip(mods.captured_tensors(piece["score_mod"]), grads):
+                    if g is not None:
+                        dcaptured[id(t)] = g if id(t) not in dcaptured else dcaptured[id(t)] + g
             dq[:, :, rows] += dq_p
             dk_b[:, :, cols] += dk_p
             dv_b[:, :, cols] += dv_p
@@ -364,18 +428,20 @@ def _ring_backward(
             kv = nxt.wait()
     assert dkv is not None
     dk, dv = dkv.wait()  # after W hops: this rank's own block, summed over every rank's queries
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dcap = [dcaptured.get(id(t)) for t in mo.captured]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dcap
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, causal: bool, scale: float,
-        softcap: float | None, ring: _Ring, layout: str, backend: ops.Backend,
+        softcap: float | None, ring: _Ring, layout: str, backend: ops.Backend, mo: _Mods, *captured: Tensor,
     ) -> Tensor:  # fmt: skip
-        out, lse = _ring_forward(q, k, v, sinks, causal, scale, softcap, ring, layout, backend)
+        del captured  # inputs only so that they get gradients (the score_mod reads them itself)
+        out, lse = _ring_forward(q, k, v, sinks, causal, scale, softcap, ring, layout, backend, mo)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.args = (causal, scale, softcap, ring, layout, backend)
+        ctx.args = (causal, scale, softcap, ring, layout, backend, mo)
         return out
 
     @staticmethod
@@ -384,15 +450,20 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         dq = dk = dv = dsinks = None
-        # The ring runs when q, k or v want a gradient — the same on every rank (ring_attention
-        # agreed on it); dsinks alone needs no other rank.
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        mo: _Mods = ctx.args[-1]
+        dcap: list[Tensor | None] = [None] * len(mo.captured)
+        # The ring runs when q, k, v or a tensor the score_mod captures want a gradient — the same
+        # on every rank (ring_attention agreed on it); dsinks alone needs no other rank.
+        if any(ctx.needs_input_grad[:3]) or any(ctx.needs_input_grad[11:]):
+            dq, dk, dv, dcap = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+            dq, dk, dv = (g if need else None for g, need in zip((dq, dk, dv), ctx.needs_input_grad[:3]))
         if sinks is not None and ctx.needs_input_grad[3]:
             # This rank's rows only: for per-head sinks (Hq,) the sum over rows of this rank's
             # queries. Summed over the ranks (DDP, or all_reduce) it is the whole sequence's.
             dsinks = sinks_.grad(dout, out, lse, sinks.detach())  # sinks' shape and dtype
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+        # A captured tensor's gradient is this rank's share, like dsinks (summed over the ranks).
+        dcap = [None if g is None else g.to(t.dtype) for g, t in zip(dcap, mo.captured)]
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, *dcap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +481,8 @@ def ring_attention(
     sinks: Tensor | None = None,
     group: Any = None,
     layout: Layout = "contiguous",
+    score_mod: mods.ScoreMod | None = None,
+    mask_mod: mods.MaskMod | None = None,
 ) -> Tensor:
     """Attention over a sequence split across the ranks of ``group``; every rank calls it at once.
 
@@ -434,11 +507,24 @@ def ring_attention(
         layout: how the sequence of length W·L was cut (``shard`` does it): ``"contiguous"`` — rank r
             holds chunk r of W; ``"zigzag"`` — rank r holds chunks r and 2W-1-r of 2W (L even), which
             balances the causal work.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, as in
+            ``az.attention`` (applied to ``scale · q · k`` before ``softcap``; −inf blocks the pair),
+            called with GLOBAL positions: ``q_idx`` / ``kv_idx`` count over the whole sequence of
+            W·L positions, in either layout (what the mod would see in ``az.attention`` on the whole
+            sequence). The same function on every rank. It runs on flash.py's tiles (as "auto" runs
+            it in ``az.attention``). Tensors it captures get gradients; like ``sinks``, each rank's
+            is its share — the terms of its query rows — and the sum over the ranks (DDP's
+            reduction, or ``all_reduce``) is the whole sequence's gradient.
+        mask_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), with
+            global positions as ``score_mod``; and-ed with ``causal``. Each piece of each step is
+            classified by ``az.masks.from_mod`` (in its default blocks), so the backends skip the
+            blocks it blocks; evaluated again by the backward. The same function on every rank.
 
     Returns:
         this rank's slice (B, Hq, L, Dv) of the attention output over the whole sequence, in q's
-        dtype; differentiable w.r.t. q, k, v and ``sinks`` (the backward is a second trip around the
-        ring, so every rank must run it). Equal to ``az.attention`` on the whole sequence.
+        dtype; differentiable w.r.t. q, k, v, ``sinks`` and the tensors ``score_mod`` captures (the
+        backward is a second trip around the ring, so every rank must run it). Equal to
+        ``az.attention`` on the whole sequence (with ``mask=az.masks.from_mod(mask_mod, ...)``).
 
     Raises ``ValueError`` / ``TypeError`` for bad arguments and, on every rank, for shapes, dtypes
     or flags that differ between ranks; ``RuntimeError`` when another rank raised, died or timed out.
@@ -454,18 +540,24 @@ def ring_attention(
     lay = checks.choice("layout", layout, LAYOUTS)
     if lay == "zigzag" and L % 2:
         raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so expected an even length, got {L}")
+    fn = mods.check_callable("score_mod", score_mod)
+    mm = mods.check_callable("mask_mod", mask_mod)
+    mo = _Mods(fn, mm, tuple(mods.captured_tensors(fn)) if fn is not None else ())
     ring = _Ring.of(group)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mo.captured))
     _agree(ring, _comm_device(ring, q), "ring_attention", {
         "B": B, "Hq": Hq, "Hkv": Hkv, "L": L, "D": q.shape[3], "Dv": v.shape[3],
         "dtype": _DTYPES.index(q.dtype), "causal": int(is_causal), "layout": LAYOUTS.index(lay),
         "scale": struct.unpack("<q", struct.pack("<d", sc))[0], "requires_grad": int(grad),
         "softcap": 0 if cap is None else struct.unpack("<q", struct.pack("<d", cap))[0], "sinks": sink_kind,
+        "score_mod": int(fn is not None), "mask_mod": int(mm is not None),
     })  # fmt: skip
-    # The backend, chosen as az.attention(backend="auto") chooses it (once, in functional.choose).
-    # Only q, k, v's gradients need its backward (and the ring); the sinks' is computed here.
-    backend = ops.backend(functional.choose("auto", q, k, needs_grad=grad, v=v))
-    out = _RingAttention.apply(q, k, v, sink, is_causal, sc, cap, ring, lay, backend)
+    # The backend, chosen as az.attention(backend="auto") chooses it (once, in functional.choose);
+    # a score_mod runs on flash.py's tiles, as az.attention's "auto" runs it. Only the gradients of
+    # q, k, v and the captured tensors need its backward (and the ring); the sinks' is computed here.
+    name = "flash" if fn is not None else functional.choose("auto", q, k, needs_grad=grad, v=v)
+    backend = ops.backend(name)
+    out = _RingAttention.apply(q, k, v, sink, is_causal, sc, cap, ring, lay, backend, mo, *mo.captured)
     assert isinstance(out, Tensor)
     return out
 
