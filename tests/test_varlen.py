@@ -75,6 +75,48 @@ def test_varlen_equals_per_sequence_attention(backend: str, case: str, kw: dict[
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["self", "cross"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_score_mod_sees_positions_within_each_sequence(backend: str, case: str, causal: bool) -> None:
+    """A score_mod of attention_varlen gets b = the sequence's index and q_idx / kv_idx within it
+    (as torch's Flex did for jagged tensors): the same as a relative bias built per sequence and a
+    per-sequence temperature, forward and backward (q, k, v and the two captured tensors). "self"
+    packs queries and keys alike (one call over the packed row); "cross" runs each sequence alone."""
+    lq, lk = CASES[case]
+    lk = lq if lk is None else lk
+    Hq, Hkv, D, N = 4, 2, 8, len(lq)
+    M = max(*lq, *lk)  # positions within a sequence: q_idx - kv_idx in (-M, M)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    q = (randn(sum(lq), Hq, D) * 2).requires_grad_()
+    k, v = randn(sum(lk), Hkv, D).requires_grad_(), randn(sum(lk), Hkv, D).requires_grad_()
+    table = randn(Hq, 2 * M - 1).requires_grad_()  # relative bias per head
+    temp = (torch.rand(N, dtype=torch.float64) + 0.5).requires_grad_()  # one per sequence
+
+    def mod(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return s * temp[b] + table[h, i - j + M - 1]
+
+    out = az.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, score_mod=mod, backend=backend)
+    assert isinstance(out, torch.Tensor)
+    # The same, written without a mod: sequence n alone, q scaled by temp[n], the bias of its positions.
+    outs = []
+    for n, (a, b, c, d) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        i, j = torch.arange(b - a).view(-1, 1), torch.arange(d - c).view(1, -1)
+        bias = table[:, i - j + M - 1].unsqueeze(0)  # (1, Hq, Lq_n, Lk_n)
+        o = az.attention(
+            (q[a:b] * temp[n]).transpose(0, 1)[None], k[c:d].transpose(0, 1)[None], v[c:d].transpose(0, 1)[None],
+            bias=bias, causal=causal, scale=D**-0.5, backend="reference",
+        )  # fmt: skip
+        assert isinstance(o, torch.Tensor)
+        outs.append(o[0].transpose(0, 1))
+    want = torch.cat(outs)
+    torch.testing.assert_close(out, want)
+    dout = torch.randn_like(out)
+    leaves = [q, k, v, table, temp]
+    for g, w, name in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout), "qkvTt"):
+        torch.testing.assert_close(g, w, msg=lambda m, name=name: f"d{name}: {m}")
+
+
 def test_varlen_cost_is_that_of_the_sequences() -> None:
     """8 sequences of 16 packed into 128 tokens: the flash backend visits about 1/8 of the blocks of
     one 128-token sequence."""

@@ -255,8 +255,9 @@ def attention(
             each scaled score ``scale · q · k`` before ``softcap`` and ``bias`` (a kept pair's score
             is ``bias + cap(score_mod(scale · q · k, ...))``); ``h`` is the query head, ``q_idx`` /
             ``kv_idx`` the 0-based positions; −inf blocks the pair. Called as Flex calls it (vmapped
-            over 0-d int32 indices, ``mods.py``); tensors it captures get gradients. For now only the
-            reference backend runs it ("auto" picks it).
+            over 0-d int32 indices, ``mods.py``); tensors it captures get gradients. flash.py's tiles
+            and the reference run it ("auto" takes flash.py where it can); the compiled CPU kernel
+            and the Triton kernels do not yet (``backend="triton"`` refuses it by name).
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or ``(out, lse)``. A query row with no kept key gives
@@ -772,6 +773,7 @@ def attention_varlen(
     dropout_p: float = 0.0,
     backend: BackendName = "auto",
     return_lse: bool = False,
+    score_mod: mods.ScoreMod | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed sequences without padding (FlashAttention's varlen layout).
 
@@ -783,12 +785,18 @@ def attention_varlen(
         max_seqlen_q, max_seqlen_k: optional; if given, at least the longest sequence (checked).
         causal, window: bottom-right aligned per sequence.
         sinks: (Hq,) or (Hq, Tq) (one per query).
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` as in
+            :func:`attention`, written for one sequence: ``b`` is the sequence's index ``n`` and
+            ``q_idx`` / ``kv_idx`` are 0-based positions WITHIN sequence ``n`` (not in the packed
+            row; no bottom-right shift) — what torch's Flex handed a mod for jagged nested tensors.
+            Pairs of two sequences are blocked before it matters. Tensors it captures get gradients.
         The rest as in :func:`attention`.
 
     Returns:
         out (Tq, Hq, Dv), or ``(out, lse (Hq, Tq))``. Equal to :func:`attention` on each sequence
-        alone; the cost is that of the sequences (Σ Lq_n · Lk_n), not of the packed length squared.
-        An empty sequence gives nothing; a sequence with queries but no keys gives 0.
+        alone (with a score_mod: one that sees ``b = n``); the cost is that of the sequences
+        (Σ Lq_n · Lk_n), not of the packed length squared. An empty sequence gives nothing; a
+        sequence with queries but no keys gives 0.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, empty_ok=True)
@@ -818,6 +826,7 @@ def attention_varlen(
             raise ArgumentError(
                 f"sinks: expected shape (Hq,) = ({Hq},) or (Hq, Tq) = ({Hq}, {Tq}), got {tuple(sinks.shape)}"
             )
+    fn = mods.check_callable("score_mod", score_mod)
     options: dict[str, Any] = {
         "causal": causal, "window": window, "scale": scale, "softcap": softcap, "dropout_p": dropout_p,
         "backend": backend, "return_lse": True,
@@ -839,6 +848,8 @@ def attention_varlen(
         from .masks import document
 
         docs = document(cu_seqlens=cu_q)
+        if fn is not None:
+            options["score_mod"] = _within_sequences(fn, cu_q, q.device)
         res = attention(four(q, 0, Tq), four(k, 0, Tk), four(v, 0, Tk), mask=docs, sinks=sinks_of(0, Tq), **options)
         assert isinstance(res, tuple)
         out4, lse3 = res  # (1, Hq, Tq, Dv), (1, Hq, Tq)
@@ -847,13 +858,39 @@ def attention_varlen(
         # Otherwise each sequence on its own (its own bottom-right alignment), and the results
         # back to back.
         outs, lses = [], []
-        for (a, b), (c, d) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k)):
+        for n, ((a, b), (c, d)) in enumerate(zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k))):
+            if fn is not None:
+                options["score_mod"] = _as_sequence(fn, n)
             res = attention(four(q, a, b), four(k, c, d), four(v, c, d), sinks=sinks_of(a, b), **options)
             assert isinstance(res, tuple)
             outs.append(res[0][0].transpose(0, 1))  # (Lq_n, Hq, Dv)
             lses.append(res[1][0])  # (Hq, Lq_n)
         out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)
     return (out, lse) if checks.flag("return_lse", return_lse) else out
+
+
+def _as_sequence(fn: mods.ScoreMod, n: int) -> mods.ScoreMod:
+    """``fn`` on one sequence of a varlen call, run alone as batch 0: it sees ``b = n``."""
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return fn(score, b + n, h, q_idx, kv_idx)
+
+    return score_mod
+
+
+def _within_sequences(fn: mods.ScoreMod, cu: list[int], device: torch.device) -> mods.ScoreMod:
+    """``fn`` on the packed row of sequences ``cu`` (queries and keys packed alike): a packed
+    position ``t`` of sequence ``n`` is handed to it as ``b = n`` and position ``t − cu[n]``."""
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(cu)])  # (N,)
+    starts = torch.tensor(cu[:-1], dtype=mods.INDEX_DTYPE)  # (N,)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), dtype=mods.INDEX_DTYPE), lengths)  # (T,) each one's n
+    local = torch.arange(cu[-1], dtype=mods.INDEX_DTYPE) - starts[seq]  # (T,) its position within sequence n
+    seq, local = seq.to(device), local.to(device)
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return fn(score, seq[q_idx], h, local[q_idx], local[kv_idx])  # b is 0: the one packed row
+
+    return score_mod
 
 
 def _cu_seqlens(name: str, x: Any, total: int, device: torch.device) -> list[int]:
