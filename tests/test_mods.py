@@ -257,6 +257,50 @@ def test_multi_head_attention_trains_a_score_mod_module() -> None:
     torch.testing.assert_close(weights, az.attention_weights(q, k, bias=bias, causal=True))
 
 
+@pytest.mark.parametrize("backend", ["auto", "flash", "reference"])
+def test_multi_head_attention_score_mod_parameter_gets_the_gradient_of_its_bias(backend: str) -> None:
+    """MultiHeadAttention(score_mod=a module with a relative-bias table Parameter), GQA, causal,
+    padding: output and every gradient (the input, the projections, the table) equal the same
+    weights run with the table's bias written out densely (``bias=``, reference backend)."""
+
+    class RelBias(torch.nn.Module):
+        def __init__(self, heads: int, n: int) -> None:
+            super().__init__()
+            self.n = n
+            self.table = torch.nn.Parameter(torch.randn(heads, 2 * n - 1, dtype=torch.float64))
+
+        def forward(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s + self.table[h, i - j + self.n - 1]
+
+    torch.manual_seed(0)
+    B, L, H = 2, 7, 4
+    mha = az.MultiHeadAttention(16, H, dropout=0.0, num_kv_heads=2, score_mod=RelBias(H, L), backend=backend).double()
+    x = torch.randn(B, L, 16, dtype=torch.float64, requires_grad=True)
+    pad = torch.ones(B, L, dtype=torch.bool)
+    pad[1, 5:] = False
+    out = mha(x, causal=True, key_padding_mask=pad)
+    assert isinstance(out, Tensor)
+
+    def written_out(x: Tensor) -> Tensor:
+        table = mha.score_mod.table  # type: ignore[union-attr]
+        d = torch.arange(L).view(-1, 1) - torch.arange(L).view(1, -1)  # (L, L): i - j
+        bias = table[:, d + L - 1].unsqueeze(0)  # (1, H, L, L)
+        q = mha._split_heads(mha.W_q(x), H)
+        k, v = mha._split_heads(mha.W_k(x), 2), mha._split_heads(mha.W_v(x), 2)
+        o = az.attention(q, k, v, bias=bias, mask=pad.view(B, 1, 1, L), causal=True, backend="reference")
+        assert isinstance(o, Tensor)
+        return mha.W_o(o.transpose(1, 2).reshape(B, L, 16))
+
+    want = written_out(x)
+    torch.testing.assert_close(out, want)
+    dout = torch.randn_like(out)
+    leaves = [x, *mha.parameters()]
+    names = ["x", *(n for n, _ in mha.named_parameters())]
+    assert "score_mod.table" in names
+    for g, w, name in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout), names):
+        torch.testing.assert_close(g, w, msg=lambda m, name=name: f"d {name}: {m}")
+
+
 TABLE = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)  # a global a mod reads
 
 
