@@ -1112,7 +1112,7 @@ def draw_mods(pb: Problem, rng: random.Random, gen: torch.Generator) -> Problem:
     b, h, i, j = _grids(B, Hq, Lq, Lk)
     kind = rng.choice(["score", "mask", "both"])
     if kind in ("score", "both"):
-        name = rng.choice(["alibi", "rel", "half", "cut", "tanh"])
+        name = rng.choice(["alibi", "rel", "half", "cut", "tanh", "identity", "div"])
         if name == "alibi":
             slopes = torch.rand(Hq, generator=gen, dtype=F64).to(F32)  # float32: promotes no score
 
@@ -1130,6 +1130,12 @@ def draw_mods(pb: Problem, rng: random.Random, gen: torch.Generator) -> Problem:
         elif name == "half":
             mod = lambda s, b, h, q, kv: s * 0.5  # noqa: E731
             fn = lambda s: s * 0.5  # noqa: E731
+        elif name == "identity":
+            mod = lambda s, b, h, q, kv: s  # noqa: E731
+            fn = lambda s: s  # noqa: E731
+        elif name == "div":  # integer division, floored (of negative differences too), as torch's //
+            mod = lambda s, b, h, q, kv: s + 0.25 * ((q - kv) // 3)  # noqa: E731
+            fn = lambda s: s + 0.25 * ((i - j) // 3)  # noqa: E731
         elif name == "cut":  # −inf blocks pairs: some rows entirely
             mod = lambda s, b, h, q, kv: torch.where((q + kv + h) % 3 != 0, s, float("-inf"))  # noqa: E731
             fn = lambda s: torch.where((i + j + h) % 3 != 0, s, NEG_INF)  # noqa: E731
@@ -1139,7 +1145,7 @@ def draw_mods(pb: Problem, rng: random.Random, gen: torch.Generator) -> Problem:
         pb.score_mod, pb.score_fn = mod, fn
         pb.desc.append(f"score_mod {name}")
     if kind in ("mask", "both"):
-        name = rng.choice(["prefix", "dilated", "sparse", "per_head", "documents"])
+        name = rng.choice(["prefix", "dilated", "sparse", "per_head", "documents", "causal", "window"])
         n = rng.randint(1, max(1, Lk))
         if name == "prefix":
             mm = lambda b, h, q, kv: (kv < n) | (kv <= q)  # noqa: E731
@@ -1151,6 +1157,12 @@ def draw_mods(pb: Problem, rng: random.Random, gen: torch.Generator) -> Problem:
             bm = torch.rand(B, Hq, -(-Lq // 8), -(-Lk // 8), generator=gen) < 0.5
             mm = lambda b, h, q, kv: bm[b, h, q // 8, kv // 8]  # noqa: E731
             dense = bm[b, h, i // 8, j // 8]
+        elif name == "causal":  # top-left (the mod's positions have no bottom-right shift)
+            mm = lambda b, h, q, kv: kv <= q  # noqa: E731
+            dense = j <= i
+        elif name == "window":  # a band of n keys before each query and 2 after
+            mm = lambda b, h, q, kv: (kv >= q - n) & (kv <= q + 2)  # noqa: E731
+            dense = (j >= i - n) & (j <= i + 2)
         elif name == "per_head":
             mm = lambda b, h, q, kv: (q - kv).abs() <= h + b  # noqa: E731
             dense = (i - j).abs() <= h + b
