@@ -40,6 +40,7 @@ CASES: list[Case] = [
     ("float64", "zigzag", False, 1, 2, 2, 4, 8, None, "none", "documents", "all"),  # a mask_mod alone
     ("float64", "contiguous", True, 1, 2, 2, 3, 8, None, "rel", "none", "table"),  # only the table: a ring backward
     ("float32", "zigzag", True, 1, 4, 2, 6, 16, None, "rel", "prefix", "all"),
+    ("float32", "contiguous", False, 1, 2, 1, 8, 16, None, "none", "documents", "all"),  # the auto backend, a Mask
 ]
 SCORE_MODS = ("none", "rel", "alibi", "cut")
 MASK_MODS = ("none", "prefix", "documents")
@@ -221,6 +222,33 @@ def test_validation_messages() -> None:
         az.distributed.ring_attention(q, q, q, mask_mod="causal")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="init_process_group"):  # argument errors first, then the group
         az.distributed.ring_attention(q, q, q, score_mod=lambda s, b, h, i, j: s)
+
+
+def test_ring_of_one_with_every_argument(tmp_path: Path) -> None:
+    """W = 1: score_mod, mask_mod, softcap, sinks and causal together are az.attention's, forward and
+    gradients (the captured table's and the sinks' included)."""
+    import torch.distributed as dist
+
+    import attnzero as az
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        n = 11
+        q = torch.randn(2, 4, n, 8, dtype=torch.float64).mul(2).requires_grad_(True)
+        k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64).requires_grad_(True) for _ in range(2))
+        table = torch.randn(4, 2 * n - 1, dtype=torch.float64).requires_grad_(True)  # (Hq, 2n - 1)
+        sinks = torch.randn(4, dtype=torch.float64).requires_grad_(True)
+        fn, mm = score_mod_of("rel", n, {"table": table}), mask_mod_of("prefix", n, {})
+        kw: dict[str, Any] = {"causal": True, "softcap": 1.5, "sinks": sinks, "score_mod": fn}
+        out = az.distributed.ring_attention(q, k, v, mask_mod=mm, **kw)
+        want = az.attention(q, k, v, mask=az.masks.from_mod(mm, 1, 1, n, n), backend="reference", **kw)
+        torch.testing.assert_close(out, want)
+        g = torch.randn_like(out)
+        leaves = (q, k, v, table, sinks)
+        for a, b in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g)):
+            torch.testing.assert_close(a, b)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
