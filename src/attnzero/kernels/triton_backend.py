@@ -86,6 +86,7 @@ from ..masks import Mask, Segments
 from . import backward as bwd_k
 from . import decode as dec_k
 from . import forward as fwd_k
+from .codegen import Generated
 
 LOG2E = fwd_k.LOG2E
 DECODE_MAX_LQ = 16  # the split-KV path serves at most this many queries
@@ -268,10 +269,11 @@ def _dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
 
 def _common(
     q: Tensor, k: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None, causal: bool, left: int,
-    right: int, scale: float, softcap: float, dropout_p: float, seed: int,
+    right: int, scale: float, softcap: float, dropout_p: float, seed: int, score_gen: Generated | None = None,
 ) -> tuple[dict[str, Any], list[Any], Tensor, Tensor]:
     """Constexpr flags, the scalar arguments after ``qk_scale`` (and ``scale``), and the mask/bias
-    pointers. ``left`` / ``right`` are op arguments (``ops.UNBOUNDED``: no bound)."""
+    pointers. ``left`` / ``right`` are op arguments (``ops.UNBOUNDED``: no bound). With a generated
+    score_mod the softcap divides the mod's output, not ``scale·q·k`` (``forward.mod_scores``)."""
     wl, wr = _window(causal, _side(left), _side(right), q.shape[2], k.shape[2])
     seed_lo, seed_hi, threshold, keep_scale = _dropout_args(dropout_p, seed)
     flags = {
@@ -281,11 +283,40 @@ def _common(
     }
     # softcap: t = tanh(q·k · scale / softcap), base-2 score t · softcap · log2 e
     cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0.0 else (0.0, 0.0)
+    if score_gen is not None and softcap > 0.0:
+        cap_in = 1.0 / softcap  # t = tanh(score_mod(scale·q·k) / softcap)
     sides = [0 if wl is None else wl, 0 if wr is None else wr]  # read only where HAS_LEFT / HAS_RIGHT
     scalars = [cap_in, cap_out, *sides, seed_lo, seed_hi, threshold, keep_scale]
     mask_t = mask.view(torch.uint8) if mask is not None else q  # q: a placeholder pointer, never read
     bias_t = bias if bias is not None else q
     return flags, scalars, mask_t, bias_t
+
+
+def _qk_scale(scale: float, score_gen: Generated | None) -> float:
+    """The kernels' ``qk_scale``: ``scale · log2 e`` (base-2 scores), or ``scale`` when a generated
+    score_mod must see the natural-scale score (``forward.mod_scores``)."""
+    return scale if score_gen is not None else scale * LOG2E
+
+
+def _mod_args(
+    q: Tensor, score_gen: Generated | None, mask_gen: Generated | None, *, backward: bool = False,
+    cap_grads: tuple[Tensor, ...] | None = None,
+) -> dict[str, Any]:
+    """The kernels' mod arguments: the generated functions (identities without), the tuples of the
+    tensors they read (q as a placeholder, never read, when there are none) and, for the backward
+    kernels, the float32 gradient buffers of the captured tensors (``cap_grads``, one per tensor)."""
+    kw: dict[str, Any] = {
+        "CAP": score_gen.tensors if score_gen is not None and score_gen.tensors else (q,),
+        "MCAP": mask_gen.tensors if mask_gen is not None and mask_gen.tensors else (q,),
+        "SCORE_MOD": score_gen.fwd if score_gen is not None else fwd_k.no_score_mod,
+        "MASK_MOD": mask_gen.fwd if mask_gen is not None else fwd_k.no_mask_mod,
+        "HAS_MOD": score_gen is not None, "HAS_MASK_MOD": mask_gen is not None,
+    }  # fmt: skip
+    if backward:
+        kw["CAP_GRAD"] = cap_grads if cap_grads else (q,)
+        bwd = score_gen.bwd if score_gen is not None else None
+        kw["SCORE_MOD_BWD"] = bwd if bwd is not None else fwd_k.no_score_mod_bwd
+    return kw
 
 
 def _ids_args(q_ids: Tensor | None, k_ids: Tensor | None, ranges: Tensor | None, q: Tensor) -> list[Tensor]:
@@ -306,7 +337,7 @@ def _launch_opts(cfg: dict[str, int]) -> dict[str, int]:
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
     k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
-    seed: int, keep_f32: bool = False,
+    seed: int, keep_f32: bool = False, score_gen: Generated | None = None, mask_gen: Generated | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Hq, Lq, D = q.shape
@@ -316,7 +347,8 @@ def _forward(
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
     out32 = torch.empty((B, Hq, Lq, Dv) if keep_f32 else (0,), dtype=torch.float32, device=q.device)
     flags, scalars, mask_t, bias_t = _common(q, k, mask, bias, q_ids, causal, left, right, scale, softcap, dropout_p,
-                                             seed)
+                                             seed, score_gen)
+    flags.update(_mod_args(q, score_gen, mask_gen))
     cfg = _blocks("fwd", D, Dv, q.dtype, q.device)
     # the keys [lo, hi) of each (batch, query block): (B, cdiv(Lq, BLOCK_M), 2) int32
     ranges = _segment_ranges(q_ids, k_ids, cfg["BLOCK_M"]) if q_ids is not None and k_ids is not None else None
@@ -326,7 +358,7 @@ def _forward(
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *_strides4(mask), *_strides4(bias),
-        Hq, Hq // Hkv, Lq, Lk, D, Dv, scale * LOG2E, *scalars,
+        Hq, Hq // Hkv, Lq, Lk, D, Dv, _qk_scale(scale, score_gen), *scalars,
     )
     if not trace.active():
         fwd_k.fwd_kernel[grid](*args, Trace=lse, **_launch_opts(cfg), **flags, STORE_F32=keep_f32, TRACE=False)
@@ -364,7 +396,7 @@ def _trace_rows(record: Tensor) -> list[tuple[int, int, list[int], list[bool]]]:
 def _decode(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
     k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
-    seed: int,
+    seed: int, score_gen: Generated | None = None, mask_gen: Generated | None = None,
 ) -> tuple[Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Hq, Lq, D = q.shape
@@ -372,7 +404,8 @@ def _decode(
     _check_head_dims(D, Dv)
     G = Hq // Hkv
     flags, scalars, mask_t, bias_t = _common(q, k, mask, bias, q_ids, causal, left, right, scale, softcap, dropout_p,
-                                             seed)
+                                             seed, score_gen)
+    flags.update(_mod_args(q, score_gen, mask_gen))
     cfg = _blocks("decode", D, Dv, q.dtype, q.device)
     # one program holds all Lq queries (of G heads): one key range per batch, (B, 1, 2) int32
     ranges = _segment_ranges(q_ids, k_ids, Lq) if q_ids is not None and k_ids is not None else None
@@ -388,7 +421,7 @@ def _decode(
         q, k, v, opart, lpart, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *_strides4(mask), *_strides4(bias),
-        Hq, G, Lq, Lk, D, Dv, S, chunk, scale * LOG2E, *scalars,
+        Hq, G, Lq, Lk, D, Dv, S, chunk, _qk_scale(scale, score_gen), *scalars,
     )
     opts = {**_launch_opts(cfg), "BLOCK_M": fwd_k.next_pow2(G * Lq)}
     tracing = trace.active()
@@ -421,14 +454,19 @@ def _backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
     bias: Tensor | None, q_ids: Tensor | None, k_ids: Tensor | None, causal: bool, left: int, right: int,
     scale: float, softcap: float, dropout_p: float, seed: int, bias_grad: bool, deterministic: bool,
+    score_gen: Generated | None = None, mask_gen: Generated | None = None, cap_grads: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dbias; with a generated score_mod, the gradients of its captured tensors are added
+    into ``cap_grads`` (float32, one per tensor of ``score_gen.tensors``) by the dK/dV kernel."""
     q, k, v, out, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out), _unit_last(dout)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     _check_head_dims(D, Dv)
     G = Hq // Hkv
     flags, scalars, mask_t, bias_t = _common(q, k, mask, bias, q_ids, causal, left, right, scale, softcap, dropout_p,
-                                             seed)
+                                             seed, score_gen)
+    flags.update(_mod_args(q, score_gen, mask_gen, backward=True, cap_grads=cap_grads))
+    qk_scale = _qk_scale(scale, score_gen)
     lse = lse.contiguous()
 
     # 1. Δ_i = Σ_d dO_id O_id                                                  (B, Hq, Lq) float32
@@ -457,7 +495,7 @@ def _backward(
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), *_strides4(mask), *_strides4(bias),
-        Hq, G, Lq, Lk, D, Dv, scale * LOG2E, scale, *scalars,
+        Hq, G, Lq, Lk, D, Dv, qk_scale, scale, *scalars,
         **_launch_opts(cfg), **flags, BIAS_GRAD=bias_grad, ATOMIC_DQ=atomic,
     )
 
@@ -474,7 +512,7 @@ def _backward(
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2), *_strides4(mask), *_strides4(bias),
-            Hq, G, Lq, Lk, D, Dv, scale * LOG2E, scale, *scalars,
+            Hq, G, Lq, Lk, D, Dv, qk_scale, scale, *scalars,
             **_launch_opts(cfg), **flags,
         )
 
@@ -724,3 +762,125 @@ def backward(
     grad_b = bias_grad and bias is not None
     dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
     return dq, dk, dv, (dbias if grad_b else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# score_mod / mask_mod: the kernels with code generated from the user's functions (codegen.py).
+# A function cannot be an op's argument, so these calls go through an autograd.Function (as
+# flash.py's), whose inputs include the captured tensors so that they get gradients.
+
+
+def generate(score_mod: Any, device: torch.device, *, grads: bool) -> Generated:
+    """The score_mod as Triton code (``codegen.score_mod``): raises ``codegen.NotGenerable`` naming
+    what cannot be generated; a captured tensor on another device is refused here."""
+    from . import codegen
+
+    gen = codegen.score_mod(score_mod, device, grads=grads)
+    for t in gen.tensors:
+        if t.device != device:
+            raise codegen.NotGenerable(
+                f"score_mod: reads a tensor of shape {tuple(t.shape)} on {t.device}, the inputs are on {device}"
+            )
+    return gen
+
+
+class _ModAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any], *captured: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        del captured  # inputs only so that they get gradients (the generated code reads gen.tensors)
+        args, gen, keep_f32 = options["args"], options["gen"], options["keep_f32"]
+        run: Any = _forward  # (args: the op arguments of ``_args``)
+        out, lse, out32 = run(q, k, v, args[0], bias, *args[2:], keep_f32, score_gen=gen)
+        ctx.save_for_backward(q, k, v, bias, out32 if keep_f32 else out, lse)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        del dlse  # lse is returned as non-differentiable
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        options = ctx.options
+        args, gen, captured = options["args"], options["gen"], options["captured"]
+        needs = ctx.needs_input_grad
+        if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
+            return _mod_graph_grads(dout, q, k, v, bias, needs, options)
+        bufs = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in gen.tensors)
+        deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+        bias_grad = bias is not None and needs[3]
+        run: Any = _backward
+        dq, dk, dv, dbias = run(
+            dout, q, k, v, out, lse, args[0], bias, *args[2:], bias_grad, deterministic, score_gen=gen,
+            cap_grads=bufs,
+        )  # fmt: skip
+        grads: list[Tensor | None] = [None] * len(captured)
+        for buf, j in zip(bufs, gen.grad_of):
+            if j is not None and needs[5 + j]:
+                grads[j] = buf.to(captured[j].dtype)
+        return dq, dk, dv, (dbias if bias_grad else None), None, *grads
+
+
+def _mod_graph_grads(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...], options: dict[str, Any]
+) -> tuple[Tensor | None, ...]:
+    """Differentiable gradients (double backward, a batched dout): autograd through the reference's
+    formula with the same score_mod, as the kernels' op does for its double backward."""
+    ref, captured = options["reference"], options["captured"]
+    inputs = [q, k, v, bias, *captured]
+    wrt = [t for t, n in zip(inputs[:4], needs[:4]) if t is not None and n]
+    wrt += [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
+    with torch.enable_grad():
+        out, _ = reference.attention(q, k, v, bias=bias, **ref)
+        got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True))
+    res: list[Tensor | None] = [next(got) if t is not None and n else None for t, n in zip(inputs[:4], needs[:4])]
+    rest = [next(got) if n and t.requires_grad else None for t, n in zip(captured, needs[5:])]
+    return (*res, None, *rest)
+
+
+def attention_with_mod(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    score_mod: Any,
+    mask: Tensor | Mask | None = None,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    decode: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``attention`` with a ``score_mod`` run by the kernels as generated Triton code (codegen.py):
+    differentiable in q, k, v, bias and the tensors the mod captures (``mods.captured_tensors``),
+    forward and backward by the Triton kernels. ``decode``: the split-KV kernel (no gradients; what
+    ``functional.choose`` would take for these shapes). Raises ``codegen.NotGenerable`` naming what
+    cannot be generated, before any work."""
+    from .. import mods
+
+    captured = mods.captured_tensors(score_mod)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *captured))
+    gen = generate(score_mod, q.device, grads=needs_grad and not decode)
+    bias, shift = _shifted_bias(bias)
+    args = _args(
+        q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
+        dropout_p=dropout_p, dropout_seed=dropout_seed,
+    )  # fmt: skip
+    if decode or not needs_grad:
+        with torch.no_grad():
+            run: Any = _decode if decode else _forward
+            out, lse = run(q, k, v, args[0], bias, *args[2:], score_gen=gen)[:2]
+    else:
+        ref = {
+            "mask": mask, "causal": causal, "window": window, "scale": scale, "softcap": softcap,
+            "dropout_p": dropout_p, "dropout_seed": dropout_seed, "score_mod": score_mod,
+        }  # fmt: skip
+        options = {
+            "args": args, "gen": gen, "keep_f32": q.dtype != torch.float32, "captured": captured, "reference": ref,
+        }  # fmt: skip
+        out, lse = _ModAttention.apply(q, k, v, bias, options, *captured)
+    return out, (lse if shift is None else lse + shift)
