@@ -102,6 +102,29 @@ GRID_MODS: dict[str, Callable[..., Tensor]] = {
 }  # fmt: skip
 
 
+@triton.jit
+def mask_grid_kernel(Y, b, h, CAP, MOD: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    i = tl.arange(0, R)[:, None]
+    j = tl.arange(0, C)[None, :]
+    tl.store(Y + i * C + j, MOD(b, h, i, j, CAP).to(tl.int8))
+
+
+def test_a_generated_mask_mod_equals_the_mask_mod() -> None:
+    """A prefix-LM within documents (ids captured), as a predicate on one block (the kernels' hook)."""
+
+    def prefix_docs(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return (doc[i] == doc[j]) & ((j < 3) | (j <= i)) | (h == 3)
+
+    gen = codegen.mask_mod(prefix_docs, DEVICE)
+    n = 16  # (the ids of positions 0..15: three documents)
+    for h in (1, 3):
+        y = torch.empty(n, n, dtype=torch.int8, device=DEVICE)
+        mask_grid_kernel[(1,)](y, 0, h, gen.tensors, MOD=gen.fwd, R=n, C=n)
+        want = mods.mask_block(prefix_docs, batches=(0, 1), heads=(h, h + 1), rows=(0, n), cols=(0, n), device=DEVICE)
+        assert torch.equal(y.bool(), want.view(n, n))
+        assert h == 3 or not bool(want.all())  # (the test sees blocked pairs)
+
+
 @pytest.mark.parametrize("name", [n for n in GRID_MODS if n != "unary"] + ["unary_no_log1p"])
 def test_generated_code_equals_the_mod_and_its_derivative(name: str) -> None:
     if name == "unary_no_log1p":
