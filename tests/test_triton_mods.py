@@ -284,3 +284,20 @@ def test_a_mod_with_python_control_flow_on_a_value_is_refused() -> None:
 
     with pytest.raises(codegen.NotGenerable, match="score_mod"):
         codegen.score_mod(branchy, DEVICE, grads=False)
+
+
+def test_flex_attention_takes_the_same_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attnzero.flex goes through az.attention's "auto": on CUDA (``_auto`` made to say so here) a
+    score_mod with a block mask runs the Triton kernels with the generated mod, torch's results."""
+    from attnzero.flex import create_block_mask, flex_attention
+
+    monkeypatch.setattr(functional, "_auto", lambda q, v: "triton")
+    ran: list[bool] = []
+    real = tb._forward
+    monkeypatch.setattr(tb, "_forward", lambda *a, **kw: ran.append(kw.get("score_gen") is not None) or real(*a, **kw))
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 4, 4, 20, 20, 16))
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 20, 20, device=str(DEVICE), BLOCK_SIZE=8)
+    got = flex_attention(q, k, v, score_mod=_alibi, block_mask=block_mask)
+    want = az.attention(q.double(), k.double(), v.double(), score_mod=_alibi, causal=True, backend="reference")
+    assert ran == [True]
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
