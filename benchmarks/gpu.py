@@ -315,8 +315,29 @@ FEATURE_SETS: dict[str, dict[str, bool]] = {
                "STORE_F32": True, "BIAS_GRAD": False, "ATOMIC_DQ": True, "HAS_SEGMENTS": False,
                "HAS_SOFTCAP": False},
     "all": {"HAS_LEFT": True, "HAS_RIGHT": True, "HAS_MASK": True, "HAS_BIAS": True, "HAS_DROPOUT": True,
-            "STORE_F32": True, "BIAS_GRAD": True, "ATOMIC_DQ": True, "HAS_SEGMENTS": True, "HAS_SOFTCAP": True},
+            "STORE_F32": True, "BIAS_GRAD": True, "ATOMIC_DQ": True, "HAS_SEGMENTS": True, "HAS_SOFTCAP": True,
+            "HAS_MOD": True, "HAS_MASK_MOD": True},
 }
+
+
+def _generated_mods() -> tuple[Any, Any]:
+    """A score_mod (ALiBi slopes and a relative-position table, both with gradients) and a mask_mod
+    (documents from captured ids) as codegen generates them: the "all" feature set compiles the
+    kernels with these (the other sets with the identities of kernels/forward.py)."""
+    from attnzero.kernels import codegen
+
+    slopes = torch.rand(8, requires_grad=True)
+    rel = torch.randn(8, 255, requires_grad=True)
+    doc = torch.zeros(128, dtype=torch.int64)
+
+    def score_mod(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return s - slopes[h] * (i - j).abs() + rel[h, i - j + 127]
+
+    def mask_mod(b: Any, h: Any, i: Any, j: Any) -> Any:
+        return (doc[i] == doc[j]) & ((j < 4) | (j <= i))
+
+    cpu = torch.device("cpu")  # (tracing needs no GPU; the generated source does not depend on the device)
+    return codegen.score_mod(score_mod, cpu, grads=True), codegen.mask_mod(mask_mod, cpu)
 
 
 def compile_for_sm90(
@@ -366,12 +387,18 @@ def compile_check(dims: list[int], quick: bool = False) -> int:
         print(f"  {'ok  ' if ok else 'FAIL'} {fn.__name__} {label}  {note}", flush=True)
 
     cuda = torch.device("cuda")
+    score_gen, mask_gen = _generated_mods()
     dtypes = ((torch.bfloat16, "*bf16"),) if quick else ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32"))
     sets = ("plain", "all") if quick else tuple(FEATURE_SETS)
     for dtype, ty in dtypes:
         for D in dims:
             for name in sets:
                 flags = {**FEATURE_SETS[name], "PRECISION": tb._precision(dtype), "TRACE": False}
+                with_mods = flags.pop("HAS_MOD", False)
+                flags["HAS_MOD"] = flags["HAS_MASK_MOD"] = with_mods
+                flags["SCORE_MOD"] = score_gen.fwd if with_mods else fwd_k.no_score_mod
+                flags["SCORE_MOD_BWD"] = score_gen.bwd if with_mods else fwd_k.no_score_mod_bwd
+                flags["MASK_MOD"] = mask_gen.fwd if with_mods else fwd_k.no_mask_mod
                 label = f"{str(dtype)[6:]} D={D} {name}"
 
                 def blocks(kind: str, D: int = D, dtype: torch.dtype = dtype) -> tuple[dict[str, int], int, int]:
@@ -379,7 +406,9 @@ def compile_check(dims: list[int], quick: bool = False) -> int:
                     return {k: v for k, v in cfg.items() if k.startswith("BLOCK")}, cfg["num_warps"], cfg["num_stages"]
 
                 common = {"Mask": "*u8", "Bias": ty, "Lse": "*fp32", "QIds": "*i32", "KIds": "*i32", "Ranges": "*i32",
-                          "Trace": "*i32"}
+                          "Trace": "*i32", "CAP": ("*fp32", "*fp32") if with_mods else (ty,),
+                          "MCAP": ("*i64",) if with_mods else (ty,),
+                          "CAP_GRAD": ("*fp32", "*fp32") if with_mods else (ty,)}
                 b, w, s = blocks("fwd")
                 ptrs = {"Q": ty, "K": ty, "V": ty, "Out": ty, "Out32": "*fp32", **common}
                 one(fwd_k.fwd_kernel, ptrs, {**flags, **b}, w, s, label)

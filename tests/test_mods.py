@@ -6,11 +6,12 @@ cannot take it."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
 import torch
-from conftest import check_against_golden, qkv
+from conftest import absent, check_against_golden, qkv
 
 import attnzero as az
 from attnzero import mods
@@ -151,10 +152,15 @@ def test_a_score_mod_must_be_callable() -> None:
         az.attention(q, k, v, score_mod=3)  # type: ignore[arg-type]
 
 
-def test_triton_refuses_a_score_mod_by_name() -> None:
-    q, k, v = qkv(1, 1, 1, 3, 3, 4)
-    with pytest.raises(ValueError, match="score_mod: backend='triton' does not run a score_mod"):
-        az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="triton")
+def test_triton_refuses_a_score_mod_it_cannot_generate_by_the_op_name() -> None:
+    """backend="triton" runs a score_mod as generated Triton code (tests/test_triton_mods.py); one it
+    cannot generate (a reduction over a captured tensor) is refused naming the op, never run elsewhere."""
+    if importlib.util.find_spec("triton") is None:
+        absent("backend='triton' needs `pip install triton`")
+    q, k, v = (t.float() for t in qkv(1, 1, 1, 3, 3, 4))
+    table = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"score_mod: cannot generate Triton code for aten\.sum"):
+        az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + table[i].sum(), backend="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])

@@ -25,8 +25,9 @@ materialises the scores, evaluates the mask_mod on every pair and ignores the bl
 hand-made BlockMask (a top-k block map, a full block whose mask_mod would block pairs) gives other
 results there than in torch's compiled Flex; attnzero gives the compiled one's, eager.
 
-Which backend runs: what ``az.attention``'s "auto" picks — with a ``score_mod`` flash.py's tiles
-(the reference under torch.compile / torch.func), else the compiled CPU kernel / flash / triton
+Which backend runs: what ``az.attention``'s "auto" picks — with a ``score_mod``, on CUDA the Triton
+kernels running code generated from it (kernels/codegen.py) when it can be generated, else flash.py's
+tiles (the reference under torch.compile / torch.func), else the compiled CPU kernel / flash / triton
 with the block table skipping blocks. ``kernel_options``: the keys in ``IGNORED_KERNEL_OPTIONS``
 tune torch's kernels and cannot change the result, so they are accepted and ignored; any other key
 raises, naming it.

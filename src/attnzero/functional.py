@@ -315,22 +315,41 @@ def _attention(
 
     lse: Tensor | None
     if fn is not None:
-        # A score_mod runs on flash.py's tiles (eager, a backward of its own that gives the captured
-        # tensors their gradients) or on the reference's formula — which "auto" takes where a tiled
-        # backend's Python cannot run: traced by dynamo (an op's schema cannot hold a function),
-        # under torch.func, and for empty problems. The compiled CPU kernel and the Triton kernels
-        # run no user function: backend="triton" refuses it by name rather than run without it.
-        if name == "triton":
-            raise ArgumentError(
-                "score_mod: backend='triton' does not run a score_mod yet (no Triton code is generated from it); "
-                "use backend='flash' (it runs on any device) or 'auto'"
-            )
+        # A score_mod runs as Triton code generated from it (kernels/codegen.py) on backend="triton", and
+        # on "auto" for CUDA inputs when it can be generated; else on flash.py's tiles (eager, a backward
+        # of its own that gives the captured tensors their gradients) or on the reference's formula —
+        # which "auto" takes where a tiled backend's Python cannot run: traced by dynamo (an op's schema
+        # cannot hold a function), under torch.func, and for empty problems. The compiled CPU kernel
+        # runs no user function. A mod that cannot be generated is refused by backend="triton",
+        # naming the operation — never run elsewhere.
         special = (  # (sinks too, for now: flash folds them outside its Function, which a mod's grads need)
             torch.compiler.is_compiling()
             or batching.wrapped(q, k, v, keep, add, sink)
             or 0 in (q.numel(), k.numel(), v.numel())
             or sink is not None
         )
+        empty = 0 in (q.numel(), k.numel(), v.numel())
+        if name == "triton" and special and not empty:
+            raise ArgumentError(
+                "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile or torch.func, "
+                "and not with sinks); use backend='auto'"
+            )
+        if name == "triton" and not empty and q.dtype != torch.float64:
+            _check_triton(q.device)
+            if not _fits_triton(q, v):
+                raise ArgumentError(
+                    f"backend: 'triton' tiles take head dims up to {TRITON_MAX_HEAD_DIM}, got D = {q.shape[-1]} and "
+                    f"Dv = {v.shape[-1]}; use backend='flash' (or 'auto', which takes it for larger heads)"
+                )
+            ran = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=True)
+            assert ran is not None  # (strict: raises instead)
+            return ran if want_lse else ran[0]
+        if name == "auto" and not special and _auto(q, v) == "triton":
+            got = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=False)
+            if got is not None:
+                return got if want_lse else got[0]
+        if name == "triton":
+            name = "reference" if empty else "flash"  # float64 (as without a mod: flash computes it) or empty
         if name in ("auto", "flash"):
             name = "reference" if special else "flash"
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
@@ -372,6 +391,31 @@ def _attention(
         assert lse is not None  # asked for: every backend gives it
         return out, lse
     return out
+
+
+def _triton_with_mod(
+    q: Tensor, k: Tensor, v: Tensor, keep: Tensor | Mask | None, add: Tensor | None, causal: bool,
+    win: tuple[int | None, int | None] | None, sc: float, cap: float | None, p: float, fn: mods.ScoreMod,
+    *, strict: bool,
+) -> tuple[Tensor, Tensor] | None:
+    """The Triton kernels with the score_mod as generated code (``kernels/codegen.py``), the split-KV
+    kernel where ``choose`` would take it (no gradient, few queries, many keys). A mod that cannot be
+    generated: with ``strict`` (backend="triton") an error naming the operation; else None ("auto"
+    then runs it on flash.py)."""
+    from .kernels import codegen, triton_backend
+
+    needs = _needs_grad(q, k, v, add, *mods.captured_tensors(fn))
+    decode = not needs and _takes_decode(q, k)
+    seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+    try:
+        return triton_backend.attention_with_mod(
+            q, k, v, score_mod=fn, mask=keep, bias=add, causal=causal, window=win, scale=sc, softcap=cap,
+            dropout_p=p, dropout_seed=seed, decode=decode,
+        )  # fmt: skip
+    except codegen.NotGenerable as e:
+        if strict:
+            raise ArgumentError(f"{e}; use backend='flash' (it runs any score_mod) or 'auto'") from e
+        return None
 
 
 def _flash_with_mod(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, **kw: Any) -> tuple[Tensor, Tensor]:

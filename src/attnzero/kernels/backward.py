@@ -35,11 +35,11 @@ from .forward import (
     NUM_PARTS,
     POS_INF,
     TO_BASE2,
-    cap_scores,
     clip_blocks,
     dropout_keep,
     key_blocks,
     mm,
+    mod_scores,
     part_range,
     scores_mod,
     segment_rows,
@@ -140,12 +140,15 @@ def dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
+    CAP, CAP_GRAD, MCAP, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr, MASK_MOD: tl.constexpr,
+    HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
     """Grid (cdiv(Lk, BLOCK_N)·B·Hkv,). dK, dV get their final values; dQacc (float32, B, Hq, Lq,
     D) receives atomic adds when ATOMIC_DQ; dBias (float32, B, Hq, Lq, Lk) receives dS when
     BIAS_GRAD (the caller sums it over the bias's broadcast dims). With HAS_SEGMENTS: QIds (B, Lq),
     KIds (B, Lk) int32 segment ids and Ranges (B, cdiv(Lk, BLOCK_N), 2) int32, the query range
-    [lo, hi) of each key block."""
+    [lo, hi) of each key block. With HAS_MOD: dS is taken through the generated SCORE_MOD_BWD,
+    which also adds the captured tensors' gradients into the float32 buffers of CAP_GRAD."""
     num_n = tl.cdiv(Lk, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % num_n  # under causal the first key blocks have the most work
@@ -177,9 +180,9 @@ def dkdv_kernel(
             Lse + bh * Lq, Delta + bh * Lq, dBias + bh * Lq * Lk, Mask + b * smb + h * smh, Bias + b * sbb + h * sbh,
             sqm, sdom, sdqm, smm, smn, sbm, sbn, bh * Lq, n0, offs_d, offs_dv, d_ok, dv_ok, Lq, Lk,
             qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-            QIds + b * Lq, k_ids, seg_lo, seg_hi,
+            QIds + b * Lq, k_ids, seg_lo, seg_hi, b.to(tl.int32), h.to(tl.int32), CAP, CAP_GRAD, MCAP,
             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, BIAS_GRAD,
-            HAS_DROPOUT, ATOMIC_DQ, PRECISION,
+            HAS_DROPOUT, ATOMIC_DQ, PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, HAS_MOD, HAS_MASK_MOD, True,
         )
 
     # dK = scale · Σ dSᵀ Q; dV = Σ Pᵀ dO. Both (BLOCK_N, ·), written once (no atomics).
@@ -194,10 +197,12 @@ def dkdv_queries(
     dk, dv, k, v, q_head, do_head, dq_head, lse_head, delta_head, dbias_head, mask_head, bias_head,
     sqm, sdom, sdqm, smm, smn, sbm, sbn, drop_head, n0, offs_d, offs_dv, d_ok, dv_ok, Lq, Lk,
     qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
-    qid_row0, k_ids, seg_lo, seg_hi,
+    qid_row0, k_ids, seg_lo, seg_hi, b_idx, h_idx, CAP, CAP_GRAD, MCAP,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
+    SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
+    HAS_MASK_MOD: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """dkdv_kernel's walk over the query blocks of one query head that can see the key block
     ``[n0, n0 + BLOCK_N)``, in the transposed orientation; returns (dk, dv) with this head added.
@@ -221,7 +226,10 @@ def dkdv_queries(
             lse2 = tl.load(lse_head + offs_m, mask=m_ok, other=0.0) * TO_BASE2  # (BLOCK_M,) base 2
             delta = tl.load(delta_head + offs_m, mask=m_ok, other=0.0)
             # sᵀ = k qᵀ · scale · log2 e (capped: tT the tanh) and dPᵀ = v dOᵀ  (BLOCK_N, BLOCK_M)
-            sT, tT = cap_scores(mm(k, tl.trans(q), PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
+            sT, tT, xT = mod_scores(
+                mm(k, tl.trans(q), PRECISION), qk_scale, cap_in, cap_out, b_idx, h_idx, offs_m[None, :],
+                offs_n[:, None], CAP, MCAP, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD, HAS_SOFTCAP,
+            )
             dpT = mm(v, tl.trans(do), PRECISION)
             load_ok = n_ok[:, None] & m_ok[None, :]
             if HAS_SEGMENTS:
@@ -237,7 +245,9 @@ def dkdv_queries(
             )
             if BIAS_GRAD:  # the bias is added after the cap: it receives dS itself
                 tl.store(dbias_head + offs_m.to(tl.int64)[None, :] * Lk + offs_n[:, None], dsT, mask=load_ok)
-            dsT = uncap(dsT, tT, HAS_SOFTCAP)  # with respect to the raw score, for dK and dQ
+            dsT = uncap(dsT, tT, HAS_SOFTCAP)  # with respect to the raw score (the mod's output), for dK and dQ
+            if HAS_MOD:  # through the mod: to x = scale·q·k, and the captured tensors' shares (ACCUMULATE)
+                dsT = SCORE_MOD_BWD(xT, b_idx, h_idx, offs_m[None, :], offs_n[:, None], dsT, CAP, CAP_GRAD, ACCUMULATE)
             dv += mm(pT.to(do.dtype), do, PRECISION)  # dV += Pᵀ dO
             dk += mm(dsT.to(q.dtype), q, PRECISION)  # dK += dSᵀ Q (· scale at the end)
             if ATOMIC_DQ:
@@ -257,9 +267,12 @@ def dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    CAP, CAP_GRAD, MCAP, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr, MASK_MOD: tl.constexpr,
+    HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
     """Grid (cdiv(Lq, BLOCK_M)·B·Hq,): dQ = scale · Σ_j dS K, deterministic (no atomics). Segments as
-    in the forward kernel (Ranges per query block of this kernel's BLOCK_M)."""
+    in the forward kernel (Ranges per query block of this kernel's BLOCK_M). A score_mod's captured
+    tensors get their gradients in dkdv_kernel only (ACCUMULATE False here)."""
     num_m = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = num_m - 1 - pid % num_m  # the longest (causal) first
@@ -286,9 +299,10 @@ def dq_kernel(
         q, do, lse2, delta, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk,
         offs_d, offs_dv, d_ok, dv_ok, left, right, Mask + b * smb + h * smh + offs_m * smm, smn,
         Bias + b * sbb + h * sbh + offs_m * sbm, sbn, pid_bh * Lq + offs_m, seed_lo, seed_hi, threshold, keep_scale,
-        qk_scale, cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi,
+        qk_scale, cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi, b.to(tl.int32), h.to(tl.int32), CAP, CAP_GRAD,
+        MCAP,
         BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
-        PRECISION,
+        PRECISION, SCORE_MOD, SCORE_MOD_BWD, MASK_MOD, HAS_MOD, HAS_MASK_MOD,
     )
     tl.store(dQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
@@ -298,10 +312,12 @@ def dq_kernel(
 def dq_keys(
     q, do, lse2, delta, k_rows, v_rows, skn, svn, m0, Lq, Lk, offs_d, offs_dv, d_ok, dv_ok,
     left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, keep_scale, qk_scale,
-    cap_in, cap_out, q_ids, kid_rows, seg_lo, seg_hi,
+    cap_in, cap_out, q_ids, kid_rows, seg_lo, seg_hi, b_idx, h_idx, CAP, CAP_GRAD, MCAP,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr,
+    HAS_MASK_MOD: tl.constexpr,
 ):
     """dq_kernel's walk over the key blocks that query rows ``[m0, m0 + BLOCK_M)`` can see (the
     forward's ranges, segments included); returns Σ_j dS K, not yet multiplied by ``scale``."""
@@ -321,7 +337,10 @@ def dq_keys(
                          other=0.0)
             vT = tl.load(v_rows + offs_n[None, :] * svn + offs_dv[:, None], mask=n_ok[None, :] & dv_ok[:, None],
                          other=0.0)
-            s, t = cap_scores(mm(q, kT, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)  # (BLOCK_M, BLOCK_N)
+            s, t, x = mod_scores(
+                mm(q, kT, PRECISION), qk_scale, cap_in, cap_out, b_idx, h_idx, offs_m[:, None], offs_n[None, :], CAP,
+                MCAP, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD, HAS_SOFTCAP,
+            )  # (BLOCK_M, BLOCK_N)
             dp = mm(do, vT, PRECISION)  # dP = dO Vᵀ
             if HAS_SEGMENTS:
                 k_ids = tl.load(kid_rows + offs_n, mask=n_ok, other=NO_KEY_ID)  # (BLOCK_N,)
@@ -333,7 +352,9 @@ def dq_keys(
                 seed_lo, seed_hi, threshold, keep_scale, q_ids[:, None], k_ids[None, :], part != INTERIOR, HAS_LEFT,
                 HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_DROPOUT,
             )
-            ds = uncap(ds, t, HAS_SOFTCAP)  # with respect to the raw score
+            ds = uncap(ds, t, HAS_SOFTCAP)  # with respect to the raw score (the mod's output)
+            if HAS_MOD:  # through the mod (its captured tensors' gradients come from dkdv_kernel)
+                ds = SCORE_MOD_BWD(x, b_idx, h_idx, offs_m[:, None], offs_n[None, :], ds, CAP, CAP_GRAD, False)
             # dQ += dS K (· scale at the end): (BLOCK_M, BLOCK_N) @ (BLOCK_N, BLOCK_D)
             dq += mm(ds.to(kT.dtype), tl.trans(kT), PRECISION)
     return dq

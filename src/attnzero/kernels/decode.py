@@ -32,6 +32,7 @@ def split_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     Trace, TRACE: tl.constexpr,
+    CAP, MCAP, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
     """The split-KV pass. Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log).
     With HAS_SEGMENTS: QIds (B, Lq), KIds (B, Lk) int32 segment ids and Ranges (B, 1, 2) int32, the
@@ -39,7 +40,8 @@ def split_kernel(
     With TRACE (the ladder's instrumentation, only while a recording is open): Trace (grid, 2 + cdiv(Lk, BLOCK_N))
     int32, filled with -1 by the launcher; program ``pid`` writes its split and its batch·kv head to
     ``Trace[pid, 0:2]`` and, for each key block ``nb`` it visits, the part it was visited in to
-    ``Trace[pid, 2 + nb]``."""
+    ``Trace[pid, 2 + nb]``. The mods (HAS_MOD / HAS_MASK_MOD) see each row's own query head and
+    position."""
     pid = tl.program_id(0)
     pid_s = pid % S
     pid_bk = (pid // S).to(tl.int64)
@@ -69,9 +71,10 @@ def split_kernel(
         offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
         Mask + b * smb + h * smh + i * smm, smn, Bias + b * sbb + h * sbh + i * sbm, sbn,
         (b * Hq + h) * Lq + i, seed_lo, seed_hi, threshold, qk_scale,  # dropout counters / Lk: (BLOCK_M,) int64
-        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi, trace_row,
+        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi, trace_row, b.to(tl.int32), h.to(tl.int32)[:, None], i,
+        CAP, MCAP,
         BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
-        PRECISION, TRACE,
+        PRECISION, TRACE, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD,
     )
     out, lse = finish_rows(acc, m_i, l_i, keep_scale)
     part = ((b * Hq + h) * S + pid_s) * Lq + i  # (BLOCK_M,) row index into (B, Hq, S, Lq)

@@ -140,6 +140,56 @@ def cap_scores(qk, qk_scale, cap_in, cap_out, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def no_score_mod(score, b, h, q_idx, kv_idx, CAP):
+    """The kernels' SCORE_MOD without a score_mod (never called: HAS_MOD is False)."""
+    return score
+
+
+@triton.jit
+def no_score_mod_bwd(score, b, h, q_idx, kv_idx, dy, CAP, CAP_GRAD, ACCUMULATE: tl.constexpr):
+    """The kernels' SCORE_MOD_BWD without a score_mod (never called)."""
+    return dy
+
+
+@triton.jit
+def no_mask_mod(b, h, q_idx, kv_idx, CAP):
+    """The kernels' MASK_MOD without a generated mask_mod (never called: HAS_MASK_MOD is False)."""
+    return q_idx == q_idx
+
+
+@triton.jit
+def mod_scores(
+    qk, qk_scale, cap_in, cap_out, b, h, q_idx, kv_idx, CAP, MCAP,
+    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """Raw products ``q·k`` of a block → ``(s, t, x)``: base-2 scores ``s``, the tanh ``t`` of the
+    softcap (the backward's ``1 - t²``) and ``x = scale·q·k``, the score_mod's argument (its
+    backward's). Without a score_mod: ``cap_scores`` (x not used). With one (``HAS_MOD``; the
+    host then passes ``qk_scale = scale``, ``cap_in = 1 / softcap``): ``x = scale·q·k``,
+    ``y = SCORE_MOD(x, b, h, q_idx, kv_idx, CAP)`` (code generated from the user's function,
+    codegen.py), then the cap of ``y``. ``HAS_MASK_MOD``: pairs a generated predicate
+    ``MASK_MOD(b, h, q_idx, kv_idx, MCAP)`` refuses get -inf (after the cap: tanh(-inf) = -1
+    would un-block them; no host code passes one yet). ``b``, ``h`` (the query head), ``q_idx``,
+    ``kv_idx`` (0-based, no bottom-right shift) are int32 and broadcast to the block."""
+    if HAS_MOD:
+        x = qk * qk_scale
+        y = SCORE_MOD(x, b, h, q_idx, kv_idx, CAP)
+        if HAS_SOFTCAP:
+            t = tanh(y * cap_in)
+            s = t * cap_out
+        else:
+            t = y
+            s = y * TO_BASE2
+    else:
+        s, t = cap_scores(qk, qk_scale, cap_in, cap_out, HAS_SOFTCAP)
+        x = t
+    if HAS_MASK_MOD:
+        s = tl.where(MASK_MOD(b, h, q_idx, kv_idx, MCAP), s, NEG_INF)
+    return s, t, x
+
+
+@triton.jit
 def range_keep(pos, cols, rows_ok, Lk, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Kept by position: a real row, a real key, and ``p - left <= j <= p + right``.
     ``pos`` / ``rows_ok`` and ``cols`` are broadcastable to the block (either orientation)."""
@@ -236,10 +286,11 @@ def clip_blocks(start, f_lo, f_hi, end, lo, hi, BLOCK: tl.constexpr):
 def attend_keys(
     q, k_rows, v_rows, skn, svn, m0, Lq, Lk, k_lo, k_hi, offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
     mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, qk_scale, cap_in, cap_out,
-    q_ids, kid_rows, seg_lo, seg_hi, trace_row,
+    q_ids, kid_rows, seg_lo, seg_hi, trace_row, b_idx, h_idx, q_pos, CAP, MCAP,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
+    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
     """The online softmax of query rows ``[m0, m0 + BLOCK_M)`` over every key block of
     ``[k_lo, k_hi)`` they can see; returns (acc, m, l) in base 2. ``k_rows`` / ``v_rows`` point at
@@ -248,7 +299,9 @@ def attend_keys(
     ``q_ids`` (BLOCK_M,) the rows' ids, ``kid_rows`` the keys' ids of this batch, and only the
     blocks meeting ``[seg_lo, seg_hi)`` are visited. With TRACE (instrumentation, compiled out
     otherwise): ``trace_row[nb]`` = the part (LEADING / INTERIOR / TRAILING) in which key block
-    ``nb`` was visited; blocks not visited are left as they were."""
+    ``nb`` was visited; blocks not visited are left as they were. The mods (``mod_scores``) see
+    batch ``b_idx``, query head ``h_idx`` (one, or one per row as (BLOCK_M, 1)) and query positions
+    ``q_pos`` (BLOCK_M,)."""
     start, f_lo, f_hi, end = key_blocks(m0, Lq, k_lo, k_hi, Lk - Lq, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                         HAS_RIGHT)
     if HAS_SEGMENTS:
@@ -267,7 +320,10 @@ def attend_keys(
             kT = tl.load(k_rows + offs_n[None, :] * skn + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None],
                          other=0.0)
             # s = q kᵀ · scale · log2 e (capped: softcap · tanh(q kᵀ · scale / softcap) · log2 e)
-            s, _ = cap_scores(mm(q, kT, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)  # (BLOCK_M, BLOCK_N)
+            s, _, _ = mod_scores(
+                mm(q, kT, PRECISION), qk_scale, cap_in, cap_out, b_idx, h_idx, q_pos[:, None], offs_n[None, :], CAP,
+                MCAP, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD, HAS_SOFTCAP,
+            )  # (BLOCK_M, BLOCK_N)
             if HAS_SEGMENTS:
                 k_ids = tl.load(kid_rows + offs_n, mask=n_ok, other=NO_KEY_ID)  # (BLOCK_N,)
             else:
@@ -347,6 +403,7 @@ def fwd_kernel(
     HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     STORE_F32: tl.constexpr,
     Trace, TRACE: tl.constexpr,
+    CAP, MCAP, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
     """The forward. Grid (cdiv(Lq, BLOCK_M)·B·Hq,). Writes Out (B, Hq, Lq, Dv) and Lse (B, Hq, Lq) float32, and
     with STORE_F32 the unrounded output to Out32 (B, Hq, Lq, Dv) float32, contiguous — for the
@@ -358,7 +415,8 @@ def fwd_kernel(
     cdiv(Lk, BLOCK_N)) int32, filled with -1 by the launcher; program ``pid`` writes its query block
     and its batch·head to ``Trace[pid, 0:2]`` (``trace_start``) and, for each key block ``nb`` it
     visits, the part it was visited in to ``Trace[pid, 2 + nb]`` (``attend_keys``). Without TRACE
-    Trace is never read and nothing of it is compiled."""
+    Trace is never read and nothing of it is compiled. With HAS_MOD / HAS_MASK_MOD: the generated
+    SCORE_MOD / MASK_MOD (``mod_scores``) reading the tensors of the tuples CAP / MCAP."""
     # One flat grid axis (no 65535 limit on B·Hq); query blocks of a head are neighbours (they share
     # K/V in L2), the last (under causal: longest) first.
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -387,9 +445,10 @@ def fwd_kernel(
         offs_d, offs_dv, d_ok, dv_ok, pos, rows_ok, left, right,
         Mask + b * smb + h * smh + offs_m * smm, smn, Bias + b * sbb + h * sbh + offs_m * sbm, sbn,
         pid_bh * Lq + offs_m, seed_lo, seed_hi, threshold, qk_scale,  # dropout counters / Lk: (BLOCK_M,) int64
-        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi, trace_row,
+        cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi, trace_row, b.to(tl.int32), h.to(tl.int32), offs_m,
+        CAP, MCAP,
         BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
-        PRECISION, TRACE,
+        PRECISION, TRACE, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD,
     )
     out, lse = finish_rows(acc, m_i, l_i, keep_scale)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], out.to(Out.dtype.element_ty),

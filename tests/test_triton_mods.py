@@ -1,0 +1,303 @@
+"""backend="triton" with a score_mod: Triton code generated from the user's function (kernels/codegen.py)
+in the forward, backward and split-KV kernels, against the float64 golden (conftest's tolerance rule),
+the captured tensors' gradients against the reference's, errors that name an operation that cannot be
+generated, and "auto" running such a mod elsewhere.
+
+Under Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1) tiles are 16×16: lengths of 17-30
+cross query and key blocks and ragged last blocks; shapes stay tiny because the interpreter is slow.
+``grid_kernel`` runs a generated function alone on one block, against the vmapped mod and autograd:
+the ops one by one, fast.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import check_against_golden, qkv
+from torch import Tensor
+
+import attnzero as az
+from attnzero import functional, mods
+
+if os.environ.get("CI") == "true":
+    import triton  # CI installs triton: its absence must fail, not skip
+else:
+    triton = pytest.importorskip("triton", reason="backend='triton' needs `pip install triton`")
+
+import triton.language as tl
+
+from attnzero.kernels import codegen
+from attnzero.kernels import triton_backend as tb
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F32, BF16 = torch.float32, torch.bfloat16
+H, L = 4, 24  # the heads and the longest length the captured tables below are made for
+
+
+# ---------------------------------------------------------------------------------------------
+# One generated function on one block
+
+
+@triton.jit
+def grid_kernel(S, DY, Y, DX, b, h, CAP, CAP_GRAD, MOD: tl.constexpr, BWD: tl.constexpr, R: tl.constexpr,
+                C: tl.constexpr):  # fmt: skip
+    """Y = MOD(S), DX = BWD(S, DY) on one (R, C) block of pairs q_idx = row, kv_idx = column."""
+    i = tl.arange(0, R)[:, None]
+    j = tl.arange(0, C)[None, :]
+    s = tl.load(S + i * C + j)
+    dy = tl.load(DY + i * C + j)
+    tl.store(Y + i * C + j, MOD(s, b, h, i, j, CAP))
+    tl.store(DX + i * C + j, BWD(s, b, h, i, j, dy, CAP, CAP_GRAD, True))
+
+
+def run_on_grid(mod: mods.ScoreMod, b: int = 1, h: int = 2, R: int = 16, C: int = 16) -> None:
+    """The generated forward and backward of ``mod`` on one block equal the vmapped mod and
+    autograd's derivative (score and captured tensors), to float32 rounding."""
+    gen = codegen.score_mod(mod, DEVICE, grads=True)
+    s = torch.randn(R, C, device=DEVICE) * 3
+    dy = torch.randn(R, C, device=DEVICE)
+    y, dx = torch.empty_like(s), torch.empty_like(s)
+    bufs = tuple(torch.zeros(t.shape, dtype=F32, device=DEVICE) for t in gen.tensors)
+    grid_kernel[(1,)](s, dy, y, dx, b, h, gen.tensors or (s,), bufs or (s,), MOD=gen.fwd, BWD=gen.bwd, R=R, C=C)
+    x = s.clone().requires_grad_()
+    want = mods.score_block(mod, x.view(1, 1, R, C), batches=(b, b + 1), heads=(h, h + 1), rows=(0, R),
+                            cols=(0, C)).view(R, C)  # fmt: skip
+    captured = mods.captured_tensors(mod)
+    wrt = [x, *[t for t in captured if t.requires_grad]]
+    got = torch.autograd.grad(want, wrt, dy, allow_unused=True)
+    torch.testing.assert_close(y, want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, torch.zeros_like(s) if got[0] is None else got[0], rtol=1e-5, atol=1e-5)
+    wants = dict(zip([id(t) for t in wrt[1:]], got[1:]))
+    for buf, j in zip(bufs, gen.grad_of):
+        if j is not None:
+            w = wants[id(captured[j])]
+            torch.testing.assert_close(buf, torch.zeros_like(buf) if w is None else w, rtol=1e-5, atol=1e-4)
+
+
+slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE, requires_grad=True)
+table = torch.randn(H, 2 * L - 1, device=DEVICE, requires_grad=True)
+temperature = torch.tensor(1.5, device=DEVICE, requires_grad=True)
+doc = torch.tensor([0] * 7 + [1] * 9 + [2] * 8, device=DEVICE)  # (L,) document ids
+
+GRID_MODS: dict[str, Callable[..., Tensor]] = {
+    "alibi": lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(),
+    "rel_table": lambda s, b, h, i, j: s + table[h, i - j + L - 1],
+    "row_of_table": lambda s, b, h, i, j: s * table[h][j] + table[:, 3][h],
+    "temperature": lambda s, b, h, i, j: s / temperature + temperature ** 2,
+    "softcap": lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+    "int_div_where": lambda s, b, h, i, j: torch.where((i - 9) // 4 == (j - 3) % 5 - 2, s, s * 0.5 - 1.0),
+    "div_modes": lambda s, b, h, i, j: s + torch.div(i - 7, 3, rounding_mode="trunc") + torch.div(j - 7, 3,
+                                                                                                   rounding_mode="floor"),
+    "clamp_min_max": lambda s, b, h, i, j: torch.clamp(s, -1.0, 2.0) + torch.maximum(s, (j * 0.1).float())
+    - torch.minimum(s * s, torch.ones_like(s)),
+    "unary": lambda s, b, h, i, j: torch.sigmoid(s) + torch.exp(-s.abs()) + torch.log1p(s * s) * 0 + torch.sqrt(
+        s * s + 1.0) + torch.rsqrt(s * s + 2.0) + torch.sin(s) * torch.cos(s) + s.pow(3) + 2.0 ** (s * 0.1),
+    "casts_logic": lambda s, b, h, i, j: s + ((i > j) & ~(j == 3) | (h == 2)).float() + (i ^ j).float() * 0.01
+    + (b + h).to(torch.float16).float() + s.detach() * 0.5,
+    "documents": lambda s, b, h, i, j: torch.where(doc[i] == doc[j], s, -float("inf")),
+}  # fmt: skip
+
+
+@triton.jit
+def mask_grid_kernel(Y, b, h, CAP, MOD: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    i = tl.arange(0, R)[:, None]
+    j = tl.arange(0, C)[None, :]
+    tl.store(Y + i * C + j, MOD(b, h, i, j, CAP).to(tl.int8))
+
+
+def test_a_generated_mask_mod_equals_the_mask_mod() -> None:
+    """A prefix-LM within documents (ids captured), as a predicate on one block (the kernels' hook)."""
+
+    def prefix_docs(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return (doc[i] == doc[j]) & ((j < 3) | (j <= i)) | (h == 3)
+
+    gen = codegen.mask_mod(prefix_docs, DEVICE)
+    n = 16  # (the ids of positions 0..15: three documents)
+    for h in (1, 3):
+        y = torch.empty(n, n, dtype=torch.int8, device=DEVICE)
+        mask_grid_kernel[(1,)](y, 0, h, gen.tensors, MOD=gen.fwd, R=n, C=n)
+        want = mods.mask_block(prefix_docs, batches=(0, 1), heads=(h, h + 1), rows=(0, n), cols=(0, n), device=DEVICE)
+        assert torch.equal(y.bool(), want.view(n, n))
+        assert h == 3 or not bool(want.all())  # (the test sees blocked pairs)
+
+
+@pytest.mark.parametrize("name", [n for n in GRID_MODS if n != "unary"] + ["unary_no_log1p"])
+def test_generated_code_equals_the_mod_and_its_derivative(name: str) -> None:
+    if name == "unary_no_log1p":
+
+        def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return (torch.sigmoid(s) + torch.exp(-s.abs()) + torch.sqrt(s * s + 1.0) + torch.rsqrt(s * s + 2.0)
+                    + torch.sin(s) * torch.cos(s) + s.pow(3) + 2.0 ** (s * 0.1) + torch.log(s * s + 1.0))  # fmt: skip
+
+        run_on_grid(mod)
+    else:
+        run_on_grid(GRID_MODS[name])
+
+
+def test_a_wrong_translation_fails_the_grid_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid test can fail: one operator translated wrongly (sub as +) is caught."""
+    monkeypatch.setitem(codegen._BINARY, "sub", "+")
+    codegen._MODULES.clear()
+    with pytest.raises(AssertionError):
+        run_on_grid(GRID_MODS["alibi"])
+    codegen._MODULES.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels with generated mods, against the golden
+
+
+def _alibi(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s - slopes[h] * (i - j).abs() + (b * 0.1).to(s.dtype)
+
+
+def _rel(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s + table[h, i - j + L - 1]
+
+
+def _softcap(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return 1.5 * torch.tanh(s / 1.5)
+
+
+def _int_div(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return torch.where(i // 5 >= j // 5, s, -float("inf"))  # block-causal in blocks of 5: whole rows kept
+
+
+CASES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "alibi_causal": (_alibi, {"causal": True}),
+    "rel_table": (_rel, {}),
+    "softcap_mod_window": (_softcap, {"window": (9, 2)}),
+    "int_div_with_softcap": (_int_div, {"softcap": 2.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_runs_a_score_mod_against_the_golden(case: str) -> None:
+    """out, lse and the gradients of q, k, v: GQA (4 query heads on 2), Lq != Lk, float32."""
+    mod, kw = CASES[case]
+    q, k, v = (t.to(DEVICE) for t in qkv(1, 4, 2, 17, 23, 16))
+    check_against_golden("triton", F32, q, k, v, score_mod=mod, **kw)
+
+
+def test_bf16_and_a_bias_with_a_mod() -> None:
+    q, k, v = (t.to(DEVICE) for t in qkv(1, 2, 1, 20, 20, 16))
+    bias = torch.randn(1, 2, 20, 20, dtype=torch.float64, device=DEVICE)
+    check_against_golden("triton", BF16, q, k, v, bias=bias, score_mod=_alibi, causal=True)
+
+
+def test_captured_tensors_get_the_references_gradients() -> None:
+    """ALiBi slopes and a relative-position table, both Parameters-like leaves: the dK/dV kernel's
+    atomics equal autograd through the reference (float32, GQA, Lq != Lk, a mask from a mod)."""
+    sl = slopes.detach().clone().requires_grad_()
+    rel = table.detach().clone().requires_grad_()
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + rel[h, i - j + L - 1] - sl[h] * (i - j).abs()
+
+    q, k, v = (t.to(DEVICE, F32).requires_grad_() for t in qkv(2, 4, 2, 19, 22, 16))
+    prefix = az.masks.from_mod(lambda b, h, i, j: (j < 5) | (j <= i + 3), 1, 1, 19, 22, block_size=8)
+    grads = {}
+    for backend in ("reference", "triton"):
+        out = az.attention(q, k, v, score_mod=mod, mask=prefix, backend=backend)  # type: ignore[arg-type]
+        grads[backend] = torch.autograd.grad(out.square().sum(), (q, k, v, sl, rel))
+    for got, want in zip(grads["triton"], grads["reference"]):
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_a_deterministic_backward_counts_captured_gradients_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the separate dQ kernel, the table's gradient still comes from the dK/dV kernel alone."""
+    monkeypatch.setattr(tb, "DETERMINISTIC", True)
+    sl = slopes.detach().clone().requires_grad_()
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s - sl[h] * (i - j).abs()
+
+    q, k, v = (t.to(DEVICE, F32).requires_grad_() for t in qkv(1, 4, 4, 18, 18, 16))
+    got = [torch.autograd.grad(az.attention(q, k, v, score_mod=mod, backend=be).sum(), (q, sl))  # type: ignore[arg-type]
+           for be in ("reference", "triton")]  # fmt: skip
+    for a, b in zip(got[1], got[0]):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
+
+
+def test_the_split_kv_kernel_runs_the_mod(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few queries, no gradient: functional takes the split-KV kernel (shape limits lowered so that
+    the interpreter stays fast), three splits merged, per-row query heads (GQA) seen by the mod."""
+    monkeypatch.setattr(tb, "DECODE_MIN_LK", 32)
+    calls = []
+    real = tb._decode
+    monkeypatch.setattr(tb, "_decode", lambda *a, **kw: calls.append(kw.get("score_gen")) or real(*a, **kw))
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 4, 2, 3, 45, 16))
+    with torch.no_grad(), tb.decode_splits(3):
+        got = az.attention(q, k, v, score_mod=_rel, backend="triton", return_lse=True)
+    want = az.attention(q.double(), k.double(), v.double(), score_mod=_rel, backend="reference", return_lse=True)
+    assert len(calls) == 1 and calls[0] is not None
+    torch.testing.assert_close(got[0], want[0].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1].float(), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# What cannot be generated
+
+
+def _dot(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s + torch.dot(table[h], table[h]) * 0.01
+
+
+def _cumsum(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s + table[h].cumsum(0)[j]
+
+
+@pytest.mark.parametrize(("mod", "op"), [(_dot, "aten.dot"), (_cumsum, "aten.cumsum")], ids=["dot", "cumsum"])
+def test_backend_triton_names_an_op_it_cannot_generate(mod: Any, op: str) -> None:
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 4, 4, 5, 5, 16))
+    with pytest.raises(ValueError, match=rf"score_mod: cannot generate Triton code for {op}.*backend='flash'"):
+        az.attention(q, k, v, score_mod=mod, backend="triton")
+
+
+def test_auto_runs_a_mod_it_cannot_generate_on_flash_and_one_it_can_on_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA "auto" picks triton (``functional._auto``; made to here): with a mod that can be
+    generated it runs the Triton kernels, with one that cannot, flash.py — the same answer."""
+    monkeypatch.setattr(functional, "_auto", lambda q, v: "triton")
+    ran: list[str] = []
+    real_fwd, real_flash = tb._forward, functional._flash_with_mod
+    monkeypatch.setattr(tb, "_forward", lambda *a, **kw: ran.append("triton") or real_fwd(*a, **kw))
+    monkeypatch.setattr(functional, "_flash_with_mod", lambda *a, **kw: ran.append("flash") or real_flash(*a, **kw))
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 4, 4, 5, 7, 16))
+    for mod, backend in ((_dot, "flash"), (_alibi, "triton")):
+        ran.clear()
+        got = az.attention(q, k, v, score_mod=mod)
+        want = az.attention(q.double(), k.double(), v.double(), score_mod=mod, backend="reference")
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+        assert ran == [backend]
+
+
+def test_a_mod_with_python_control_flow_on_a_value_is_refused() -> None:
+    def branchy(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s if bool(i > j) else -s
+
+    with pytest.raises(codegen.NotGenerable, match="score_mod"):
+        codegen.score_mod(branchy, DEVICE, grads=False)
+
+
+def test_flex_attention_takes_the_same_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attnzero.flex goes through az.attention's "auto": on CUDA (``_auto`` made to say so here) a
+    score_mod with a block mask runs the Triton kernels with the generated mod, torch's results."""
+    from attnzero.flex import create_block_mask, flex_attention
+
+    monkeypatch.setattr(functional, "_auto", lambda q, v: "triton")
+    ran: list[bool] = []
+    real = tb._forward
+    monkeypatch.setattr(tb, "_forward", lambda *a, **kw: ran.append(kw.get("score_gen") is not None) or real(*a, **kw))
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 4, 4, 20, 20, 16))
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 20, 20, device=str(DEVICE), BLOCK_SIZE=8)
+    got = flex_attention(q, k, v, score_mod=_alibi, block_mask=block_mask)
+    want = az.attention(q.double(), k.double(), v.double(), score_mod=_alibi, causal=True, backend="reference")
+    assert ran == [True]
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
