@@ -156,7 +156,7 @@ QUICK_CASES = ["tiny", "decode", "nanogpt-dropout"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Issue 22's tables for the compiled CPU kernel, in one run.")
     parser.add_argument("--only", nargs="+", choices=TABLES, default=list(TABLES), help="the tables to run")
     parser.add_argument("--busy", action="store_true", help="measure under a competing 2-thread matmul loop")
     parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, 1 repeat")
