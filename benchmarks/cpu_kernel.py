@@ -1,31 +1,47 @@
-"""The compiled CPU kernel (``attnzero.cpu_kernel``) against torch's SDPA and against flash.py, at
-the shapes of issue 22, forward and forward + backward; and against ``torch.compile(flex_attention)``
-forward (full and causal, B1 H8 L2048 D64). CPU float32, same run, the implementations interleaved
-(kernel, torch, kernel, …) and the medians reported. Ratios are torch's time ÷ attnzero's (× torch's
-throughput: above 1.0 is faster). flash.py is timed in a group of its own with torch (flash.py
-pauses torch's OpenMP threads after its calls, which the next op would pay for). Against Flex,
-attnzero's time ÷ Flex's (below 1.0 is faster).
+"""Issue 22's numbers for the compiled CPU kernel (``backend="auto"`` on CPU float32 runs
+``csrc/attention.cpp`` through ``attnzero.cpu_kernel``), every table in the same run, the
+implementations interleaved call by call and the medians reported, printed as markdown tables for
+docs/benchmarks.md:
 
-    .venv/bin/python benchmarks/cpu_kernel.py [--repeats 7] [--cases nanogpt tiny] [--no-flex]
+* ``sdpa``: against torch's SDPA and against flash.py (the kernel turned off) at the shapes below,
+  forward and forward + backward (nanoGPT with dropout 0.1: training only). Ratios are torch's time
+  ÷ attnzero's ("× torch": above 1.0 is faster). flash.py is timed in a group of its own with torch
+  (flash.py pauses torch's OpenMP threads after its calls, which the next op would pay for).
+* ``flex``: against ``torch.compile(flex_attention)``, forward (``flex_table.py``): attnzero's time
+  ÷ Flex's (below 1.0 is faster).
+* ``peak``: this machine's float32 GEMM throughput and the causal L=2048 forward's share of it
+  (``cpu_peak.py``).
+* ``memory``: the extra peak memory of a forward at L=16384 against torch SDPA's (``cpu_memory.py``).
+* ``models``: whole models, nanoGPT's training step and ViT-Tiny's, with attnzero's drop-in in
+  place of torch's SDPA (``cpu_models.py``): attnzero's time ÷ torch's.
+
+``--busy`` runs all of it under a competing process (2-thread float32 matmuls); ``--quick`` is a
+smoke run at small sizes (its numbers mean nothing).
+
+    .venv/bin/python benchmarks/cpu_kernel.py [--only sdpa flex peak memory models] [--busy]
+        [--repeats 7] [--cases nanogpt tiny] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import cpu_memory
+import cpu_models
+import cpu_peak
+import flex_table
 import torch
 import torch.nn.functional as F
+from harness import busy_load, describe, ms, table
 from torch import Tensor
 
 import attnzero as az
 from attnzero import cpu_kernel, functional
-from attnzero.bench import machine
+from attnzero.bench import time_interleaved
 
 
 @dataclass(frozen=True)
@@ -39,11 +55,18 @@ class Shape:
     D: int
     causal: bool = False
     backward: bool = True  # also timed forward + backward
+    dropout_p: float = 0.0  # > 0: a training case, timed forward + backward only
+
+    @property
+    def passes(self) -> tuple[bool, ...]:
+        """backward False / True: which of forward and forward + backward are timed."""
+        return (True,) if self.dropout_p else (False, True) if self.backward else (False,)
 
 
 CASES = {
     "sentence": Shape("sentence embeddings", 32, 12, 12, 128, 128, 32),
     "nanogpt": Shape("nanoGPT training", 12, 4, 4, 256, 256, 32, causal=True),
+    "nanogpt-dropout": Shape("nanoGPT training, dropout 0.1", 12, 4, 4, 256, 256, 32, causal=True, dropout_p=0.1),
     "bert": Shape("BERT", 8, 12, 12, 512, 512, 64),
     "gpt2": Shape("GPT-2 training", 4, 12, 12, 1024, 1024, 64, causal=True),
     "llama": Shape("Llama prefill GQA 32/8", 1, 32, 8, 2048, 2048, 128, causal=True, backward=False),
@@ -70,98 +93,96 @@ def _inputs(s: Shape, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
-def _calls(s: Shape, backward: bool) -> dict[str, Callable[[], Any]]:
+def calls(s: Shape, backward: bool) -> dict[str, Callable[[], None]]:
+    """One call of the kernel, of flash.py and of torch's SDPA (and its backward, with ``backward``)."""
     q, k, v = _inputs(s, backward)
+    dout = torch.randn(s.B, s.Hq, s.Lq, s.D)
 
     def step(out: Tensor) -> None:
         if backward:
-            out.sum().backward()
+            out.backward(dout)
+            q.grad = k.grad = v.grad = None
+
+    def ours() -> Tensor:
+        out = az.attention(q, k, v, causal=s.causal, dropout_p=s.dropout_p)
+        assert isinstance(out, Tensor)
+        return out
 
     def kernel() -> None:
-        step(az.attention(q, k, v, causal=s.causal))
+        step(ours())
 
     def flash() -> None:
         with flash_py():
-            step(az.attention(q, k, v, causal=s.causal))
+            step(ours())
 
     # torch's is_causal is top-left: the same as bottom-right when Lq == Lk (every causal case here)
     def sdpa() -> None:
-        step(F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, enable_gqa=s.Hq != s.Hkv))
+        gqa = s.Hq != s.Hkv
+        step(F.scaled_dot_product_attention(q, k, v, is_causal=s.causal, dropout_p=s.dropout_p, enable_gqa=gqa))
 
     return {"kernel": kernel, "flash.py": flash, "torch": sdpa}
 
 
-def _timed(s: Shape, backward: bool, repeats: int) -> dict[str, float]:
-    """Kernel and torch interleaved; then flash.py and torch interleaved (torch's median of the first)."""
-    calls = _calls(s, backward)
+def timed(s: Shape, backward: bool, repeats: int) -> dict[str, float]:
+    """Kernel and torch interleaved; then flash.py and torch interleaved (torch2: torch's median of
+    the second group). A sample is at least ~2 ms of calls (the tiny call takes microseconds)."""
+    fns = calls(s, backward)
     with torch.enable_grad() if backward else torch.no_grad():
-        m = _medians({"kernel": calls["kernel"], "torch": calls["torch"]}, repeats)
-        m2 = _medians({"flash.py": calls["flash.py"], "torch": calls["torch"]}, repeats)
+        m = time_interleaved({"kernel": fns["kernel"], "torch": fns["torch"]}, repeats, min_sample_s=0.002)
+        m2 = time_interleaved({"flash.py": fns["flash.py"], "torch": fns["torch"]}, repeats, min_sample_s=0.002)
     return {"kernel": m["kernel"], "torch": m["torch"], "flash.py": m2["flash.py"], "torch2": m2["torch"]}
 
 
-def _medians(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for fn in calls.values():  # warm-up
-        fn()
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def sdpa_section(cases: list[str], repeats: int) -> Iterator[str]:
+    """The table against torch's SDPA (and flash.py), line by line."""
+    yield "vs torch's scaled_dot_product_attention, float32 (× torch = torch's time ÷ attnzero's; above 1: faster)"
+    yield ""
+
+    def cells() -> Iterator[list[str]]:
+        for key in cases:
+            s = CASES[key]
+            for backward in s.passes:
+                m = timed(s, backward, repeats)
+                k, f, t, t2 = m["kernel"], m["flash.py"], m["torch"], m["torch2"]
+                pass_ = "fwd+bwd" if backward else "fwd"
+                yield [s.name, pass_, ms(k), ms(f), ms(t), f"{t / k:.2f}", f"{t2 / f:.2f}"]
+
+    header = ["case", "pass", "kernel ms", "flash.py ms", "torch ms", "kernel × torch", "flash.py × torch"]
+    yield from table(header, cells())
 
 
-def _flex_rows(repeats: int) -> list[str]:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    flex = torch.compile(flex_attention)
-    B, H, L, D = 1, 8, 2048, 64
-    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
-    rows = []
-    for causal in (False, True):
-        block = None
-        if causal:
-            block = create_block_mask(lambda b, h, i, j: j <= i, B, None, L, L, device="cpu")
-        calls: dict[str, Callable[[], Any]] = {
-            "kernel": lambda c=causal: az.attention(q, k, v, causal=c),
-            "flex": lambda b=block: flex(q, k, v, block_mask=b),
-        }
-        with torch.no_grad():
-            m = _medians(calls, repeats)
-        name = "causal" if causal else "full"
-        rows.append(f"| {name} | {m['kernel'] * 1e3:.1f} | {m['flex'] * 1e3:.1f} | {m['kernel'] / m['flex']:.2f} |")
-    return rows
+TABLES = ("sdpa", "flex", "peak", "memory", "models")
+QUICK_CASES = ["tiny", "decode", "nanogpt-dropout"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--no-flex", action="store_true")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Issue 22's tables for the compiled CPU kernel, in one run.")
+    parser.add_argument("--only", nargs="+", choices=TABLES, default=list(TABLES), help="the tables to run")
+    parser.add_argument("--busy", action="store_true", help="measure under a competing 2-thread matmul loop")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=None, help="timed samples per row (default 7; --quick 1)")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="the sdpa table's shapes")
+    args = parser.parse_args(argv)
     assert cpu_kernel.available(), cpu_kernel.why()
-    print(machine())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, medians of {args.repeats}")
-    print()
-    print("| case | pass | kernel ms | flash.py ms | torch ms | kernel × torch | flash.py × torch |")
-    print("|---|---|---|---|---|---|---|")
-    for key in args.cases:
-        s = CASES[key]
-        for backward in (False, True) if s.backward else (False,):
-            m = _timed(s, backward, args.repeats)
-            k, f, t, t2 = m["kernel"], m["flash.py"], m["torch"], m["torch2"]
-            pass_ = "fwd+bwd" if backward else "fwd"
-            ms = f"{k * 1e3:.2f} | {f * 1e3:.2f} | {t * 1e3:.2f}"
-            print(f"| {s.name} | {pass_} | {ms} | {t / k:.2f} | {t2 / f:.2f} |", flush=True)
-    if not args.no_flex:
-        print()
-        print("vs torch.compile(flex_attention), forward, B1 H8 L2048 D64 (attnzero's time ÷ Flex's)")
-        print()
-        print("| case | kernel ms | flex ms | kernel ÷ flex |")
-        print("|---|---|---|---|")
-        for row in _flex_rows(args.repeats):
-            print(row, flush=True)
+    repeats = args.repeats or (1 if args.quick else 7)
+    cases = args.cases or (QUICK_CASES if args.quick else list(CASES))
+    torch.manual_seed(0)
+    print(describe(args.busy))
+    print(f"{torch.get_num_threads()} torch threads, float32, medians of {repeats} interleaved samples"
+          + (" (--quick: small sizes, not the issue's numbers)" if args.quick else ""))
+    sections: dict[str, Callable[[], Iterator[str]]] = {
+        "sdpa": lambda: sdpa_section(cases, repeats),
+        "flex": lambda: flex_table.section(args.quick, repeats),
+        "peak": lambda: cpu_peak.section(args.quick, repeats),
+        "memory": lambda: cpu_memory.section(args.quick),
+        "models": lambda: cpu_models.section(args.quick, repeats),
+    }
+    with busy_load(args.busy):
+        for name in TABLES:
+            if name in args.only:
+                print()
+                for line in sections[name]():
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -17,34 +17,19 @@ Results: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 import attnzero as az
 from attnzero import flash
-from attnzero.bench import machine
+from attnzero.bench import machine, time_interleaved
 
 Run = Callable[[], None]
 
 
 def _discard(_: object) -> None:
     """A call's result, dropped (the tables time calls, not their results)."""
-
-
-def _timed(fns: dict[str, Run], repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median seconds of each function, run interleaved (one of each per round) after a warm-up."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = clock()
-            fn()
-            times[name].append(clock() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _blocks(fn: Run) -> int:
@@ -71,9 +56,9 @@ def softcap_sinks(L: int, repeats: int) -> list[tuple[str, float, float]]:
 
             return run
 
-        t = _timed({"plain": step(), "softcap": step(softcap=30.0), "sinks": step(sinks=sinks),
-                    "both": step(softcap=30.0, sinks=sinks), "softcap, q × 8": step(q=q8, softcap=30.0),
-                    "softcap, q × 32": step(q=q32, softcap=30.0)}, repeats)  # fmt: skip
+        t = time_interleaved({"plain": step(), "softcap": step(softcap=30.0), "sinks": step(sinks=sinks),
+                              "both": step(softcap=30.0, sinks=sinks), "softcap, q × 8": step(q=q8, softcap=30.0),
+                              "softcap, q × 32": step(q=q32, softcap=30.0)}, repeats)  # fmt: skip
         for name in ("softcap", "sinks", "both", "softcap, q × 8", "softcap, q × 32"):
             rows.append((f"{name}, {'causal' if causal else 'full'}", t["plain"], t[name] / t["plain"]))
     return rows
@@ -94,7 +79,7 @@ def skipping(L: int, repeats: int) -> list[tuple[str, float, float, int]]:
         "dense causal tensor": lambda: _discard(az.attention(q, k, v, mask=causal_mask.to_tensor(), backend="flash")),
     }
     blocks = {name: _blocks(fn) for name, fn in cases.items()}
-    t = _timed(cases, repeats)
+    t = time_interleaved(cases, repeats)
     return [(name, t[name], t[name] / t["full attention"], blocks[name]) for name in cases]
 
 
@@ -114,7 +99,7 @@ def varlen(L: int, repeats: int) -> list[tuple[str, float, float]]:
         "8 packed sequences (varlen)": packed(cu),
         "one sequence of L (varlen)": packed(one),
     }
-    t = _timed(cases, repeats)
+    t = time_interleaved(cases, repeats)
     base = t["the 8 sequences as a batch (B=8)"]
     return [(name, t[name], t[name] / base) for name in cases]
 

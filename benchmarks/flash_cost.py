@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzero import flash
-from attnzero.bench import machine
+from attnzero.bench import machine, time_interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
 # the modules an old flash.py imports (relative imports only); missing ones are left out
@@ -51,19 +49,6 @@ def old_flash(commit: str, into: Path) -> ModuleType:
             (pkg / Path(path).name).write_text(got.stdout)
     sys.path.insert(0, str(into))
     return importlib.import_module("attnzero_old.flash")
-
-
-def _timed(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, run interleaved (one of each per round) after a warm-up."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def runs(B: int, H: int, L: int, D: int, backward: bool, impls: dict[str, Any]) -> dict[str, Callable[[], None]]:
@@ -115,7 +100,7 @@ def main() -> None:
               + (" | textbook ÷ old |" if args.old else " |"))  # fmt: skip
         print("|---" * (1 + len(names) + len(impls) + (1 if args.old else 0)) + "|")
         for label, B, H, L, D, backward in SHAPES:
-            t = _timed(runs(B, H, L, D, backward, impls), args.repeats)
+            t = time_interleaved(runs(B, H, L, D, backward, impls), args.repeats)
             cells = [f"{t[n] * 1e3:.1f} ms" for n in names] + [f"{t[n] / t['torch']:.2f}" for n in impls]
             if args.old:
                 cells.append(f"{t[names[1]] / t[names[-1]]:.2f}")

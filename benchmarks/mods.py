@@ -19,30 +19,15 @@ Results: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 import attnzero as az
-from attnzero.bench import machine
+from attnzero.bench import machine, time_interleaved
 
 Run = Callable[[], None]
-
-
-def timed(fns: dict[str, Run], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, interleaved (one of each per round) after a warm-up."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -81,7 +66,7 @@ def main() -> None:
 
     print(f"# programmable attention, CPU float32, B={B} H={H} L={L} D={D}, causal; {machine()}")
     for label, make in (("forward", fwd), ("forward + backward", fwd_bwd)):
-        t = timed(
+        t = time_interleaved(
             {
                 "plain": make(),
                 "alibi mod": make(score_mod=alibi),
@@ -112,7 +97,7 @@ def main() -> None:
     from_docs = az.masks.from_mod(documents, 1, 1, L, L)
     docs = az.masks.document(docs_ids[None])
     dense_prefix = az.masks.from_mod(prefix_lm, 1, 1, L, L).to_tensor()
-    t = timed(
+    t = time_interleaved(
         {
             "causal": lambda: az.attention(q, k, v, causal=True),
             "prefix-LM from_mod": lambda: az.attention(q, k, v, mask=from_prefix),
@@ -137,7 +122,7 @@ def main() -> None:
         compiled = torch.compile(flex_attention)
         bm = create_block_mask(lambda b, h, i, j: i >= j, 1, 1, L, L, device="cpu")
         with torch.no_grad():
-            t = timed(
+            t = time_interleaved(
                 {
                     "attnzero alibi mod": lambda: az.attention(q, k, v, causal=True, score_mod=alibi),
                     "flex alibi": lambda: compiled(q, k, v, score_mod=alibi, block_mask=bm),

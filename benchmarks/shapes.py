@@ -12,18 +12,16 @@ under the same load. Results: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from harness import busy_load, describe
 from torch import Tensor
 
 import attnzero as az
-from attnzero.bench import machine
+from attnzero.bench import time_interleaved
 
 
 @dataclass(frozen=True)
@@ -83,37 +81,10 @@ def runs(s: Shape) -> dict[str, Callable[[], None]]:
     return {"attnzero": step(ours), "torch": step(theirs)}
 
 
-def calls_per_sample(fn: Callable[[], None]) -> int:
-    """How many calls make one timed sample of at least ~2 ms (the tiny call takes microseconds)."""
-    t0 = time.perf_counter()
-    fn()
-    once = time.perf_counter() - t0
-    return max(1, int(0.002 / max(once, 1e-7)))
-
-
 def measure(s: Shape, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each implementation, interleaved sample by sample."""
-    fns = runs(s)
-    for fn in fns.values():  # warm-up
-        fn()
-        fn()
-    n = {name: calls_per_sample(fn) for name, fn in fns.items()}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(n[name]):
-                fn()
-            times[name].append((time.perf_counter() - t0) / n[name])
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def _burn(stop: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
-    """The competing load: 2-thread float32 matmuls until told to stop."""
-    torch.set_num_threads(2)
-    a = torch.randn(512, 512)
-    while not stop.is_set():
-        a = torch.tanh(a @ a)
+    """Median seconds per call of each implementation, interleaved sample by sample (a sample: as
+    many calls as take ~2 ms; the tiny call takes microseconds)."""
+    return time_interleaved(runs(s), repeats, warmups=2, min_sample_s=0.002)
 
 
 def _fmt(secs: float) -> str:
@@ -127,17 +98,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     args = parser.parse_args()
     torch.manual_seed(0)
-    info = machine()
-    print(f"{info['date']} · {info['cpu']} · {info['cores']} · torch {info['torch']}"
-          + (" · busy: a competing 2-thread matmul loop" if args.busy else " · quiet"))
-    stop, burner = None, None
-    if args.busy:
-        ctx = mp.get_context("spawn")
-        stop = ctx.Event()
-        burner = ctx.Process(target=_burn, args=(stop,), daemon=True)
-        burner.start()
-        time.sleep(1.0)
-    try:
+    print(describe(args.busy))
+    with busy_load(args.busy):
         print("| case | shape | pass | attnzero | torch | × torch |\n|---|---|---|---|---|---|")
         for key in args.cases:
             s = CASES[key]
@@ -150,10 +112,6 @@ def main() -> None:
             ratio = t["torch"] / t["attnzero"]
             print(f"| {s.name} | {shape} | {kind} | {_fmt(t['attnzero'])} | {_fmt(t['torch'])} | {ratio:.2f}× |",
                   flush=True)
-    finally:
-        if stop is not None and burner is not None:
-            stop.set()
-            burner.join(timeout=10)
 
 
 if __name__ == "__main__":

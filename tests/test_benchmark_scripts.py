@@ -1,10 +1,15 @@
-"""benchmarks/shapes.py and benchmarks/features.py run (at the smallest of their cases): the scripts
-behind docs/benchmarks.md do not rot."""
+"""benchmarks/shapes.py, features.py and cpu_kernel.py's tables run (at the smallest of their cases):
+the scripts behind docs/benchmarks.md do not rot. cpu_kernel.py's memory table is not run here (four
+fresh processes; tests/test_memory.py runs its method) nor its Flex table compiled (minutes)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -32,3 +37,58 @@ def test_features_benchmark_runs_each_table_at_a_small_size() -> None:
     skip = {name: blocks for name, _, _, blocks in features.skipping(256, repeats=1)}
     assert skip["causal Mask"] == skip["causal=True"] == skip["drop-in is_causal=True"]
     assert all(r[2] > 0 for r in features.varlen(64, repeats=1))
+
+
+def test_cpu_kernel_tables_time_every_implementation_at_a_small_size() -> None:
+    """benchmarks/cpu_kernel.py (issue 22's tables): the sdpa table's calls, dropout and GQA
+    included; the GEMM-peak line; the table printer. (The flex and memory tables: below.)"""
+    import cpu_kernel
+    import cpu_peak
+
+    small = cpu_kernel.Shape("small", 1, 2, 1, 8, 8, 4, causal=True, dropout_p=0.1)
+    assert small.passes == (True,)
+    for backward in (False, True):
+        for fn in cpu_kernel.calls(small, backward).values():
+            fn()
+    lines = list(cpu_kernel.sdpa_section(["tiny"], repeats=1))
+    assert lines[2].startswith("| case |") and len(lines) == 6  # title, blank, header, rule, fwd, fwd+bwd
+    peak = list(cpu_peak.section(quick=True, repeats=1))
+    assert peak[-1].startswith("causal L=512 forward") and "% of the GEMM peak" in peak[-1]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_table_rows_compute_the_same_attention_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row of the Flex table gives attnzero and Flex the same attention (eager Flex here:
+    the compiled one takes minutes to compile on a small CI machine; a window shorter than L)."""
+    import flex_table
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(flex_table, "WINDOW", 20)
+
+    rows = flex_table.rows(1, 2, 128, 16, flex_attention) + flex_table.rows(2, 2, 128, 16, flex_attention, True)
+    assert len(rows) == 7
+    with torch.no_grad():
+        for row in rows:
+            flex_table._checked(row)
+
+
+def test_cpu_models_run_each_attention_variant() -> None:
+    """benchmarks/cpu_models.py: every model's step runs with torch's SDPA, attnzero's drop-in and
+    no attention, and ViT-Tiny has timm's vit_tiny_patch16_224 size (5.7 M parameters)."""
+    import cpu_models
+
+    assert round(sum(p.numel() for p in cpu_models.ViTTiny().parameters()) / 1e6, 1) == 5.7
+    for build in cpu_models.ROWS:
+        _, model, step = build(True)
+        for fn in cpu_models.variants(model, step).values():
+            fn()
+
+
+def test_busy_load_stops_when_its_block_raises() -> None:
+    import harness
+
+    with pytest.raises(KeyboardInterrupt), harness.busy_load():
+        kids = mp.active_children()
+        assert [p.name for p in kids] == ["busy-load"] and kids[0].is_alive()
+        raise KeyboardInterrupt
+    assert not kids[0].is_alive() and mp.active_children() == []

@@ -108,16 +108,35 @@ def runner(case: Case) -> Callable[[], None]:
     return run
 
 
-def time_interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median seconds of each run, the runs interleaved repeat by repeat (one warm-up each)."""
+def time_interleaved(
+    runs: dict[str, Callable[[], None]],
+    repeats: int,
+    *,
+    warmups: int = 1,
+    min_sample_s: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """Median seconds per call of each run, the runs interleaved repeat by repeat (ours, torch,
+    ours, …) after ``warmups`` calls of each. With ``min_sample_s`` a sample is as many calls as
+    take at least that long (measured once after the warm-up), so that a call of microseconds is
+    not timed alone; ``clock`` may be ``time.process_time`` (CPU time) instead of wall time."""
+    for _ in range(warmups):
+        for fn in runs.values():
+            fn()
+    calls = dict.fromkeys(runs, 1)
+    if min_sample_s > 0:
+        for name, fn in runs.items():
+            t0 = clock()
+            fn()
+            calls[name] = max(1, int(min_sample_s / max(clock() - t0, 1e-7)))
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for fn in runs.values():
-        fn()
     for _ in range(repeats):
         for name, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            n = calls[name]
+            t0 = clock()
+            for _ in range(n):
+                fn()
+            times[name].append((clock() - t0) / n)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

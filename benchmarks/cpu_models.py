@@ -1,0 +1,165 @@
+"""Whole models on the CPU with attnzero's drop-in (``az.scaled_dot_product_attention``) in place of
+torch's ``F.scaled_dot_product_attention``: attnzero's step time ÷ torch's (below 1.0: faster),
+the three variants interleaved step by step on one model (same weights, same optimizer), medians.
+
+* nanoGPT's training step: ``compile.py``'s GPT (nanoGPT's model) with 4 layers, n_embd 128,
+  4 heads, block 256, batch 12, vocabulary 65, no dropout; zero_grad, forward, backward, AdamW.
+* ViT-Tiny (``ViTTiny`` below, timm's ``vit_tiny_patch16_224`` configuration), batch 8 of
+  224×224 images: the forward in inference (eval, no grad) and a training step (AdamW).
+
+The third variant, "no attention", replaces the attention call by its value input (same shape):
+the time of every op around attention. ``attention part`` = (attnzero − no attention) ÷ (torch − no
+attention) is attention's own share of the step, ratio of the two; when it is clearly worse than
+the attention-only ratio at the same shape (``--only sdpa``), the ops around attention got slower
+with attnzero's call between them.
+
+    .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from compile import GPT
+from harness import ms, table
+from torch import Tensor, nn
+
+import attnzero as az
+from attnzero.bench import time_interleaved
+
+MODES = {"torch": "torch", "attnzero": "dropin", "no attention": "none"}  # label: the model's switch
+
+
+class ViTAttention(nn.Module):
+    """Multi-head self-attention over all tokens (no mask), by the function ``attention`` names."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.attention = heads, "torch"
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)  # (B, H, N, C/H)
+        if self.attention == "torch":
+            y = F.scaled_dot_product_attention(q, k, v)
+        elif self.attention == "dropin":
+            y = az.scaled_dot_product_attention(q, k, v)
+        else:  # "none": no attention, the ops around it alone
+            y = v
+        return self.proj(y.transpose(1, 2).reshape(B, N, C))
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
+        self.attn = ViTAttention(dim, heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViTTiny(nn.Module):
+    """A Vision Transformer with timm's ``vit_tiny_patch16_224`` configuration: 16×16 patches of a
+    224×224 RGB image (196 tokens and a class token, learned position embeddings), width 192,
+    depth 12, 3 heads of 64, MLP 4× with GELU, pre-LayerNorm (eps 1e-6), the class token's final
+    norm into a 1000-way head (5.7 M parameters). Smaller images or depth for smoke runs."""
+
+    def __init__(self, image: int = 224, patch: int = 16, dim: int = 192, depth: int = 12, heads: int = 3,
+                 mlp_ratio: int = 4, classes: int = 1000) -> None:  # fmt: skip
+        super().__init__()
+        tokens = (image // patch) ** 2 + 1
+        self.patch_embed = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, tokens, dim))
+        self.blocks = nn.Sequential(*(ViTBlock(dim, heads, mlp_ratio) for _ in range(depth)))
+        self.norm, self.head = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, 196, dim)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])  # (B, classes)
+
+
+def use(model: nn.Module, switch: str) -> None:
+    """Every attention module of ``model`` calls ``switch`` ("torch", "dropin" or "none")."""
+    for m in model.modules():
+        if hasattr(m, "attention"):
+            setattr(m, "attention", switch)  # noqa: B010 (nn.Module types attributes as tensors or modules)
+
+
+def train_step(model: nn.Module, loss: Callable[[], Tensor]) -> Callable[[], None]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+
+    return step
+
+
+def variants(model: nn.Module, step: Callable[[], None]) -> dict[str, Callable[[], None]]:
+    """The step with each attention in turn (the switch set before each step)."""
+
+    def with_mode(switch: str) -> Callable[[], None]:
+        def run() -> None:
+            use(model, switch)
+            step()
+
+        return run
+
+    return {label: with_mode(switch) for label, switch in MODES.items()}
+
+
+Built = tuple[str, nn.Module, Callable[[], None]]  # the row's label, the model, one step
+
+
+def nanogpt(quick: bool) -> Built:
+    B, L, layers = (2, 64, 1) if quick else (12, 256, 4)
+    model = GPT(vocab=65, block=L, d_model=128, n_head=4, n_layer=layers, dropout=(0.0, 0.0), attention="torch")
+    idx, targets = torch.randint(0, 65, (B, L)), torch.randint(0, 65, (B, L))
+    label = f"nanoGPT: {layers} layers, n_embd 128, 4 heads, block {L}, batch {B}; train step (AdamW)"
+    return label, model, train_step(model, lambda: model(idx, targets))
+
+
+def vit(quick: bool, train: bool) -> Built:
+    B, image, depth = (2, 64, 2) if quick else (8, 224, 12)
+    model = ViTTiny(image=image, depth=depth)
+    images, labels = torch.randn(B, 3, image, image), torch.randint(0, 1000, (B,))
+    label = f"ViT-Tiny/16{'' if depth == 12 else f' ({depth} blocks)'}, {image}×{image}, batch {B}; "
+    if train:
+        return label + "train step (AdamW)", model, train_step(model, lambda: F.cross_entropy(model(images), labels))
+    model.eval()
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(images)
+
+    return label + "forward, inference", model, forward
+
+
+ROWS: list[Callable[[bool], Built]] = [nanogpt, lambda quick: vit(quick, False), lambda quick: vit(quick, True)]
+
+
+def section(quick: bool, repeats: int) -> Iterator[str]:
+    yield "whole models, float32: attnzero's drop-in in place of torch's SDPA (attnzero ÷ torch: below 1 is faster)"
+    yield ""
+
+    def cells() -> Iterator[list[str]]:
+        for build in ROWS:
+            torch.manual_seed(0)
+            label, model, step = build(quick)
+            t = time_interleaved(variants(model, step), repeats, warmups=2)
+            ours, theirs, none = t["attnzero"], t["torch"], t["no attention"]
+            part = f"{(ours - none) / (theirs - none):.2f}" if theirs > none else "–"
+            yield [label, ms(theirs), ms(ours), f"{ours / theirs:.2f}", ms(none), part]
+
+    header = ["model; pass", "torch ms", "attnzero ms", "attnzero ÷ torch", "no attention ms", "attention part"]
+    yield from table(header, cells())
