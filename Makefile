@@ -17,7 +17,8 @@ demo: $(STAMP)
 	$(VENV)/bin/attnzero demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	# one pytest worker per core (pytest-xdist): the suite is mostly small single-threaded calls
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto
 	# the backend and fuzz tests again without the compiled CPU kernel: flash.py, as where it cannot be built
 	ATTNZERO_NO_BUILD=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_backends.py tests/test_fuzz.py tests/test_flash.py

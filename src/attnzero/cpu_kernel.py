@@ -158,6 +158,8 @@ def available() -> bool:
             if "ok" not in _state:
                 try:
                     why = _load()
+                except OSError as e:  # a full disk or quota (a compiler's failure is a RuntimeError)
+                    why = f"the build failed writing the cache: {e} (free space, or set $ATTNZERO_CACHE elsewhere)"
                 except Exception as e:  # any failure of the build or the load: flash.py instead
                     why = f"the build failed: {_first_error(e)} (fix the compiler, or set ATTNZERO_NO_BUILD=1)"
                 _state["why"] = why or ""
