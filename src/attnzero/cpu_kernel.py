@@ -91,7 +91,10 @@ def _cpu_flags() -> list[str]:
 
 
 def _build_flags() -> list[str]:
-    return ["-O3", "-fno-math-errno", *_cpu_flags()]
+    # -fopenmp at compile time only: at::parallel_for is inline OpenMP code (without the flag its
+    # pragma is ignored and every call runs on one thread), and its GOMP_* calls resolve at load to
+    # the OpenMP runtime libtorch_cpu links — torch's own thread pool, not a second one.
+    return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags()]
 
 
 def _key(flags: list[str]) -> str:
