@@ -253,3 +253,39 @@ def test_decode_and_the_plain_functions(calls: dict[str, int]) -> None:
     ref = ops.backend("reference").backward(dout.double(), q.double(), k.double(), v.double(), want, want_lse, **kw)
     for a, b in zip(got[:3], ref[:3]):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True},
+        {"window": (9, 0)},
+        {"window": (5, 11), "causal": False},
+        {"window": (None, 3)},
+        {"causal": True, "softcap": 3.0, "dropout_p": 0.2, "seed": 3},
+        {"mask": "documents", "causal": True},
+        {"mask": "dense", "bias": True},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_small_blocks_trim_and_mask_every_block(
+    options: dict[str, Any], calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 8 / 16 rows and 16 keys, so that each call has many blocks of every kind: the
+    columns of a band's edge block trimmed to the keys its rows keep (both sides), the rest masked
+    per row; Lq ≠ Lk both ways, GQA; forward and backward against the golden."""
+    monkeypatch.setattr(cpu_kernel, "BLOCK_ROWS_BAND", 8)
+    monkeypatch.setattr(cpu_kernel, "BLOCK_ROWS_FULL", 16)
+    monkeypatch.setattr(cpu_kernel, "BLOCK_KEYS", 16)
+    monkeypatch.setattr(cpu_kernel, "MASK_BLOCK", 16)
+    shapes = [(70, 70)] if options.get("mask") == "documents" else [(45, 70), (70, 45)]
+    for Lq, Lk in shapes:
+        kw = dict(options)
+        q, k, v = qkv(2, 4, 2, Lq, Lk, 16)
+        if kw.get("mask") == "documents":  # an edge inside a block, a one-key document
+            kw["mask"] = az.masks.document(cu_seqlens=[0, 20, 21, Lk])
+        elif kw.get("mask") == "dense":
+            kw["mask"] = torch.rand(2, 1, Lq, Lk) > 0.3
+        if kw.get("bias"):
+            kw["bias"] = torch.randn(1, 4, Lq, Lk, dtype=F64)
+        golden(torch.float32, q, k, v, calls, **kw)

@@ -41,11 +41,16 @@ from . import geometry, reference
 from .masks import Mask
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
-# Query rows per block (the G heads of a group are stacked: G·BLOCK_Q rows share each K/V block),
-# key columns per block. The same sizes index the Mask tables (``_mask_table``). 128 × 128: on the
-# 2-core EPYC VM of docs/benchmarks.md the forward ran 1.1-1.6× faster than with 64 × 64 (fewer
-# rescales by alpha, larger products), the backward the same.
-BLOCK_Q, BLOCK_K = 128, 128
+# Query rows per block (the G heads of a group are stacked: G·bm rows share each K/V block) and key
+# columns per block, chosen per call by ``block_sizes``. Measured on the 2-core EPYC VM of
+# docs/benchmarks.md (one thread, against torch's SDPA, forward and backward): 512 keys per block
+# (fewer rescales by alpha, longer rows; torch's CPU flash attention takes 512 too); 64 query rows
+# under causal / window (a diagonal block computes only the keys its last row keeps, so smaller row
+# blocks waste less: GPT-2's causal forward 1.09 → 1.20× torch), else 256 rows in all (BERT's
+# forward 0.83 → 0.95×). A Mask with block structure keeps 128 × 128: its table (``_mask_table``)
+# skips at that grain (documents, padding).
+BLOCK_ROWS_BAND, BLOCK_ROWS_FULL, BLOCK_KEYS = 64, 256, 512
+MASK_BLOCK = 128
 UNBOUNDED = -(2**63)  # a side of the band without a bound (the C++ side's UNBOUNDED)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A Mask without block structure is evaluated densely, up to this many entries (bytes); beyond, flash.py.
@@ -69,21 +74,27 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> list[str]:
-    """The vector width at::vec compiles for: AVX2 + FMA where this CPU has them, else at::vec's
-    scalar default (AVX-512 is not used: at::vec's AVX-512 float paths bring no gain on the CPUs
-    measured, and AVX2 runs everywhere AVX-512 does)."""
+    """The vector width at::vec compiles for: AVX-512 where this CPU has it (the row math — scale, max,
+    exp, sums — runs 16 floats a step: BERT's forward 0.91 → 0.95× torch on the EPYC VM), else AVX2 +
+    FMA, else at::vec's scalar default. The flags are part of the build's key (``_key``)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
+    if all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                "-mavx512dq", "-mfma", "-mf16c"]
     if "avx2" in flags and "fma" in flags:
         return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
 def _build_flags() -> list[str]:
-    return ["-O3", "-fno-math-errno", *_cpu_flags()]
+    # -fopenmp at compile time only: at::parallel_for is inline OpenMP code (without the flag its
+    # pragma is ignored and every call runs on one thread), and its GOMP_* calls resolve at load to
+    # the OpenMP runtime libtorch_cpu links — torch's own thread pool, not a second one.
+    return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags()]
 
 
 def _key(flags: list[str]) -> str:
@@ -238,6 +249,17 @@ def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor 
     return None, table, pool
 
 
+def block_sizes(Lq: int, Lk: int, G: int, banded: bool, structured: bool) -> tuple[int, int]:
+    """``(bm, bn)``: query rows (per head of a group) and key columns per block (see ``BLOCK_KEYS``),
+    at most Lq and Lk (the kernel's scratch is sized by them)."""
+    if structured:
+        bm, bn = MASK_BLOCK, MASK_BLOCK
+    else:
+        bm = BLOCK_ROWS_BAND if banded else max(BLOCK_ROWS_BAND, BLOCK_ROWS_FULL // G)  # G·bm rows: ~256
+        bn = BLOCK_KEYS
+    return max(1, min(bm, Lq)), max(1, min(bn, Lk))
+
+
 def _args(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: geometry.Window, scale: float, softcap: float | None, dropout_p: float, dropout_seed: int,
@@ -246,17 +268,18 @@ def _args(
     if not available():
         raise RuntimeError(f"attnzero: the CPU kernel is not available: {why()}")
     Lq, Lk = q.shape[2], k.shape[2]
-    bm = max(1, min(BLOCK_Q, Lq))
+    structured = isinstance(mask, Mask) and (mask.band is not None or mask._segments is not None)
+    bm, bn = block_sizes(Lq, Lk, q.shape[1] // max(1, k.shape[1]), causal or window is not None, structured)
     dense: Tensor | None = None
     table = tiles = None
     if isinstance(mask, Mask):
-        dense, table, tiles = _mask_table(mask, Lq, Lk, bm, BLOCK_K)
+        dense, table, tiles = _mask_table(mask, Lq, Lk, bm, bn)
     elif mask is not None:
         dense = mask
     b32 = None if bias is None else bias.to(torch.float32)
     left, right = _band(causal, window)
     seed = dropout_seed if dropout_seed < 2**63 else dropout_seed - 2**64  # int64 bits
-    options = [left, right, float(scale), float(softcap or 0.0), float(dropout_p), seed, bm, BLOCK_K]
+    options = [left, right, float(scale), float(softcap or 0.0), float(dropout_p), seed, bm, bn]
     return [dense, b32, table, tiles], options
 
 
@@ -350,4 +373,4 @@ def attention(
     return out, lse
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "attention", "available", "backward", "cache_dir", "forward", "unsupported", "why"]
+__all__ = ["attention", "available", "backward", "cache_dir", "forward", "unsupported", "why"]

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 extern "C" {
@@ -91,6 +92,16 @@ struct OneMklThread {
 
 enum Kind : int { SKIP = 0, FULL = 1, PARTIAL = 2 };
 
+// One (query block, key block) pair as a task computes it: query rows [i0, i0 + ni) and key columns
+// [j0, j0 + nc), the columns trimmed to those the band can keep in some row of the block (a causal
+// diagonal block computes no column past its last row's position). jj0: j0's column in the block's
+// evaluated tile. kind: what the columns need (FULL: nothing masked; PARTIAL: masked per row).
+struct Block {
+  int64_t i0, ni, j0, nc, jj0;
+  Kind kind;
+  int64_t tile;  // the Mask's evaluated tile (-1: none)
+};
+
 // Everything a task reads besides its own scratch: sizes, the score options and the inputs' strides.
 struct Problem {
   int64_t B, Hq, Hkv, G, Lq, Lk, D, Dv, bm, bn, nqb, nkb;
@@ -120,30 +131,38 @@ struct Problem {
     return PARTIAL;
   }
 
-  // The block's kind, the meet of the band, a dense mask and the Mask's table; `tile` the index of
-  // its evaluated tile (-1: none).
-  Kind kind(int64_t b, int64_t ib, int64_t jb, int64_t ni, int64_t nc, int64_t* tile) const {
-    *tile = -1;
-    const int64_t i0 = ib * bm, j0 = jb * bn;
-    Kind k = band_kind(i0, i0 + ni, j0, j0 + nc);
-    if (k == SKIP) return SKIP;
-    if (table != nullptr) {
-      const int32_t t = table[((tb > 1 ? b : 0) * nqb + ib) * nkb + jb];
-      if (t == 0) return SKIP;
-      if (t >= 2) {
-        *tile = t - 2;
-        k = PARTIAL;
-      }
-    }
-    if (mask != nullptr) k = PARTIAL;
-    return k;
+  // The keys [lo, hi) of [j0, j0 + n) that the band keeps for a query at position p (clamped to the
+  // range; hi <= lo: none).
+  void band_cols(int64_t p, int64_t j0, int64_t n, int64_t* lo, int64_t* hi) const {
+    *lo = left == UNBOUNDED ? 0 : std::clamp<int64_t>(p - left - j0, 0, n);
+    *hi = right == UNBOUNDED ? n : std::clamp<int64_t>(p + right + 1 - j0, 0, n);
   }
 
-  // Whether (b, h, i, j) is kept by the band, the dense mask and the tile, in a PARTIAL block.
+  // Query block ib × key block jb of batch b (rows ni, columns nc): false when nothing in it is kept
+  // (SKIP: not computed). Its kind is the meet of the band (on the trimmed columns), the Mask's
+  // table and a dense mask.
+  bool block(int64_t b, int64_t ib, int64_t jb, int64_t ni, int64_t nc, Block* blk) const {
+    const int64_t i0 = ib * bm, jstart = jb * bn, off = Lk - Lq;
+    if (band_kind(i0, i0 + ni, jstart, jstart + nc) == SKIP) return false;
+    int64_t c0, c1, unused;  // the columns kept by the first row's band start, the last row's end
+    band_cols(i0 + off, jstart, nc, &c0, &unused);
+    band_cols(i0 + ni - 1 + off, jstart, nc, &unused, &c1);
+    if (c1 <= c0) return false;
+    *blk = Block{i0, ni, jstart + c0, c1 - c0, c0, band_kind(i0, i0 + ni, jstart + c0, jstart + c1), -1};
+    if (table != nullptr) {
+      const int32_t t = table[((tb > 1 ? b : 0) * nqb + ib) * nkb + jb];
+      if (t == 0) return false;
+      if (t >= 2) {
+        blk->tile = t - 2;
+        blk->kind = PARTIAL;
+      }
+    }
+    if (mask != nullptr) blk->kind = PARTIAL;
+    return true;
+  }
+
+  // Whether (b, h, i, j) is kept by the dense mask and the block's tile (the band aside).
   bool kept(int64_t b, int64_t h, int64_t i, int64_t j, int64_t tile, int64_t ii, int64_t jj) const {
-    const int64_t p = i + Lk - Lq;
-    if (left != UNBOUNDED && j < p - left) return false;
-    if (right != UNBOUNDED && j > p + right) return false;
     if (mask != nullptr && !mask[b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3]]) return false;
     if (tile >= 0) {
       const int64_t at = ((tile * tiles_b + (tiles_b > 1 ? b : 0)) * tiles_h + (tiles_h > 1 ? h : 0)) * bm + ii;
@@ -152,12 +171,11 @@ struct Problem {
     return true;
   }
 
-  // The scores of one row of a block, in place: x = q_i · k_j (from the matmul) becomes
+  // The scores of row ii of a block, in place: x = q_i · k_j (from the matmul) becomes
   // s_ij = scale · x, capped (softcap · tanh(s / softcap)), plus the bias b_ij, and −inf where
   // blocked (PARTIAL blocks only). `t` (may be null): tanh of the capped scores, for the backward.
-  void scores(float* s, float* t, int64_t nc, int64_t b, int64_t h, int64_t i, int64_t ii, int64_t j0, Kind k,
-              int64_t tile) const {
-    const int64_t n = nc, step = Vec::size();
+  void scores(float* s, float* t, const Block& blk, int64_t b, int64_t h, int64_t ii) const {
+    const int64_t n = blk.nc, step = Vec::size(), i = blk.i0 + ii, j0 = blk.j0;
     int64_t j = 0;
     if (cap > 0.f) {  // s = cap · tanh(scale · x / cap); the tanh kept in t for d(cap · tanh)/dx = 1 − t²
       const Vec f(scale / cap), c(cap);
@@ -185,10 +203,22 @@ struct Problem {
         for (j = 0; j < n; ++j) s[j] += br[j * bs[3]];
       }
     }
-    if (k == PARTIAL)  // s_ij = −inf where the pair is blocked
-      for (j = 0; j < n; ++j)
-        if (!kept(b, h, i, j0 + j, tile, ii, j)) s[j] = NEG_INF;
+    if (blk.kind == PARTIAL) {  // s_ij = −inf where the pair is blocked: outside the band's [lo, hi), then by the masks
+      int64_t lo, hi;
+      band_cols(i + Lk - Lq, j0, n, &lo, &hi);
+      hi = std::max(hi, lo);
+      std::fill(s, s + lo, NEG_INF);
+      std::fill(s + hi, s + n, NEG_INF);
+      if (mask != nullptr || blk.tile >= 0)
+        for (j = lo; j < hi; ++j)
+          if (!kept(b, h, i, j0 + j, blk.tile, ii, blk.jj0 + j)) s[j] = NEG_INF;
+    }
   }
+
+  // Whether a block's scores are just scale · x (no cap, no bias, nothing masked): then the scale
+  // rides in the max and the exp (max_j scale·x_ij = scale · max_j x_ij for scale > 0) and the
+  // scores are never written out.
+  bool plain(Kind k) const { return k == FULL && cap == 0.f && bias == nullptr && scale > 0.f; }
 
   // Z / (1 − dropout_p) of one row of a block: multiplies p in place (0 where dropped).
   void drop(float* p, int64_t nc, int64_t b, int64_t h, int64_t i, int64_t j0) const {
@@ -202,25 +232,33 @@ float row_max(const float* x, int64_t n) {
   int64_t j = 0;
   Vec mv(NEG_INF);
   for (; j + step <= n; j += step) mv = at::vec::maximum(mv, Vec::loadu(x + j));
-  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+  float lanes[Vec::size()];
+  mv.store(lanes);
+  float m = *std::max_element(lanes, lanes + Vec::size());
   for (; j < n; ++j) m = std::max(m, x[j]);
   return m;
 }
 
-// x_j = exp(x_j − shift) in place, returning Σ_j x_j.
-float exp_sum(float* x, int64_t n, float shift) {
+// x_j = exp(f · x_j − shift) in place, returning Σ_j x_j (f = 1 on finished scores; f = scale on a
+// raw product q_i · k_j, the scale folded into the exp's argument instead of a pass of its own).
+// The exp is at::vec's exp_u20 (a degree-5 polynomial inlined here, within 20 ulp; the one torch's
+// own CPU flash attention uses): Sleef's exp within 1 ulp cost twice as much per element, and
+// p_ij's error is far below what the sums over j already round away.
+float exp_sum(float* x, int64_t n, float f, float shift) {
   const int64_t step = Vec::size();
   int64_t j = 0;
-  const Vec sv(shift);
+  const Vec fv(f), sv(-shift);
   Vec acc(0.f);
   for (; j + step <= n; j += step) {
-    Vec e = (Vec::loadu(x + j) - sv).exp();
+    Vec e = at::vec::fmadd(Vec::loadu(x + j), fv, sv).exp_u20();
     e.store(x + j);
     acc = acc + e;
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  float sum = std::accumulate(lanes, lanes + Vec::size(), 0.f);
   for (; j < n; ++j) {
-    x[j] = std::exp(x[j] - shift);
+    x[j] = std::exp(std::fma(x[j], f, -shift));
     sum += x[j];
   }
   return sum;
@@ -260,7 +298,11 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.bm = std::max<int64_t>(1, std::min(block_q, P.Lq));
   P.bn = std::max<int64_t>(1, block_k);
   P.nqb = (P.Lq + P.bm - 1) / P.bm, P.nkb = (P.Lk + P.bn - 1) / P.bn;
-  P.left = left, P.right = right;
+  // A bound beyond Lq + Lk acts as that bound (keeps every key, or none): clamped so the band's
+  // arithmetic cannot overflow.
+  const int64_t far = P.Lq + P.Lk + 1;
+  P.left = left == UNBOUNDED ? UNBOUNDED : std::clamp<int64_t>(left, -far, far);
+  P.right = right == UNBOUNDED ? UNBOUNDED : std::clamp<int64_t>(right, -far, far);
   P.scale = static_cast<float>(scale), P.cap = static_cast<float>(softcap);
   P.dropout = dropout_p > 0.0;
   P.seed = static_cast<uint64_t>(seed);
@@ -290,6 +332,34 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return P;
 }
 
+// A thread's scratch, kept from call to call (grown, never shrunk): no allocation and no zeroing per
+// call — a tiny call's cost was mostly malloc and memset. `take` hands out 64-byte aligned pieces.
+struct Scratch {
+  float* next;
+  explicit Scratch(size_t floats) {
+    thread_local std::vector<float> buf;
+    if (buf.size() < floats) buf.resize(floats);
+    next = buf.data();
+  }
+  float* take(size_t n) {
+    float* piece = next;
+    next += (n + 15) / 16 * 16;
+    return piece;
+  }
+};
+inline size_t room(std::initializer_list<int64_t> sizes) {  // what `take` needs for these pieces
+  size_t n = 0;
+  for (int64_t s : sizes) n += (static_cast<size_t>(s) + 15) / 16 * 16;
+  return n;
+}
+
+// Tasks per thread at least: a problem too small to pay for a parallel region (about 2^17
+// multiply-adds in all) runs on the calling thread.
+inline int64_t grain(int64_t tasks, int64_t work_per_task) {
+  constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 17;
+  return std::max<int64_t>(1, std::min<int64_t>(tasks, MIN_PARALLEL_WORK / std::max<int64_t>(1, work_per_task)));
+}
+
 // Query blocks in the order 0, n−1, 1, n−2, …: under causal the late blocks hold more keys, and
 // at::parallel_for gives each thread a contiguous range of tasks.
 inline int64_t zigzag(int64_t t, int64_t n) { return (t % 2 == 0) ? t / 2 : n - 1 - t / 2; }
@@ -305,52 +375,66 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, grain(tasks, R_max * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one;
     // per-thread scratch: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l
-    std::vector<float> qs(R_max * D), kb(bn * D), vb(bn * Dv), s(R_max * bn), acc(R_max * Dv), m(R_max), l(R_max);
+    const bool wide = !std::is_same_v<T, float>;
+    Scratch pool(room({R_max * D, wide ? bn * D : 0, wide ? bn * Dv : 0, R_max * bn, R_max * Dv, R_max, R_max}));
+    float* qs = pool.take(R_max * D);
+    float* kb = pool.take(wide ? bn * D : 0);
+    float* vb = pool.take(wide ? bn * Dv : 0);
+    float* s = pool.take(R_max * bn);
+    float* acc = pool.take(R_max * Dv);
+    float* m = pool.take(R_max);
+    float* l = pool.take(R_max);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.nqb, ib = zigzag(task % P.nqb, P.nqb);
       const int64_t b = bh / P.Hkv, hkv = bh % P.Hkv;
       const int64_t i0 = ib * P.bm, ni = std::min(P.bm, P.Lq - i0), R = P.G * ni;
       for (int64_t g = 0; g < P.G; ++g)  // q rows of the group's heads, stacked: (G·ni, D)
-        load_rows(qs.data() + g * ni * D, qp + b * q.stride(0) + (hkv * P.G + g) * q.stride(1) + i0 * q.stride(2), ni,
+        load_rows(qs + g * ni * D, qp + b * q.stride(0) + (hkv * P.G + g) * q.stride(1) + i0 * q.stride(2), ni,
                   D, q.stride(2), q.stride(3));
-      std::fill(m.begin(), m.begin() + R, NEG_INF);  // m = −inf before the first kept key
-      std::fill(l.begin(), l.begin() + R, 0.f);
-      std::fill(acc.begin(), acc.begin() + R * Dv, 0.f);
+      std::fill(m, m + R, NEG_INF);  // m = −inf before the first kept key
+      std::fill(l, l + R, 0.f);
+      std::fill(acc, acc + R * Dv, 0.f);
       for (int64_t jb = 0; jb < P.nkb; ++jb) {
-        const int64_t j0 = jb * bn, nc = std::min(bn, P.Lk - j0);
-        int64_t tile;
-        const Kind kind = P.kind(b, ib, jb, ni, nc, &tile);
-        if (kind == SKIP) continue;
+        Block blk;
+        if (!P.block(b, ib, jb, ni, std::min(bn, P.Lk - jb * bn), &blk)) continue;
+        const int64_t j0 = blk.j0, nc = blk.nc;
         int64_t ldk, ldv;
-        const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb.data(), &ldk);
-        const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb.data(), &ldv);
-        gemm(false, true, R, nc, D, 1.f, qs.data(), D, kp, ldk, 0.f, s.data(), bn);  // x_ij = q_i · k_j
+        const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb, &ldk);
+        const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb, &ldv);
+        gemm(false, true, R, nc, D, 1.f, qs, D, kp, ldk, 0.f, s, bn);  // x_ij = q_i · k_j
+        const bool plain = P.plain(blk.kind);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
-          float* sr = s.data() + r * bn;
-          P.scores(sr, nullptr, nc, b, h, i, ii, j0, kind, tile);  // s_ij (−inf where blocked)
-          const float m_new = std::max(m[r], row_max(sr, nc));   // m_new = max(m, max_j s_ij)
+          float* sr = s + r * bn;
+          float f = 1.f, top;  // s_ij = f · sr_j; top = max_j s_ij
+          if (plain) {
+            f = P.scale, top = P.scale * row_max(sr, nc);
+          } else {
+            P.scores(sr, nullptr, blk, b, h, ii);  // s_ij (−inf where blocked)
+            top = row_max(sr, nc);
+          }
+          const float m_new = std::max(m[r], top);                // m_new = max(m, max_j s_ij)
           const float m_use = m_new == NEG_INF ? 0.f : m_new;     // a safe 0 inside the exp only
           const float alpha = std::exp(m[r] - m_use);             // alpha = exp(m − m_new)
-          const float rowsum = exp_sum(sr, nc, m_use);            // p_ij = exp(s_ij − m_new)
+          const float rowsum = exp_sum(sr, nc, f, m_use);         // p_ij = exp(s_ij − m_new)
           l[r] = alpha * l[r] + rowsum;                           // l = alpha·l + Σ_j p_ij
           m[r] = m_new;                                           // m = m_new
           if (alpha != 1.f) {                                     // acc = alpha·acc (+ Σ_j p_ij v_j below)
-            float* ar = acc.data() + r * Dv;
+            float* ar = acc + r * Dv;
             for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
           }
           if (P.dropout) P.drop(sr, nc, b, h, i, j0);  // p̃_ij = p_ij · Z_ij / (1 − p) for the values only
         }
-        gemm(false, false, R, Dv, nc, 1.f, s.data(), bn, vp, ldv, 1.f, acc.data(), Dv);  // acc += Σ_j p_ij v_j
+        gemm(false, false, R, Dv, nc, 1.f, s, bn, vp, ldv, 1.f, acc, Dv);  // acc += Σ_j p_ij v_j
       }
       for (int64_t r = 0; r < R; ++r) {  // O_i = acc / l, lse_i = m + log(l); a row with no kept key: 0, −inf
         const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
         T* orow = op + ((b * P.Hq + h) * P.Lq + i) * Dv;
-        const float* ar = acc.data() + r * Dv;
+        const float* ar = acc + r * Dv;
         for (int64_t d = 0; d < Dv; ++d) orow[d] = static_cast<T>(ar[d] * inv);
         lp[(b * P.Hq + h) * P.Lq + i] = (m[r] == NEG_INF || l[r] == 0.f) ? NEG_INF : m[r] + std::log(l[r]);
       }
@@ -395,13 +479,17 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   T* dqp = dq.data_ptr<T>();
   T* dkp = dk.data_ptr<T>();
   T* dvp = dv.data_ptr<T>();
-  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = P.B * P.Hkv;
+  at::parallel_for(0, tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one;
     // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
     // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
-    std::vector<float> qf(NR * D), dof(NR * Dv), Dr(NR), lser(NR), dqa(NR * D);
-    std::vector<float> kb(bn * D), vb(bn * Dv), dka(bn * D), dva(bn * Dv);
-    std::vector<float> s(R_max * bn), dp(R_max * bn), pd(P.dropout ? R_max * bn : 0), th(P.cap > 0.f ? R_max * bn : 0);
+    const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
+    Scratch pool(room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt}));
+    float *qf = pool.take(NR * D), *dof = pool.take(NR * Dv), *Dr = pool.take(NR), *lser = pool.take(NR);
+    float *dqa = pool.take(NR * D), *kb = pool.take(bn * D), *vb = pool.take(bn * Dv);
+    float *dka = pool.take(bn * D), *dva = pool.take(bn * Dv), *s = pool.take(RB), *dp = pool.take(RB);
+    float *pd = pool.take(nd), *th = pool.take(nt);
     float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? at::get_thread_num() * dbias_per_thread : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / P.Hkv, hkv = task % P.Hkv;
@@ -410,12 +498,12 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = hkv * G + g, row0 = G * i0 + g * ni;
           const int64_t qo = b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2);
-          load_rows(qf.data() + row0 * D, qp + qo, ni, D, q.stride(2), q.stride(3));
+          load_rows(qf + row0 * D, qp + qo, ni, D, q.stride(2), q.stride(3));
           const int64_t go = b * dout.stride(0) + h * dout.stride(1) + i0 * dout.stride(2);
-          load_rows(dof.data() + row0 * Dv, dop + go, ni, Dv, dout.stride(2), dout.stride(3));
+          load_rows(dof + row0 * Dv, dop + go, ni, Dv, dout.stride(2), dout.stride(3));
           for (int64_t ii = 0; ii < ni; ++ii) {  // D_i = Σ_d dO_id · O_id
             const T* orow = outp + b * out.stride(0) + h * out.stride(1) + (i0 + ii) * out.stride(2);
-            const float* gr = dof.data() + (row0 + ii) * Dv;
+            const float* gr = dof + (row0 + ii) * Dv;
             float sum = 0.f;
             for (int64_t d = 0; d < Dv; ++d) sum += gr[d] * static_cast<float>(orow[d * out.stride(3)]);
             Dr[row0 + ii] = sum;
@@ -423,50 +511,56 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           }
         }
       }
-      std::fill(dqa.begin(), dqa.end(), 0.f);
+      std::fill(dqa, dqa + NR * D, 0.f);
       for (int64_t jb = 0; jb < P.nkb; ++jb) {
-        const int64_t j0 = jb * bn, nc = std::min(bn, P.Lk - j0);
+        const int64_t jstart = jb * bn, ncb = std::min(bn, P.Lk - jstart);  // the key block
         int64_t ldk, ldv;
-        const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb.data(), &ldk);
-        const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb.data(), &ldv);
-        std::fill(dka.begin(), dka.begin() + nc * D, 0.f);
-        std::fill(dva.begin(), dva.begin() + nc * Dv, 0.f);
+        const float* kb0 = kv_block<T>(k, b, hkv, jstart, ncb, kb, &ldk);
+        const float* vb0 = kv_block<T>(v, b, hkv, jstart, ncb, vb, &ldv);
+        std::fill(dka, dka + ncb * D, 0.f);
+        std::fill(dva, dva + ncb * Dv, 0.f);
         bool any = false;
         for (int64_t ib = 0; ib < P.nqb; ++ib) {
           const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0), R = G * ni, row0 = G * i0;
-          int64_t tile;
-          const Kind kind = P.kind(b, ib, jb, ni, nc, &tile);
-          if (kind == SKIP) continue;
+          Block blk;
+          if (!P.block(b, ib, jb, ni, ncb, &blk)) continue;
           any = true;
-          const float* qi = qf.data() + row0 * D;
-          const float* doi = dof.data() + row0 * Dv;
-          gemm(false, true, R, nc, D, 1.f, qi, D, kp, ldk, 0.f, s.data(), bn);  // x_ij = q_i · k_j
+          // the block's columns [j0, j0 + nc) are rows c0.. of the key block's K, V, dK, dV
+          const int64_t j0 = blk.j0, nc = blk.nc, c0 = j0 - jstart;
+          const float* kp = kb0 + c0 * ldk;
+          const float* vp = vb0 + c0 * ldv;
+          float* dkb = dka + c0 * D;
+          float* dvb = dva + c0 * Dv;
+          const float* qi = qf + row0 * D;
+          const float* doi = dof + row0 * Dv;
+          gemm(false, true, R, nc, D, 1.f, qi, D, kp, ldk, 0.f, s, bn);  // x_ij = q_i · k_j
+          const bool plain = P.plain(blk.kind);  // s_ij = scale · x_ij, folded into the exp
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
-            float* sr = s.data() + r * bn;
-            P.scores(sr, P.cap > 0.f ? th.data() + r * bn : nullptr, nc, b, h, i, ii, j0, kind, tile);
+            float* sr = s + r * bn;
+            if (!plain) P.scores(sr, P.cap > 0.f ? th + r * bn : nullptr, blk, b, h, ii);
             const float lse_i = lser[row0 + r];
             if (lse_i == NEG_INF) {  // p_ij = 0 for a row with no kept key
               std::fill(sr, sr + nc, 0.f);
             } else {
-              exp_sum(sr, nc, lse_i);  // p_ij = exp(s_ij − lse_i) (0 where blocked)
+              exp_sum(sr, nc, plain ? P.scale : 1.f, lse_i);  // p_ij = exp(s_ij − lse_i) (0 where blocked)
             }
             if (P.dropout) {  // p̃_ij = p_ij · Z_ij / (1 − p)
-              float* pr = pd.data() + r * bn;
+              float* pr = pd + r * bn;
               std::copy(sr, sr + nc, pr);
               P.drop(pr, nc, b, h, i, j0);
             }
           }
-          const float* pt = P.dropout ? pd.data() : s.data();
-          gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, Dv, 1.f, dva.data(), Dv);  // dV_j += Σ_i p̃_ij dO_i
-          gemm(false, true, R, nc, Dv, 1.f, doi, Dv, vp, ldv, 0.f, dp.data(), bn);   // dp_ij = dO_i · v_j
+          const float* pt = P.dropout ? pd : s;
+          gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, Dv, 1.f, dvb, Dv);  // dV_j += Σ_i p̃_ij dO_i
+          gemm(false, true, R, nc, Dv, 1.f, doi, Dv, vp, ldv, 0.f, dp, bn);   // dp_ij = dO_i · v_j
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
-            float* dpr = dp.data() + r * bn;
-            const float* pr = s.data() + r * bn;
+            float* dpr = dp + r * bn;
+            const float* pr = s + r * bn;
             const float Di = Dr[row0 + r];
             if (P.dropout) {  // ds_ij = p_ij (Z_ij · dp_ij / (1 − p) − D_i) = p̃_ij · dp_ij − p_ij · D_i
-              const float* ptr = pd.data() + r * bn;
+              const float* ptr = pd + r * bn;
               for (int64_t j = 0; j < nc; ++j) dpr[j] = ptr[j] * dpr[j] - pr[j] * Di;
             } else {  // ds_ij = p_ij (dp_ij − D_i)
               for (int64_t j = 0; j < nc; ++j) dpr[j] = pr[j] * (dpr[j] - Di);
@@ -476,24 +570,24 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
               for (int64_t j = 0; j < nc; ++j) dbr[j * dbs[3]] += dpr[j];
             }
             if (P.cap > 0.f) {  // through the cap: ds · (1 − t²)
-              const float* tr = th.data() + r * bn;
+              const float* tr = th + r * bn;
               for (int64_t j = 0; j < nc; ++j) dpr[j] *= 1.f - tr[j] * tr[j];
             }
           }
-          gemm(false, false, R, D, nc, P.scale, dp.data(), bn, kp, ldk, 1.f, dqa.data() + row0 * D, D);  // dQ_i += scale · Σ_j ds_ij k_j
-          gemm(true, false, nc, D, R, P.scale, dp.data(), bn, qi, D, 1.f, dka.data(), D);  // dK_j += scale · Σ_i ds_ij q_i
+          gemm(false, false, R, D, nc, P.scale, dp, bn, kp, ldk, 1.f, dqa + row0 * D, D);  // dQ_i += scale · Σ_j ds_ij k_j
+          gemm(true, false, nc, D, R, P.scale, dp, bn, qi, D, 1.f, dkb, D);  // dK_j += scale · Σ_i ds_ij q_i
         }
-        T* dkr = dkp + ((b * P.Hkv + hkv) * P.Lk + j0) * D;
-        T* dvr = dvp + ((b * P.Hkv + hkv) * P.Lk + j0) * Dv;
-        for (int64_t x = 0; x < nc * D; ++x) dkr[x] = static_cast<T>(any ? dka[x] : 0.f);
-        for (int64_t x = 0; x < nc * Dv; ++x) dvr[x] = static_cast<T>(any ? dva[x] : 0.f);
+        T* dkr = dkp + ((b * P.Hkv + hkv) * P.Lk + jstart) * D;
+        T* dvr = dvp + ((b * P.Hkv + hkv) * P.Lk + jstart) * Dv;
+        for (int64_t x = 0; x < ncb * D; ++x) dkr[x] = static_cast<T>(any ? dka[x] : 0.f);
+        for (int64_t x = 0; x < ncb * Dv; ++x) dvr[x] = static_cast<T>(any ? dva[x] : 0.f);
       }
       for (int64_t ib = 0; ib < P.nqb; ++ib) {  // dQ back to (B, Hq, Lq, D)
         const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = hkv * G + g, row0 = G * i0 + g * ni;
           T* dst = dqp + ((b * P.Hq + h) * Lq + i0) * D;
-          const float* src = dqa.data() + row0 * D;
+          const float* src = dqa + row0 * D;
           for (int64_t x = 0; x < ni * D; ++x) dst[x] = static_cast<T>(src[x]);
         }
       }
