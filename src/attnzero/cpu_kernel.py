@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -121,7 +122,7 @@ def _load() -> str | None:
     build_dir = cache_dir() / f"cpu_kernel-{key}"
     done = build_dir / "built"  # written after a build that loaded: the library is whole
     if done.exists():  # built before: load it (no write, so a read-only cache serves too)
-        torch.ops.load_library(str(_library(build_dir, name)))
+        _state["module"] = _import(_library(build_dir, name), name)
         return None
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -145,14 +146,24 @@ def _load() -> str | None:
                 file=sys.stderr,
                 flush=True,
             )
-            cpp_extension.load(
+            _state["module"] = cpp_extension.load(
                 name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
-                is_python_module=False, verbose=False,
+                is_python_module=True, verbose=False,
             )  # fmt: skip
             done.write_text(f"built in {time.monotonic() - start:.0f} s\n")
             return None
-    torch.ops.load_library(str(_library(build_dir, name)))
+    _state["module"] = _import(_library(build_dir, name), name)
     return None
+
+
+def _import(path: Path, name: str) -> Any:
+    """The built library as a Python module (its pybind11 functions; loading it also registers the
+    torch.ops.attnzero_cpu ops)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _first_error(e: Exception) -> str:
@@ -276,34 +287,27 @@ def _args(
         dense, table, tiles = _mask_table(mask, Lq, Lk, bm, bn)
     elif mask is not None:
         dense = mask
-    b32 = None if bias is None else bias.to(torch.float32)
+    b32 = None if bias is None else bias.detach().to(torch.float32)
     left, right = _band(causal, window)
     seed = dropout_seed if dropout_seed < 2**63 else dropout_seed - 2**64  # int64 bits
     options = [left, right, float(scale), float(softcap or 0.0), float(dropout_p), seed, bm, bn]
     return [dense, b32, table, tiles], options
 
 
-def _rows(x: Tensor) -> Tensor:
-    """K or V as the kernel reads it: rows of unit stride (the float32 path hands them to sgemm)."""
-    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
-
-
 # ---------------------------------------------------------------------------------------------
 # The backend (ops.Backend): plain forward and backward, and the differentiable entry
 
 
-@torch.no_grad()
 def forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)``; fully blocked rows: 0, −inf."""
     tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
-    out, lse = torch.ops.attnzero_cpu.forward(q, _rows(k), _rows(v), *tensors, *options)
+    out, lse = _state["module"].forward(q, k, v, *tensors, *options)  # (no autograd: plain values)
     return out, lse
 
 
-@torch.no_grad()
 def backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, mask: Tensor | Mask | None,
     bias: Tensor | None, causal: bool, window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int,
@@ -314,8 +318,8 @@ def backward(
     without a bias or when ``bias_grad`` is False."""
     tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     want = bias is not None and bias_grad
-    dq, dk, dv, dbias = torch.ops.attnzero_cpu.backward(
-        dout, q, _rows(k), _rows(v), out, lse.to(torch.float32), *tensors, *options, want
+    dq, dk, dv, dbias = _state["module"].backward(
+        dout, q, k, v, out, lse.to(torch.float32), *tensors, *options, want
     )
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 
@@ -329,7 +333,7 @@ def dropout_keep(
         raise RuntimeError(f"attnzero: the CPU kernel is not available: {why()}")
     _, H, Lq, Lk = shape
     signed = seed if seed < 2**63 else seed - 2**64
-    return torch.ops.attnzero_cpu.keep_mask(signed, p, H, Lq, Lk, *at, j0, n)  # type: ignore[no-any-return]
+    return _state["module"].keep_mask(signed, p, H, Lq, Lk, *at, j0, n)  # type: ignore[no-any-return]
 
 
 class _KernelAttention(torch.autograd.Function):

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -286,6 +287,11 @@ const float* kv_block(const at::Tensor& x, int64_t b, int64_t h, int64_t j0, int
   }
 }
 
+// K or V as the kernel reads them: rows of unit stride (the float32 path hands them to sgemm as they are).
+at::Tensor unit_rows(const at::Tensor& x) {
+  return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
+}
+
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left,
@@ -442,13 +448,15 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const std::optional<at::Tensor>& mask,
                                            const std::optional<at::Tensor>& bias,
                                            const std::optional<at::Tensor>& table,
                                            const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
                                            double scale, double softcap, double dropout_p, int64_t seed,
                                            int64_t block_q, int64_t block_k) {
+  at::NoGradGuard no_grad;  // plain values out (the autograd is cpu_kernel.py's Function)
+  const at::Tensor k = unit_rows(k_in), v = unit_rows(v_in);
   const Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed,
                                  block_q, block_k);
   at::Tensor out = at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
@@ -596,10 +604,12 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
     double scale, double softcap, double dropout_p, int64_t seed, int64_t block_q, int64_t block_k, bool bias_grad) {
+  at::NoGradGuard no_grad;
+  const at::Tensor k = unit_rows(k_in), v = unit_rows(v_in);
   const Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed,
                                  block_q, block_k);
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -645,6 +655,15 @@ at::Tensor keep_mask(int64_t seed, double dropout_p, int64_t H, int64_t Lq, int6
 }
 
 }  // namespace
+
+// The same functions as a Python module, for eager calls: a pybind11 call costs about 1 µs where the
+// dispatcher's boxed call from Python (torch.ops.attnzero_cpu.*) costs about 8 — most of a tiny
+// call's budget. torch.compile sees neither: ops.py wraps the backend in custom ops of its own.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward);
+  m.def("backward", &backward);
+  m.def("keep_mask", &keep_mask);
+}
 
 TORCH_LIBRARY(attnzero_cpu, m) {
   m.def(
