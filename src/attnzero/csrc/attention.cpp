@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -268,6 +269,18 @@ float exp_sum(float* x, int64_t n, float f, float shift) {
 // rows × cols of a (possibly strided, any-dtype) matrix into dense float32 (ld = cols).
 template <typename T>
 void load_rows(float* dst, const T* src, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
+  if (col_stride == 1) {  // rows of unit stride (the usual case, permuted views included): a loop the compiler vectorises
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* from = src + r * row_stride;
+      float* to = dst + r * cols;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(to, from, sizeof(float) * cols);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) to[c] = static_cast<float>(from[c]);
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = static_cast<float>(src[r * row_stride + c * col_stride]);
 }
@@ -402,7 +415,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
                   D, q.stride(2), q.stride(3));
       std::fill(m, m + R, NEG_INF);  // m = −inf before the first kept key
       std::fill(l, l + R, 0.f);
-      std::fill(acc, acc + R * Dv, 0.f);
+      bool first = true;  // no block visited yet: acc is written (beta = 0), not rescaled
       for (int64_t jb = 0; jb < P.nkb; ++jb) {
         Block blk;
         if (!P.block(b, ib, jb, ni, std::min(bn, P.Lk - jb * bn), &blk)) continue;
@@ -428,14 +441,16 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
           const float rowsum = exp_sum(sr, nc, f, m_use);         // p_ij = exp(s_ij − m_new)
           l[r] = alpha * l[r] + rowsum;                           // l = alpha·l + Σ_j p_ij
           m[r] = m_new;                                           // m = m_new
-          if (alpha != 1.f) {                                     // acc = alpha·acc (+ Σ_j p_ij v_j below)
+          if (!first && alpha != 1.f) {                           // acc = alpha·acc (+ Σ_j p_ij v_j below)
             float* ar = acc + r * Dv;
             for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
           }
           if (P.dropout) P.drop(sr, nc, b, h, i, j0);  // p̃_ij = p_ij · Z_ij / (1 − p) for the values only
         }
-        gemm(false, false, R, Dv, nc, 1.f, s, bn, vp, ldv, 1.f, acc, Dv);  // acc += Σ_j p_ij v_j
+        gemm(false, false, R, Dv, nc, 1.f, s, bn, vp, ldv, first ? 0.f : 1.f, acc, Dv);  // acc += Σ_j p_ij v_j
+        first = false;
       }
+      if (first) std::fill(acc, acc + R * Dv, 0.f);  // no block kept anything: O = 0
       for (int64_t r = 0; r < R; ++r) {  // O_i = acc / l, lse_i = m + log(l); a row with no kept key: 0, −inf
         const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
