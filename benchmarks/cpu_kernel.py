@@ -6,7 +6,7 @@ docs/benchmarks.md:
 * ``sdpa``: against torch's SDPA and against flash.py (the kernel turned off) at the shapes below,
   forward and forward + backward (nanoGPT with dropout 0.1: training only). Ratios are torch's time
   ÷ attnzero's ("× torch": above 1.0 is faster). flash.py is timed in a group of its own with torch
-  (flash.py pauses torch's OpenMP threads after its calls, which the next op would pay for).
+  (so that its slower calls do not change the kernel group's conditions).
 * ``flex``: against ``torch.compile(flex_attention)``, forward (``flex_table.py``): attnzero's time
   ÷ Flex's (below 1.0 is faster).
 * ``peak``: this machine's float32 GEMM throughput and the causal L=2048 forward's share of it
