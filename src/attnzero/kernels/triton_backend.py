@@ -99,7 +99,9 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
         "(on a CUDA machine it comes with torch; for CPU tests install it and set TRITON_INTERPRET=1)"
     ) from e
 
-from .. import blocks, geometry, ops, reference, trace
+from .. import geometry, ops, reference, trace
+from ..blocks import FULL as BLOCK_FULL
+from ..blocks import PARTIAL as BLOCK_PARTIAL
 from ..masks import Mask, Segments
 from . import backward as bwd_k
 from . import decode as dec_k
@@ -691,7 +693,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, args: tuple[Any, ...], keep_f32: bool,
     cannot be an op's argument)."""
     if mask_gen is None:
         return triton_fwd(q, k, v, *args, keep_f32)
-    return _forward(q, k, v, *args, keep_f32, mask_gen=mask_gen)
+    run: Any = _forward  # (args: the op arguments of ``_args``)
+    return run(q, k, v, *args, keep_f32, mask_gen=mask_gen)  # type: ignore[no-any-return]
 
 
 def attention(
@@ -781,7 +784,8 @@ def decode(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     if mask_gen is None:
         out, lse = triton_decode(q, k, v, *args)
     else:
-        out, lse = _decode(q, k, v, *args, mask_gen=mask_gen)
+        run: Any = _decode
+        out, lse = run(q, k, v, *args, mask_gen=mask_gen)
     return out, (lse if shift is None else lse + shift)
 
 
@@ -813,7 +817,8 @@ def backward(
     if mask_gen is None:
         dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
     else:
-        dq, dk, dv, dbias = _backward(dout, q, k, v, out, lse, *args, grad_b, deterministic, mask_gen=mask_gen)
+        run: Any = _backward
+        dq, dk, dv, dbias = run(dout, q, k, v, out, lse, *args, grad_b, deterministic, mask_gen=mask_gen)
     return dq, dk, dv, (dbias if grad_b else None)
 
 
@@ -866,10 +871,10 @@ def _mask_predicate(mask: Mask, device: torch.device) -> Any:
     def gated(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         b, h, q_idx, kv_idx = at(b, h, q_idx, kv_idx)
         kind = kinds[b if tb_ > 1 else b * 0, h if th_ > 1 else h * 0, q_idx // bq, kv_idx // bk]
-        kept = kind == blocks.FULL
+        kept = kind == BLOCK_FULL
         if fn is None:  # noop_mask: every pair of a listed block
-            return kept | (kind == blocks.PARTIAL)
-        return kept | ((kind == blocks.PARTIAL) & (fn(b, h, q_idx, kv_idx) != 0))
+            return kept | (kind == BLOCK_PARTIAL)
+        return kept | ((kind == BLOCK_PARTIAL) & (fn(b, h, q_idx, kv_idx) != 0))
 
     return gated
 
