@@ -301,3 +301,187 @@ def test_flex_attention_takes_the_same_route(monkeypatch: pytest.MonkeyPatch) ->
     want = az.attention(q.double(), k.double(), v.double(), score_mod=_alibi, causal=True, backend="reference")
     assert ran == [True]
     torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# A mask_mod (``az.masks.from_mod``, a BlockMask) as a generated predicate in every kernel
+
+
+docs = torch.tensor([[0] * 5 + [1] * 11 + [2] * 13, [0] * 14 + [1] * 15], device=DEVICE)  # (2, 29) ids
+
+
+def _prefix_lm(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return (j < 5) | (j <= i)
+
+
+def _documents(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return (docs[b, i] == docs[b, j]) & (j <= i)  # causal within documents: ids captured, per batch
+
+
+def _window_per_head(Lq: int, Lk: int) -> Callable[..., Tensor]:
+    off = Lk - Lq
+
+    def window(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return (j <= i + off) & (j >= i + off - 3 - 2 * h)  # bottom-right, a wider window per query head
+
+    return window
+
+
+def _holes(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return (i % 5 != 2) & (j <= i + 4)  # rows 2, 7, 12, ... keep no key at all
+
+
+# name: (mask_mod, mask's (B, H), (B, Hq, Hkv, Lq, Lk), attention kwargs)
+MASK_CASES: dict[str, tuple[Any, tuple[int, int], tuple[int, ...], dict[str, Any]]] = {
+    "prefix_lm": (_prefix_lm, (1, 1), (1, 4, 2, 23, 23), {}),
+    "documents_captured": (_documents, (2, 1), (2, 2, 2, 29, 29), {}),
+    "window_gqa_lq_ne_lk": (_window_per_head(17, 29), (1, 4), (1, 4, 2, 17, 29), {}),
+    "heads_broadcast": (_window_per_head(17, 29), (1, 1), (1, 4, 2, 17, 29), {}),  # H = 1: every head is h = 0
+    "with_a_score_mod": (_window_per_head(18, 22), (1, 4), (1, 4, 2, 18, 22), {"score_mod": _rel}),
+    "fully_masked_rows": (_holes, (1, 1), (1, 2, 1, 19, 21), {"softcap": 2.0}),
+}
+
+
+@pytest.fixture
+def no_dense(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The dense path fails the test (``_materialise`` raises); each kernel call is recorded as
+    ``kernel:generated`` (a generated predicate and no dense mask) or ``kernel:other``."""
+    calls: list[str] = []
+
+    def refuse(mask: Any, device: Any) -> Tensor:
+        raise AssertionError(f"the mask {mask!r} was materialised")
+
+    monkeypatch.setattr(tb, "_materialise", refuse)
+    for name, at in (("_forward", 3), ("_backward", 6), ("_decode", 3)):
+        real = getattr(tb, name)
+
+        def spy(*a: Any, _real: Any = real, _name: str = name, _at: int = at, **kw: Any) -> Any:
+            ok = kw.get("mask_gen") is not None and a[_at] is None
+            calls.append(f"{_name[1:]}:{'generated' if ok else 'other'}")
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(tb, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_triton_runs_a_from_mod_mask_generated_against_the_golden(case: str, no_dense: list[str]) -> None:
+    """out, lse, dq, dk, dv of backend="triton" with ``mask=from_mod(...)`` against the float64
+    golden, the mask never materialised: the forward and the backward kernels ran the predicate."""
+    mod, (mb, mh), (B, Hq, Hkv, Lq, Lk), kw = MASK_CASES[case]
+    mask = az.masks.from_mod(mod, mb, mh, Lq, Lk, block_size=8, device=DEVICE)
+    q, k, v = (t.to(DEVICE) for t in qkv(B, Hq, Hkv, Lq, Lk, 16))
+    _, res = check_against_golden("triton", F32, q, k, v, mask=mask, **kw)
+    assert no_dense == ["forward:generated", "backward:generated"]
+    if case == "fully_masked_rows":  # rows with no key: output 0, lse -inf, no NaN, no gradient
+        empty = torch.arange(Lq, device=DEVICE) % 5 == 2
+        assert torch.isfinite(res.out).all() and not res.grads["q"].isnan().any()
+        assert (res.out[:, :, empty] == 0).all() and (res.lse[:, :, empty] == float("-inf")).all()
+        assert (res.grads["q"][:, :, empty] == 0).all()
+        assert (res.out[:, :, ~empty] != 0).any()
+
+
+def test_the_deterministic_backward_runs_the_generated_mask(
+    monkeypatch: pytest.MonkeyPatch, no_dense: list[str]
+) -> None:
+    """The separate dQ kernel evaluates the predicate too (documents: per-batch captured ids)."""
+    monkeypatch.setattr(tb, "DETERMINISTIC", True)
+    mask = az.masks.from_mod(_documents, 2, 1, 29, 29, block_size=8, device=DEVICE)
+    q, k, v = (t.to(DEVICE) for t in qkv(2, 2, 1, 29, 29, 16))
+    check_against_golden("triton", F32, q, k, v, mask=mask)
+    assert no_dense == ["forward:generated", "backward:generated"]
+
+
+@pytest.mark.parametrize("with_score_mod", [False, True], ids=["mask_only", "with_score_mod"])
+def test_the_split_kv_kernel_runs_the_generated_mask(
+    monkeypatch: pytest.MonkeyPatch, no_dense: list[str], with_score_mod: bool
+) -> None:
+    """Few queries, no gradient: the split-KV kernel (three splits) with a per-head window whose
+    query rows are G heads × Lq (the predicate sees each row's own query head), Lq != Lk."""
+    monkeypatch.setattr(tb, "DECODE_MIN_LK", 32)
+    Lq, Lk = 3, 45
+    mask = az.masks.from_mod(_window_per_head(Lq, Lk), 1, 4, Lq, Lk, block_size=8, device=DEVICE)
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 4, 2, Lq, Lk, 16))
+    kw: dict[str, Any] = {"score_mod": _rel} if with_score_mod else {}
+    with torch.no_grad(), tb.decode_splits(3):
+        got = az.attention(q, k, v, mask=mask, backend="triton", return_lse=True, **kw)
+    want = az.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference", return_lse=True, **kw)
+    assert no_dense == ["decode:generated"]
+    torch.testing.assert_close(got[0], want[0].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_backend_interface_runs_the_generated_mask(no_dense: list[str]) -> None:
+    """``forward`` / ``backward`` (what the ring calls with a from_mod Mask per piece): the same
+    results as the kernels reading the same mask as a dense tensor."""
+    mask = az.masks.from_mod(_prefix_lm, 1, 1, 17, 20, block_size=8, device=DEVICE)
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 2, 1, 17, 20, 16))
+    dout = torch.randn(1, 2, 17, 16, device=DEVICE)
+    kw: dict[str, Any] = {"bias": None, "causal": False, "window": None, "scale": 0.25, "dropout_p": 0.0,
+                          "dropout_seed": 0}  # fmt: skip
+    out, lse = tb.forward(q, k, v, mask=mask, **kw)
+    grads = tb.backward(dout, q, k, v, out, lse, **{**kw, "mask": mask})
+    assert no_dense == ["forward:generated", "backward:generated"]
+    dense = mask.to_tensor(DEVICE)
+    out_d, lse_d = tb.forward(q, k, v, mask=dense, **kw)
+    grads_d = tb.backward(dout, q, k, v, out_d, lse_d, **{**kw, "mask": dense})
+    torch.testing.assert_close(out, out_d, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_d, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads[:3], grads_d[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_translation_of_the_mask_mod_fails_the_golden_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests above can fail: ``<=`` generated as ``<`` (the prefix-LM loses its diagonal) is caught."""
+    monkeypatch.setitem(codegen._COMPARE, "le", "<")
+    codegen._MODULES.clear()
+    try:
+        mask = az.masks.from_mod(_prefix_lm, 1, 1, 23, 23, block_size=8, device=DEVICE)
+        q, k, v = (t.to(DEVICE) for t in qkv(1, 2, 1, 23, 23, 16))
+        with pytest.raises(AssertionError):
+            check_against_golden("triton", F32, q, k, v, mask=mask, grads=False)
+    finally:
+        codegen._MODULES.clear()
+
+
+def _cumsum_mask(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return docs[0].cumsum(0)[j] <= docs[0].cumsum(0)[i]  # a cumsum: no Triton code for it
+
+
+def test_a_mask_mod_that_cannot_be_generated_and_a_combination_run_densely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not generable (a cumsum), or combined by ``and_``: the Triton kernels read the materialised
+    mask (backend="triton" does not refuse: the mask is data), the golden's results."""
+    dense: list[str] = []
+    real = tb._materialise
+    monkeypatch.setattr(tb, "_materialise", lambda m, d: dense.append(m.name) or real(m, d))
+    q, k, v = (t.to(DEVICE) for t in qkv(1, 2, 2, 20, 20, 16))
+    with pytest.raises(codegen.NotGenerable, match="cumsum"):
+        codegen.mask_mod(_cumsum_mask, DEVICE)
+    for mask in (
+        az.masks.from_mod(_cumsum_mask, 1, 1, 20, 20, block_size=8, device=DEVICE),
+        az.masks.from_mod(_prefix_lm, 1, 1, 20, 20, block_size=8) & az.masks.padding([17], 20),
+    ):
+        dense.clear()
+        check_against_golden("triton", F32, q, k, v, mask=mask, grads=False)
+        assert dense == [mask.name]
+
+
+def test_flex_attention_runs_a_block_mask_gated_by_its_table(
+    monkeypatch: pytest.MonkeyPatch, no_dense: list[str]
+) -> None:
+    """attnzero.flex on "auto" (CUDA's choice, made here): a BlockMask's mask_mod generated with its
+    block table in front. The mask_mod is swapped for one that keeps every pair, so only the table
+    decides what is kept (blocks the table does not list stay blocked) — torch's compiled Flex semantics."""
+    from attnzero.flex import create_block_mask, flex_attention, to_mask
+
+    monkeypatch.setattr(functional, "_auto", lambda q, v: "triton")
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 2, 2, 20, 20, 16))
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 20, 20, device=str(DEVICE), BLOCK_SIZE=8)
+    block_mask.mask_mod = lambda b, h, i, j: j >= 0
+    got = flex_attention(q, k, v, block_mask=block_mask)
+    assert no_dense == ["forward:generated"]
+    mask = to_mask(block_mask, 1, 2, 20, 20)
+    want = az.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    blockwise = torch.arange(20).view(-1, 1) // 8 >= torch.arange(20).view(1, -1) // 8  # what the table keeps
+    assert torch.equal(mask.to_tensor()[0, 0], blockwise)
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)

@@ -55,7 +55,7 @@ from torch.nn.attention.flex_attention import (
 
 from . import blocks, mods
 from .functional import attention
-from .masks import Mask
+from .masks import Mask, ModSource
 
 # kernel_options that tune torch's kernels (tile sizes, warps, pipelining, promises that let a
 # kernel skip a check) and so cannot change what attention computes: accepted, ignored. A key may
@@ -193,7 +193,8 @@ def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     """torch's ``BlockMask`` as an attnzero ``Mask`` of shape (B, H, Lq, Lk) whose block table is the
     BlockMask's (``blocks.BlockTable``, its B or H of 1 broadcast): unlisted blocks blocked, full
     blocks kept whole, partial blocks its ``mask_mod`` — evaluated on partial blocks only, at the
-    real batch and head indices."""
+    real batch and head indices. The Mask keeps the mod gated by that table (``ModSource``, gated),
+    which the Triton kernels run as generated code (``kernels/triton_backend.py``)."""
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     n_q, n_k = -(-Lq // bq), -(-Lk // bk)
     table = blocks.BlockTable(_kinds(block_mask, n_q, n_k), (bq, bk), (Lq, Lk))
@@ -202,7 +203,8 @@ def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return table.keep(mask_mod, b, h, q, kv)
 
-    return Mask(keep, (B, H, Lq, Lk), f"block_mask({getattr(mask_mod, '__name__', 'noop_mask')})", table=table)
+    name = f"block_mask({getattr(mask_mod, '__name__', 'noop_mask')})"
+    return Mask(keep, (B, H, Lq, Lk), name, table=table, mod=ModSource(mask_mod, gated=True))
 
 
 def _dense_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Tensor:

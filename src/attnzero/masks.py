@@ -37,6 +37,11 @@ skip whole blocks and pay no masking on blocks kept whole, without evaluating th
 * a ``BlockTable`` (``blocks.py``) — skip / partial / full per (batch, head, query block, key
   block), what ``from_mod`` computes from a FlexAttention ``mask_mod`` once per block.
 
+The mask_mod itself (``Mask.mod``, a ``ModSource``): ``from_mod`` and ``attnzero.flex``'s BlockMask
+keep the function their predicate calls, so that a backend that can run it itself — the Triton
+kernels, on code generated from it (``kernels/codegen.py``) — need not materialise the mask. Masks
+derived from one (``and_`` / ``or_``, ``~``) have none: their predicate is another function.
+
 ``and_`` intersects bands and joins segments (pairs of ids relabelled as one id); ``or_`` keeps the
 hull of the bands only. Where a part has a table, the combination keeps its parts and answers from
 them: for ``and_`` a block is SKIP if any part skips it and FULL if every part keeps it whole; for
@@ -49,6 +54,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -58,6 +64,7 @@ from . import blocks, geometry, mods
 
 __all__ = [
     "Mask",
+    "ModSource",
     "alibi",
     "and_",
     "causal",
@@ -169,11 +176,25 @@ def _band_window(band: Band, q_len: int, kv_len: int) -> tuple[int | None, int |
     return (None if lo is None else off - lo), (None if hi is None else hi - off)
 
 
+@dataclass(frozen=True)
+class ModSource:
+    """The mask_mod a ``Mask``'s predicate is, for a backend that runs it itself: at indices
+    ``(b, h, q_idx, kv_idx)`` — index 0 on the Mask's dims of size 1, as ``Mask.__call__`` reads
+    them — the predicate is ``mask_mod(b, h, q_idx, kv_idx)`` alone (``from_mod``: its block table
+    was computed from the mod, so it says nothing the mod does not), or with ``gated`` the Mask's
+    block table first (torch's BlockMask: SKIP blocks blocked and FULL blocks kept whole whatever
+    the mod says there, the mod on PARTIAL blocks only; ``mask_mod`` None: True on them)."""
+
+    mask_mod: mods.MaskMod | None
+    gated: bool = False
+
+
 class Mask:
     """A keep-mask described by a predicate over indices, of broadcastable shape (B, H, Lq, Lk).
 
     ``band``, ``segments`` and ``exact`` describe its block structure (module docstring); a mask
-    made from a bare predicate has none, and backends then evaluate it on every block."""
+    made from a bare predicate has none, and backends then evaluate it on every block. ``mod``
+    (a ``ModSource``): the mask_mod the predicate is (``from_mod``, a BlockMask), or None."""
 
     def __init__(
         self,
@@ -186,6 +207,7 @@ class Mask:
         exact: bool = False,
         table: blocks.BlockTable | None = None,
         parts: tuple[str, list[Mask]] | None = None,
+        mod: ModSource | None = None,
     ) -> None:
         if len(shape) != 4:
             raise ValueError(f"shape: expected 4 sizes (B, H, Lq, Lk), got {tuple(shape)}")
@@ -197,6 +219,9 @@ class Mask:
         self.exact = exact and (band is not None or segments is not None)  # kept = band ∧ segments
         self.table = table  # skip / partial / full per block, exact (``blocks.BlockTable``)
         self.parts = parts  # ("and" | "or", masks): a combination that answers from its parts
+        if mod is not None and mod.gated and table is None:
+            raise ValueError("mod: a gated ModSource needs the block table that gates it")
+        self.mod = mod  # the mask_mod the predicate is (see ModSource), or None
 
     # -- block structure (see the module docstring)
 
@@ -211,7 +236,9 @@ class Mask:
         for (a dim of size 1 broadcasts index 0), so it is dropped otherwise."""
         if self.band is None or self.shape[2:] == (q_len, kv_len):
             return self
-        return Mask(self.keep, self.shape, self.name, segments=self._segments, table=self.table, parts=self.parts)
+        return Mask(
+            self.keep, self.shape, self.name, segments=self._segments, table=self.table, parts=self.parts, mod=self.mod
+        )  # (the same predicate: the same mod)
 
     def without_band(self) -> Mask | None:
         """What is left once the band is enforced elsewhere (``attention`` joins it to ``causal`` /
@@ -534,6 +561,8 @@ def from_mod(
     (``blocks.BlockTable``): memory is O(blocks + one tile), never a dense (B, H, Lq, Lk) tensor.
     Backends then skip the blocks it blocks and pay no masking on the blocks it keeps whole, at any
     block size of theirs. ``device``: where the mod runs (the device of the tensors it captures).
+    The Mask keeps the mod (``mask.mod``, a ``ModSource``): ``backend="triton"`` runs it in its
+    kernels as generated code instead of materialising the mask (``kernels/triton_backend.py``).
     ``from_mod(lambda b, h, q, kv: (kv < 2) | (kv <= q), 1, 1, 4, 4)`` (prefix-LM)::
 
         ■ ■ · ·
@@ -558,7 +587,7 @@ def from_mod(
         return table.keep(mask_mod, b, h, q, kv)  # the mod on partial blocks only
 
     name = f"from_mod({getattr(mask_mod, '__name__', type(mask_mod).__name__)})"
-    return Mask(keep, shape, name, table=table)
+    return Mask(keep, shape, name, table=table, mod=ModSource(mask_mod))
 
 
 def _as_mask(m: Mask | Tensor) -> Mask:

@@ -24,8 +24,9 @@ identity of ``forward.py`` behind ``HAS_MOD=False`` and compile as before.
   the block, as for ``slopes[h]``). Only the dK/dV kernel accumulates (``ACCUMULATE``), so the
   separate dQ kernel of the deterministic backward does not count them twice.
 * A ``mask_mod`` becomes a predicate ``MASK_MOD(b, h, q_idx, kv_idx, CAP) -> bool`` (no backward),
-  which the kernels can apply per element (``forward.mod_scores``); the host does not pass one yet —
-  a ``Mask`` from ``masks.from_mod`` still reaches the kernels materialised.
+  which the kernels apply per element (``forward.mod_scores``): ``triton_backend.generate_mask``
+  passes it for a ``Mask`` from ``masks.from_mod`` (and a BlockMask, gated by its block table)
+  instead of materialising the mask; one that cannot be generated is materialised as before.
 
 What is generated (``OPS``): elementwise arithmetic (add, sub, rsub, mul, div with every rounding
 mode, neg, abs, pow with a scalar, square, reciprocal, exp, exp2, log, log2, sqrt, rsqrt, tanh,

@@ -170,8 +170,9 @@ def mod_scores(
     ``y = SCORE_MOD(x, b, h, q_idx, kv_idx, CAP)`` (code generated from the user's function,
     codegen.py), then the cap of ``y``. ``HAS_MASK_MOD``: pairs a generated predicate
     ``MASK_MOD(b, h, q_idx, kv_idx, MCAP)`` refuses get -inf (after the cap: tanh(-inf) = -1
-    would un-block them; no host code passes one yet). ``b``, ``h`` (the query head), ``q_idx``,
-    ``kv_idx`` (0-based, no bottom-right shift) are int32 and broadcast to the block."""
+    would un-block them; ``triton_backend.generate_mask`` passes one for a Mask made from a
+    mask_mod). ``b``, ``h`` (the query head), ``q_idx``, ``kv_idx`` (0-based, no bottom-right
+    shift) are int32 and broadcast to the block."""
     if HAS_MOD:
         x = qk * qk_scale
         y = SCORE_MOD(x, b, h, q_idx, kv_idx, CAP)

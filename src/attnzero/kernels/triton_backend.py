@@ -33,10 +33,18 @@ A mask given as an ``az.masks.Mask`` whose ``segments`` are known ("pair kept if
 key's ids are equal": documents, padding) is never materialised: the ids go to the kernels as int32
 ranks (``_segment_ids``), each pair is decided by comparing two ids, and each program visits only
 the blocks of its range (``_segment_ranges``: the keys a block of query rows may see, and for the
-dK/dV kernel the queries that may see a block of keys). Any other ``Mask`` is materialised to a dense
-bool tensor (broadcast dims kept at size 1) and read per block. Causal and window are never
-materialised — they drive block skipping; their sides may be any ints (negative ones included, as
-``geometry`` reads them).
+dK/dV kernel the queries that may see a block of keys). A ``Mask`` made from a mask_mod
+(``masks.from_mod``; ``attnzero.flex``'s BlockMask, whose block table gates the mod: ``Mask.mod``)
+is not materialised either: its predicate is generated as Triton code (``generate_mask``,
+``codegen.mask_mod``) and every kernel — forward, backward (dK/dV and dQ) and split-KV — evaluates it
+per pair of the blocks it visits (``forward.mod_scores``), with the tensors the mod captures read
+from their own storage. A mod that cannot be generated, and any other ``Mask`` (``and_`` / ``or_``
+/ ``~`` of masks, ``from_tensor``, ...), is materialised to a dense bool tensor (broadcast dims kept
+at size 1, ``_materialise``) and read per block — for backend="triton" and "auto" alike: a mask is
+data, and the same kernels read it. The generated predicate does not skip blocks yet: a from_mod
+Mask's block table does not narrow the blocks the kernels visit (causal / window / segments do).
+Causal and window are never materialised — they drive block skipping; their sides may be any ints
+(negative ones included, as ``geometry`` reads them).
 
 Softcap (``softcap > 0``): every kernel caps the raw score ``scale·q·k`` to
 ``softcap·tanh(score / softcap)`` before the bias and the masking, and the backward recomputes the
@@ -47,8 +55,9 @@ score_mod (``attention_with_mod``): the user's function as Triton code generated
 captures as a tuple of pointers; the captured tensors' gradients come from the dK/dV kernel's
 atomics. It goes through an ``autograd.Function`` rather than the custom ops (a function cannot be an
 op's argument), so it runs eagerly only (``functional.py`` refuses it under torch.compile /
-torch.func). A ``mask_mod`` is not generated yet: a ``Mask`` from ``masks.from_mod`` is
-materialised as any other ``Mask`` (the kernels have the ``MASK_MOD`` hook, unused by the host).
+torch.func). A generated mask_mod (above) takes the same route, with or without a score_mod: its
+calls (``attention`` with such a Mask) run eagerly through that Function, not the custom ops
+(``functional.py`` densifies a Mask under torch.compile before any backend sees it).
 
 Head dims: D and Dv up to 256 (``forward.MAX_HEAD_DIM``; the tiles of ``TILES``); larger ones are
 refused with a ValueError that names the flash backend, which takes any head dim.
@@ -73,6 +82,7 @@ from that tensor (the split events also carry copies of the partial results). Ot
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -90,6 +100,8 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
     ) from e
 
 from .. import geometry, ops, reference, trace
+from ..blocks import FULL as BLOCK_FULL
+from ..blocks import PARTIAL as BLOCK_PARTIAL
 from ..masks import Mask, Segments
 from . import backward as bwd_k
 from . import decode as dec_k
@@ -642,11 +654,12 @@ torch.library.register_autograd("attnzero::triton_fwd", _backward_rule, setup_co
 def _args(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: tuple[int | None, int | None] | None, scale: float, softcap: float | None = None, dropout_p: float,
-    dropout_seed: int,
+    dropout_seed: int, mask_gen: Generated | None = None,
 ) -> tuple[Any, ...]:
     """The backend's keyword arguments as the ops take them: ``mask, bias, q_ids, k_ids, causal,
     left, right, scale, softcap, dropout_p, seed``. A ``Mask`` with segments becomes its ids (int32
-    ranks, never a dense mask); any other ``Mask`` is materialised (broadcast dims kept at size 1).
+    ranks, never a dense mask); with ``mask_gen`` (its mask_mod generated, ``generate_mask``) no mask
+    at all (the kernels run the predicate); any other ``Mask`` is materialised (``_materialise``).
     Window sides become ints (``ops.UNBOUNDED`` for None), softcap a float (0.0 for None). Head dims
     beyond the tiles are refused here, before any work."""
     _check_head_dims(q.shape[3], v.shape[3])
@@ -655,8 +668,10 @@ def _args(
     if isinstance(mask, Mask) and mask.segments is not None:
         dense = None
         q_ids, k_ids = _segment_ids(mask.segments, q.shape[0], q.shape[2], k.shape[2], q.device)  # (B, Lq), (B, Lk)
+    elif isinstance(mask, Mask) and mask_gen is not None:
+        dense = None  # the generated predicate decides every pair in the kernels
     elif isinstance(mask, Mask):
-        dense = mask.to_tensor(q.device)  # (B|1, H|1, Lq|1, Lk|1) bool
+        dense = _materialise(mask, q.device)  # (B|1, H|1, Lq|1, Lk|1) bool
     else:
         dense = mask
     left, right = (None, None) if window is None else window
@@ -664,6 +679,22 @@ def _args(
         dense, bias, q_ids, k_ids, causal, _side_arg(left), _side_arg(right), float(scale),
         0.0 if softcap is None else float(softcap), float(dropout_p), int(dropout_seed),
     )
+
+
+def _materialise(mask: Mask, device: torch.device) -> Tensor:
+    """A ``Mask`` the kernels cannot evaluate otherwise, as a dense bool tensor of its shape
+    (B|1, H|1, Lq|1, Lk|1: broadcast dims kept at size 1), read per block by the kernels."""
+    return mask.to_tensor(device)
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, args: tuple[Any, ...], keep_f32: bool,
+         mask_gen: Generated | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The forward kernel: the op, or with a generated mask_mod the plain function (a function
+    cannot be an op's argument)."""
+    if mask_gen is None:
+        return triton_fwd(q, k, v, *args, keep_f32)
+    run: Any = _forward  # (args: the op arguments of ``_args``)
+    return run(q, k, v, *args, keep_f32, mask_gen=mask_gen)  # type: ignore[no-any-return]
 
 
 def attention(
@@ -684,7 +715,8 @@ def attention(
     kernels, differentiable in q, k and v and bias (the forward kernel op and its autograd rule).
 
     Same contract as ``reference.attention``: ``mask`` (bool, or an ``az.masks.Mask`` — its segment
-    ids when it has them, else materialised here to a dense bool tensor) and ``bias`` broadcastable
+    ids when it has them, its mask_mod as generated code when it is one (``generate_mask``; then
+    through ``attention_with_mod``), else materialised here to a dense bool tensor) and ``bias`` broadcastable
     to (B, Hq, Lq, Lk); causal bottom-right; ``window=(left, right)``, sides None or any int;
     ``softcap``: the score becomes ``softcap · tanh(score / softcap)`` before the bias; dropout drops
     exactly ``dropout.keep_mask(dropout_seed, ...)``'s entries, in the forward and the backward.
@@ -692,6 +724,12 @@ def attention(
     (a ValueError beyond): ``functional.choose`` sends float64 to the flash backend and short
     queries without gradients to ``decode``.
     """
+    mask_gen = generate_mask(mask, q.device)
+    if mask_gen is not None:  # the mask_mod in the kernels: an autograd.Function, as a score_mod's
+        return attention_with_mod(
+            q, k, v, score_mod=None, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed, mask_gen=mask_gen,
+        )  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     bias, shift = _shifted_bias(bias)
     args = _args(
@@ -731,7 +769,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]
     autograd."""
     with torch.no_grad():
         bias, shift = _shifted_bias(kw.pop("bias", None))
-        out, lse, _ = triton_fwd(q, k, v, *_args(q, k, v, bias=bias, **kw), False)
+        mask_gen = generate_mask(kw.get("mask"), q.device)
+        out, lse, _ = _fwd(q, k, v, _args(q, k, v, bias=bias, mask_gen=mask_gen, **kw), False, mask_gen)
     return out, (lse if shift is None else lse + shift)
 
 
@@ -740,7 +779,13 @@ def decode(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     ``forward``; no backward (``functional.choose`` takes it only when no input requires grad, for
     the shapes it serves: ``DECODE_MAX_LQ``, ``DECODE_MIN_LK``, ``DECODE_MAX_ROWS``)."""
     bias, shift = _shifted_bias(kw.pop("bias", None))
-    out, lse = triton_decode(q, k, v, *_args(q, k, v, bias=bias, **kw))
+    mask_gen = generate_mask(kw.get("mask"), q.device)
+    args = _args(q, k, v, bias=bias, mask_gen=mask_gen, **kw)
+    if mask_gen is None:
+        out, lse = triton_decode(q, k, v, *args)
+    else:
+        run: Any = _decode
+        out, lse = run(q, k, v, *args, mask_gen=mask_gen)
     return out, (lse if shift is None else lse + shift)
 
 
@@ -756,19 +801,24 @@ def backward(
     it). dbias None unless ``bias_grad``."""
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
     bias, shift = _shifted_bias(bias)
+    mask_gen = generate_mask(mask, q.device)
     args = _args(
         q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
-        dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, mask_gen=mask_gen,
     )
     if shift is not None:
         # the lse of the shifted bias: ``lse − c`` loses its bits where c is huge, so this forward's own
         # is computed again, and what the given lse adds to it (a sink, a ring's keys) added back
         with torch.no_grad():
-            own = triton_fwd(q, k, v, *args, False)[1]
+            own = _fwd(q, k, v, args, False, mask_gen)[1]
         extra = lse - (own + shift)  # 0 for this forward's lse; a row with no key: NaN, not used
         lse = torch.where(own == float("-inf"), lse - shift, own + extra)
     grad_b = bias_grad and bias is not None
-    dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
+    if mask_gen is None:
+        dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
+    else:
+        run: Any = _backward
+        dq, dk, dv, dbias = run(dout, q, k, v, out, lse, *args, grad_b, deterministic, mask_gen=mask_gen)
     return dq, dk, dv, (dbias if grad_b else None)
 
 
@@ -792,6 +842,71 @@ def generate(score_mod: Any, device: torch.device, *, grads: bool) -> Generated:
     return gen
 
 
+def _mask_predicate(mask: Mask, device: torch.device) -> Any:
+    """The Mask's predicate as one function of one pair (what ``codegen.mask_mod`` traces): its
+    mask_mod (``mask.mod``) at the indices ``Mask.__call__`` reads — index 0 on the Mask's dims of
+    size 1 (``i * 0``: generated as any product) — and for a gated one (a BlockMask) the table's
+    kind of the pair's block first: SKIP blocked, FULL kept, the mod on PARTIAL. The table's kinds
+    (B|1, H|1, nQ, nK) int8 are a captured tensor, read per pair from the block indices."""
+    src = mask.mod
+    assert src is not None
+    shape, fn = mask.shape, src.mask_mod
+
+    def at(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, ...]:
+        return tuple(i * 0 if n == 1 else i for i, n in zip((b, h, q_idx, kv_idx), shape))
+
+    if not src.gated:
+        assert fn is not None
+
+        def direct(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return fn(*at(b, h, q_idx, kv_idx))
+
+        return direct
+    table = mask.table
+    assert table is not None
+    kinds = table.kinds.to(device)  # (B|1, H|1, nQ, nK) int8
+    tb_, th_ = kinds.shape[:2]
+    bq, bk = table.bq, table.bk
+
+    def gated(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        b, h, q_idx, kv_idx = at(b, h, q_idx, kv_idx)
+        kind = kinds[b if tb_ > 1 else b * 0, h if th_ > 1 else h * 0, q_idx // bq, kv_idx // bk]
+        kept = kind == BLOCK_FULL
+        if fn is None:  # noop_mask: every pair of a listed block
+            return kept | (kind == BLOCK_PARTIAL)
+        return kept | ((kind == BLOCK_PARTIAL) & (fn(b, h, q_idx, kv_idx) != 0))
+
+    return gated
+
+
+def generate_mask(mask: Tensor | Mask | None, device: torch.device) -> Generated | None:
+    """A ``Mask`` made from a mask_mod (``mask.mod``: ``masks.from_mod``, ``attnzero.flex``'s
+    BlockMask) as a generated predicate for the kernels (``codegen.mask_mod`` of
+    ``_mask_predicate``), or None: no such Mask (a tensor, segments — compared as ids —, a
+    combination by ``and_`` / ``or_`` / ``~``, whose predicate is another function), or a mod that
+    cannot be generated (``codegen.NotGenerable``: an op outside ``codegen.OPS``, Python control
+    flow on a value, ...). None means the dense path: the mask is materialised and read by the same
+    kernels, for backend="triton" and "auto" alike (a mask is data; running it densely is not
+    running elsewhere). The mod is traced on the device of the tensors it captures (one device;
+    else ``device``) and those tensors are copied to ``device`` if they live elsewhere."""
+    if not isinstance(mask, Mask) or mask.mod is None or mask.segments is not None:
+        return None
+    from .. import mods
+    from . import codegen
+
+    src = mask.mod
+    own = mods.captured_tensors(src.mask_mod) if src.mask_mod is not None else []
+    where = {t.device for t in own}
+    trace_dev = where.pop() if len(where) == 1 else device
+    try:
+        gen = codegen.mask_mod(_mask_predicate(mask, trace_dev), trace_dev)
+    except codegen.NotGenerable:
+        return None
+    if any(t.device != device for t in gen.tensors):
+        gen = dataclasses.replace(gen, tensors=tuple(t.to(device) for t in gen.tensors))
+    return gen
+
+
 class _ModAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -800,7 +915,8 @@ class _ModAttention(torch.autograd.Function):
         del captured  # inputs only so that they get gradients (the generated code reads gen.tensors)
         args, gen, keep_f32 = options["args"], options["gen"], options["keep_f32"]
         run: Any = _forward  # (args: the op arguments of ``_args``)
-        out, lse, out32 = run(q, k, v, args[0], bias, *args[2:], keep_f32, score_gen=gen)
+        mask_gen = options["mask_gen"]
+        out, lse, out32 = run(q, k, v, args[0], bias, *args[2:], keep_f32, score_gen=gen, mask_gen=mask_gen)
         ctx.save_for_backward(q, k, v, bias, out32 if keep_f32 else out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
@@ -815,16 +931,17 @@ class _ModAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             return _mod_graph_grads(dout, q, k, v, bias, needs, options)
-        bufs = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in gen.tensors)
+        tensors = gen.tensors if gen is not None else ()
+        bufs = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors)
         deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
         bias_grad = bias is not None and needs[3]
         run: Any = _backward
         dq, dk, dv, dbias = run(
             dout, q, k, v, out, lse, args[0], bias, *args[2:], bias_grad, deterministic, score_gen=gen,
-            cap_grads=bufs,
+            mask_gen=options["mask_gen"], cap_grads=bufs,
         )  # fmt: skip
         grads: list[Tensor | None] = [None] * len(captured)
-        for buf, j in zip(bufs, gen.grad_of):
+        for buf, j in zip(bufs, gen.grad_of if gen is not None else ()):
             if j is not None and needs[5 + j]:
                 grads[j] = buf.to(captured[j].dtype)
         return dq, dk, dv, (dbias if bias_grad else None), None, *grads
@@ -852,7 +969,7 @@ def attention_with_mod(
     k: Tensor,
     v: Tensor,
     *,
-    score_mod: Any,
+    score_mod: Any = None,
     mask: Tensor | Mask | None = None,
     bias: Tensor | None = None,
     causal: bool = False,
@@ -862,33 +979,38 @@ def attention_with_mod(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
     decode: bool = False,
+    mask_gen: Generated | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``attention`` with a ``score_mod`` run by the kernels as generated Triton code (codegen.py):
     differentiable in q, k, v, bias and the tensors the mod captures (``mods.captured_tensors``),
     forward and backward by the Triton kernels. ``decode``: the split-KV kernel (no gradients; what
     ``functional.choose`` would take for these shapes). Raises ``codegen.NotGenerable`` naming what
-    cannot be generated, before any work."""
+    cannot be generated, before any work. A ``mask`` made from a mask_mod runs as a generated
+    predicate too (``mask_gen``, else ``generate_mask``; materialised when it cannot be generated);
+    ``score_mod`` may then be None."""
     from .. import mods
 
-    captured = mods.captured_tensors(score_mod)
+    captured = mods.captured_tensors(score_mod) if score_mod is not None else []
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *captured))
-    gen = generate(score_mod, q.device, grads=needs_grad and not decode)
+    gen = generate(score_mod, q.device, grads=needs_grad and not decode) if score_mod is not None else None
+    mask_gen = mask_gen if mask_gen is not None else generate_mask(mask, q.device)
     bias, shift = _shifted_bias(bias)
     args = _args(
         q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
-        dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, mask_gen=mask_gen,
     )  # fmt: skip
     if decode or not needs_grad:
         with torch.no_grad():
             run: Any = _decode if decode else _forward
-            out, lse = run(q, k, v, args[0], bias, *args[2:], score_gen=gen)[:2]
+            out, lse = run(q, k, v, args[0], bias, *args[2:], score_gen=gen, mask_gen=mask_gen)[:2]
     else:
         ref = {
             "mask": mask, "causal": causal, "window": window, "scale": scale, "softcap": softcap,
             "dropout_p": dropout_p, "dropout_seed": dropout_seed, "score_mod": score_mod,
         }  # fmt: skip
         options = {
-            "args": args, "gen": gen, "keep_f32": q.dtype != torch.float32, "captured": captured, "reference": ref,
+            "args": args, "gen": gen, "mask_gen": mask_gen, "keep_f32": q.dtype != torch.float32, "captured": captured,
+            "reference": ref,
         }  # fmt: skip
         out, lse = _ModAttention.apply(q, k, v, bias, options, *captured)
     return out, (lse if shift is None else lse + shift)
