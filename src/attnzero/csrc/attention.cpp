@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <omp.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -379,8 +380,29 @@ inline int64_t grain(int64_t tasks, int64_t work_per_task) {
   return std::max<int64_t>(1, std::min<int64_t>(tasks, MIN_PARALLEL_WORK / std::max<int64_t>(1, work_per_task)));
 }
 
+// The one parallel region of a call: fn(begin, end) over chunks of [0, tasks) on torch's OpenMP
+// threads, handed out as threads come free (a dynamic schedule, about 8 chunks a thread). With
+// at::parallel_for's equal contiguous ranges a thread that lost its core to another process made
+// the whole call wait for its share (sentence embeddings' forward fell to 0.72× torch with a
+// competing process); now the other thread takes what is left. Small problems (fewer tasks than
+// `grain`), one thread, or a call from inside a parallel region: on the calling thread.
+template <typename F>
+void run_tasks(int64_t tasks, int64_t grain, const F& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tasks + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region() || omp_in_parallel()) {
+    if (tasks > 0) fn(0, tasks);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(grain, tasks / (8 * threads)), chunks = (tasks + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(threads))
+  for (int64_t c = 0; c < chunks; ++c) fn(c * chunk, std::min(tasks, (c + 1) * chunk));
+}
+
+// The slot of this thread's copy of a per-thread accumulator (< at::get_num_threads()).
+inline int64_t thread_slot() { return omp_in_parallel() ? omp_get_thread_num() : 0; }
+
 // Query blocks in the order 0, n−1, 1, n−2, …: under causal the late blocks hold more keys, and
-// at::parallel_for gives each thread a contiguous range of tasks.
+// chunks are handed out in order, so heavy and light tasks alternate.
 inline int64_t zigzag(int64_t t, int64_t n) { return (t % 2 == 0) ? t / 2 : n - 1 - t / 2; }
 
 // ---------------------------------------------------------------------------------------------
@@ -394,7 +416,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, tasks, grain(tasks, R_max * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
+  run_tasks(tasks, grain(tasks, R_max * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one;
     // per-thread scratch: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l
     const bool wide = !std::is_same_v<T, float>;
@@ -503,7 +525,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   T* dkp = dk.data_ptr<T>();
   T* dvp = dv.data_ptr<T>();
   const int64_t tasks = P.B * P.Hkv;
-  at::parallel_for(0, tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
+  run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one;
     // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
     // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
@@ -513,7 +535,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
     float *dqa = pool.take(NR * D), *kb = pool.take(bn * D), *vb = pool.take(bn * Dv);
     float *dka = pool.take(bn * D), *dva = pool.take(bn * Dv), *s = pool.take(RB), *dp = pool.take(RB);
     float *pd = pool.take(nd), *th = pool.take(nt);
-    float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? at::get_thread_num() * dbias_per_thread : 0);
+    float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? thread_slot() * dbias_per_thread : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / P.Hkv, hkv = task % P.Hkv;
       for (int64_t ib = 0; ib < P.nqb; ++ib) {
