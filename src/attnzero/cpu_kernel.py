@@ -4,7 +4,7 @@ Letters: B batch, Hq / Hkv query / key-value heads, Lq / Lk query / key length, 
 
 What it computes is flash.py's function — the online softmax of docs/MATH.md and its backward —
 for float32, bfloat16 and float16 on CPU (float32 accumulation), in one C++ loop per call over
-(batch, key-value head, query block) with ``at::parallel_for``: GQA reading K/V head ``h // G``
+(batch, key-value head, query block) in one OpenMP region on torch's threads: GQA reading K/V head ``h // G``
 without a copy, causal / window (bottom-right), dense bool masks through their strides, an
 ``az.masks.Mask`` through a table of its blocks (skip / full / partial, ``_mask_table``), a float
 bias and its gradient, softcap, dropout with ``dropout.py``'s hash. Sinks are folded outside, as
@@ -92,8 +92,8 @@ def _cpu_flags() -> list[str]:
 
 
 def _build_flags() -> list[str]:
-    # -fopenmp at compile time only: at::parallel_for is inline OpenMP code (without the flag its
-    # pragma is ignored and every call runs on one thread), and its GOMP_* calls resolve at load to
+    # -fopenmp at compile time only: the kernel's parallel region is an OpenMP pragma (without the
+    # flag it is ignored and every call runs on one thread), and its GOMP_* calls resolve at load to
     # the OpenMP runtime libtorch_cpu links — torch's own thread pool, not a second one.
     return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags()]
 

@@ -8,7 +8,7 @@
 // Layout of the work. A task is one key-value head of one batch and one block of bm query rows:
 // the G query heads that read that K/V head are stacked into one block of R = G·bm rows (row
 // r = g·ni + ii is query head hkv·G + g, query i0 + ii), so each K/V block is read once for the
-// whole group (GQA without copying K/V). The forward runs one at::parallel_for over
+// whole group (GQA without copying K/V). The forward runs one parallel region (run_tasks) over
 // (batch, kv head, query block); the backward one over (batch, kv head), each task owning its
 // dK / dV rows and its query heads' dQ rows (no races). Scores, probabilities and accumulators are
 // float32 whatever the input dtype (float32, bfloat16, float16); the products are MKL's sgemm,
@@ -38,7 +38,7 @@
 
 extern "C" {
 // MKL's sgemm (column-major, LP64), exported by libtorch_cpu; the same routine at::mm calls. Inside
-// at::parallel_for's OpenMP region it runs on the calling thread.
+// the kernel's parallel region it runs on the calling thread (OneMklThread).
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
             const int* ldc);
