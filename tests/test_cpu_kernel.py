@@ -289,3 +289,31 @@ def test_small_blocks_trim_and_mask_every_block(
         if kw.get("bias"):
             kw["bias"] = torch.randn(1, 4, Lq, Lk, dtype=F64)
         golden(torch.float32, q, k, v, calls, **kw)
+
+
+def test_a_mask_from_a_mod_runs_from_its_table_built_once(
+    calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A from_mod Mask (prefix-LM) reaches the kernel as its block table — blocks above the diagonal
+    and past the prefix SKIP, blocks below it FULL, never a dense (B, H, Lq, Lk) mask — and the table
+    is built once for the Mask, not per call; results against the golden."""
+    L, prefix = 300, 70
+    mask = az.masks.from_mod(lambda b, h, q, kv: (kv < prefix) | (kv <= q), 1, 1, L, L)
+    built: list[tuple[int, ...]] = []
+    real = cpu_kernel._build_mask_table
+
+    def spy(m: Any, *sizes: int) -> Any:
+        built.append(sizes)
+        dense, table, tiles = real(m, *sizes)
+        assert dense is None and table is not None  # the structured path
+        return dense, table, tiles
+
+    monkeypatch.setattr(cpu_kernel, "_build_mask_table", spy)
+    q, k, v = qkv(2, 4, 2, L, L, 16)
+    golden(torch.float32, q, k, v, calls, mask=mask)
+    golden(torch.float32, q, k, v, calls, mask=mask)
+    assert len(built) == 1, built
+    _, table, _ = cpu_kernel._mask_table(mask, L, L, 128, 128)
+    assert table is not None
+    kinds = [[min(t, 2) for t in row] for row in table[0].tolist()]  # 0 SKIP, 1 FULL, 2 PARTIAL (2 + tile)
+    assert kinds == [[2, 0, 0], [1, 2, 0], [1, 1, 2]]

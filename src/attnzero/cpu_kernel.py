@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -225,14 +226,39 @@ def _band(causal: bool, window: geometry.Window) -> tuple[int, int]:
     return (UNBOUNDED if left is None else left), (UNBOUNDED if right is None else right)
 
 
+# A structured Mask's table and tiles, per (Lq, Lk, bm, bn), kept while the Mask lives: a Mask is
+# immutable and usually serves many calls (every layer, every step), and building its table
+# (a classify per block in Python, the mod evaluated on each PARTIAL tile) cost more than the
+# attention itself for a from_mod prefix-LM mask at L = 2048.
+_TABLES: weakref.WeakKeyDictionary[Mask, dict[tuple[int, int, int, int], tuple[Tensor, Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dense, table, tiles)`` for a Mask (a structured one's from ``_TABLES`` after its first call)."""
+    if not _structured(mask):
+        return _build_mask_table(mask, Lq, Lk, bm, bn)
+    per_mask = _TABLES.setdefault(mask, {})
+    key = (Lq, Lk, bm, bn)
+    if key not in per_mask:
+        _, table, tiles = _build_mask_table(mask, Lq, Lk, bm, bn)
+        assert table is not None and tiles is not None
+        per_mask[key] = (table, tiles)
+    table, tiles = per_mask[key]
+    return None, table, tiles
+
+
+def _build_mask_table(
+    mask: Mask, Lq: int, Lk: int, bm: int, bn: int
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dense, table, tiles)`` for a Mask. Without block structure: its dense bool tensor
     (B|1, H|1, Lq, Lk). With it: per batch of the mask (Bm = 1 or B), query block and key block
     the kind — 0 SKIP, 1 FULL, 2 + t PARTIAL — as int32 (Bm, nqb, nkb), found from
     ``Mask.key_range`` and ``Mask.classify``, and the PARTIAL blocks evaluated (``Mask.block``)
     into tiles, bool (n, Bm, Hm, bm, bn), shared by the batches that need the same block."""
     Bm, Hm = mask.shape[0], mask.shape[1]
-    if mask.band is None and mask._segments is None:  # no structure: evaluate it all
+    if not _structured(mask):  # no structure: evaluate it all
         return mask.block((0, Lq), (0, Lk)).expand(Bm, Hm, Lq, Lk), None, None
     nqb, nkb = -(-Lq // bm), -(-Lk // bn)
     table = torch.zeros(Bm, nqb, nkb, dtype=torch.int32)
@@ -260,6 +286,12 @@ def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor 
     return None, table, pool
 
 
+def _structured(mask: Mask) -> bool:
+    """Whether a Mask knows its blocks (``classify`` / ``key_range`` answer without evaluating it): a
+    band, segments, a block table (``from_mod``, a BlockMask) or a combination of such parts."""
+    return mask.band is not None or mask._segments is not None or mask.table is not None or mask.parts is not None
+
+
 def block_sizes(Lq: int, Lk: int, G: int, banded: bool, structured: bool) -> tuple[int, int]:
     """``(bm, bn)``: query rows (per head of a group) and key columns per block (see ``BLOCK_KEYS``),
     at most Lq and Lk (the kernel's scratch is sized by them)."""
@@ -279,7 +311,7 @@ def _args(
     if not available():
         raise RuntimeError(f"attnzero: the CPU kernel is not available: {why()}")
     Lq, Lk = q.shape[2], k.shape[2]
-    structured = isinstance(mask, Mask) and (mask.band is not None or mask._segments is not None)
+    structured = isinstance(mask, Mask) and _structured(mask)
     bm, bn = block_sizes(Lq, Lk, q.shape[1] // max(1, k.shape[1]), causal or window is not None, structured)
     dense: Tensor | None = None
     table = tiles = None
