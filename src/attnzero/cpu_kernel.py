@@ -55,8 +55,6 @@ BLOCK_ROWS_BAND, BLOCK_ROWS_FULL, BLOCK_KEYS = 64, 256, 512
 MASK_BLOCK = 128
 UNBOUNDED = -(2**63)  # a side of the band without a bound (the C++ side's UNBOUNDED)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# A Mask without block structure is evaluated densely, up to this many entries (bytes); beyond, flash.py.
-DENSE_MASK_MAX = 1 << 28
 # flash.bias_row_shift's bound: a row whose bias is everywhere farther from 0 than this (an additive
 # mask's −1e9) needs the shifted lse that flash.py keeps; the kernel does not do that (yet).
 ROW_SHIFT_MIN = 32.0
@@ -158,8 +156,7 @@ def _load() -> str | None:
 
 
 def _import(path: Path, name: str) -> Any:
-    """The built library as a Python module (its pybind11 functions; loading it also registers the
-    torch.ops.attnzero_cpu ops)."""
+    """The built library as a Python module (its pybind11 functions forward, backward, keep_mask)."""
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,6 +1,6 @@
 // attnzero's CPU attention kernel: the online softmax of docs/MATH.md and its backward, in C++
-// against ATen, built on first use by attnzero/cpu_kernel.py (torch.utils.cpp_extension) and
-// registered as the ops torch.ops.attnzero_cpu.forward / .backward.
+// against ATen, built on first use by attnzero/cpu_kernel.py (torch.utils.cpp_extension) as a
+// Python module of three functions: forward, backward, keep_mask.
 //
 // Letters: B batch, Hq / Hkv query / key-value heads, G = Hq / Hkv, Lq / Lk query / key length,
 // D head dim of q and k, Dv head dim of v. bm / bn: query rows / key columns per block.
@@ -26,7 +26,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
 #include <torch/extension.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -693,29 +692,12 @@ at::Tensor keep_mask(int64_t seed, double dropout_p, int64_t H, int64_t Lq, int6
 
 }  // namespace
 
-// The same functions as a Python module, for eager calls: a pybind11 call costs about 1 µs where the
-// dispatcher's boxed call from Python (torch.ops.attnzero_cpu.*) costs about 8 — most of a tiny
-// call's budget. torch.compile sees neither: ops.py wraps the backend in custom ops of its own.
+// The functions as a Python module: a pybind11 call costs about 1 µs, where a dispatcher op's boxed
+// call from Python (the torch.ops.attnzero_cpu ops this file registered before) cost about 8 — most
+// of a tiny call's budget. torch.compile / torch.export never see them: ops.py wraps the backend in
+// custom ops of its own.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward);
   m.def("backward", &backward);
   m.def("keep_mask", &keep_mask);
 }
-
-TORCH_LIBRARY(attnzero_cpu, m) {
-  m.def(
-      "forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? table, Tensor? tiles, int left, "
-      "int right, float scale, float softcap, float dropout_p, int seed, int block_q, int block_k) -> (Tensor, Tensor)");
-  m.def(
-      "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, "
-      "Tensor? table, Tensor? tiles, int left, int right, float scale, float softcap, float dropout_p, int seed, "
-      "int block_q, int block_k, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("keep_mask(int seed, float dropout_p, int H, int Lq, int Lk, int b, int h, int i, int j0, int n) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(attnzero_cpu, CPU, m) {
-  m.impl("forward", &forward);
-  m.impl("backward", &backward);
-}
-
-TORCH_LIBRARY_IMPL(attnzero_cpu, CompositeExplicitAutograd, m) { m.impl("keep_mask", &keep_mask); }
