@@ -322,13 +322,10 @@ def _attention(
         # cannot hold a function), under torch.func, and for empty problems. The compiled CPU kernel
         # runs no user function. A mod that cannot be generated is refused by backend="triton",
         # naming the operation — never run elsewhere.
-        special = (  # (sinks too, for now: flash folds them outside its Function, which a mod's grads need)
-            torch.compiler.is_compiling()
-            or batching.wrapped(q, k, v, keep, add, sink)
-            or 0 in (q.numel(), k.numel(), v.numel())
-            or sink is not None
-        )
         empty = 0 in (q.numel(), k.numel(), v.numel())
+        special = (  # (sinks too, for now: flash folds them outside its Function, which a mod's grads need)
+            torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty or sink is not None
+        )
         if name == "triton" and special and not empty:
             raise ArgumentError(
                 "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile or torch.func, "
