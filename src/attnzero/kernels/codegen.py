@@ -58,7 +58,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -159,6 +159,46 @@ def _literal(value: float | int | bool, dtype: torch.dtype) -> str:
     return str(n) if n >= 0 else f"({n})"
 
 
+class _Lang:
+    """How the translated graph is spelled: Triton (this class; the GPU kernels, a block of pairs per
+    value) or C++ (``_Cpp``; the CPU kernel, one pair per value inside a loop over a row's keys).
+    ``varying``: the arguments that differ between the pairs one generated call computes."""
+
+    name = "Triton"
+    varying: ClassVar[frozenset[str]] = frozenset({"score", "q_idx", "kv_idx"})
+    fns: ClassVar[dict[str, str]] = {
+        "floor": "tl.floor", "ceil": "tl.ceil", "abs": "tl.abs", "exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log",
+        "log2": "tl.log2", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt", "tanh": "_tanh", "sigmoid": "tl.sigmoid",
+        "sin": "tl.sin", "cos": "tl.cos",
+    }  # fmt: skip
+
+    def literal(self, value: float | int | bool, dtype: torch.dtype) -> str:
+        return _literal(value, dtype)
+
+    def type(self, dtype: torch.dtype) -> str:
+        return _TL[dtype]
+
+    def to(self, expr: str, dtype: torch.dtype) -> str:
+        return f"{expr}.to({self.type(dtype)})"
+
+    def where(self, c: str, a: str, b: str) -> str:
+        return f"tl.where({c}, {a}, {b})"
+
+    def fn(self, name: str, *args: str) -> str:
+        return f"{self.fns[name]}({', '.join(args)})"
+
+    def load(self, slot: int, offset: str, ok: str | None, dtype: torch.dtype) -> str:
+        mask = f", mask={ok}, other=0" if ok else ""
+        expr = f"tl.load(CAP[{slot}] + {offset}{mask})"
+        return f"({expr} != 0)" if dtype == torch.bool else expr
+
+    def assign(self, var: str, expr: str, dtype: torch.dtype) -> str:
+        return f"{var} = {expr}"
+
+
+TRITON = _Lang()
+
+
 def _meta(x: Any) -> Any:
     """What ``torch.result_type`` takes for a value: a 0-d tensor of its dtype, or the number."""
     if isinstance(x, Scalar):
@@ -180,10 +220,8 @@ _BITWISE = {"bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^", "__and__"
             "__xor__": "^"}  # fmt: skip
 _LOGICAL = {"logical_and": "_and", "logical_or": "_or", "logical_xor": "_xor"}
 _BOOL_FN = {"&": "_and", "|": "_or", "^": "_xor"}
-_UNARY = {"exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})", "log2": "tl.log2({})",
-          "sqrt": "tl.sqrt_rn({})", "rsqrt": "tl.rsqrt({})", "tanh": "_tanh({})", "sigmoid": "tl.sigmoid({})",
-          "sin": "tl.sin({})", "cos": "tl.cos({})", "floor": "tl.floor({})", "ceil": "tl.ceil({})",
-          "neg": "(-{})", "reciprocal": "(1.0 / {})", "square": "({0} * {0})"}  # fmt: skip
+_UNARY = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "floor", "ceil"}
+_INLINE = {"neg": "(-{})", "reciprocal": "(1.0 / {})", "square": "({0} * {0})"}  # fmt: skip
 _FLOAT_ONLY = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "reciprocal"}
 _IDENTITY = {
     "alias",
@@ -200,7 +238,7 @@ _IDENTITY = {
 }  # fmt: skip  (on 0-d values only)
 _CONSTANTS = {"full", "scalar_tensor", "zeros", "ones", "new_zeros", "new_ones", "new_full", "full_like",
               "zeros_like", "ones_like", "empty_like"}  # fmt: skip
-OPS = sorted({*_BINARY, *_COMPARE, *_BITWISE, *_LOGICAL, *_UNARY, *_IDENTITY, *_CONSTANTS, "rsub", "div",
+OPS = sorted({*_BINARY, *_COMPARE, *_BITWISE, *_LOGICAL, *_UNARY, *_INLINE, *_IDENTITY, *_CONSTANTS, "rsub", "div",
               "abs", "sign", "sgn", "pow", "floor_divide", "remainder", "fmod", "minimum", "maximum", "clamp",
               "clamp_min", "clamp_max", "where", "logical_not", "bitwise_not", "_to_copy", "detach", "index",
               "select"})  # fmt: skip
@@ -214,6 +252,7 @@ class _Emitter:
     gm: torch.fx.GraphModule
     captured: list[Tensor]  # mods.captured_tensors(fn): who may get gradients
     want_grads: bool
+    lang: _Lang = TRITON
     lines: list[str] = field(default_factory=list)
     vals: dict[torch.fx.Node, Any] = field(default_factory=dict)
     tensors: list[Tensor] = field(default_factory=list)
@@ -225,23 +264,23 @@ class _Emitter:
     def refuse(self, node: torch.fx.Node, why: str = "") -> NotGenerable:
         op = _op_name(node.target)
         extra = f" ({why})" if why else ""
-        return NotGenerable(f"{self.name}: cannot generate Triton code for {op}{extra}")
+        return NotGenerable(f"{self.name}: cannot generate {self.lang.name} code for {op}{extra}")
 
     def new(self, expr: str, dtype: torch.dtype, varies: bool, load: Load | None = None) -> Scalar:
         self.count += 1
         var = f"v{self.count}"
-        self.lines.append(f"{var} = {expr}")
+        self.lines.append(self.lang.assign(var, expr, dtype))
         return Scalar(var, dtype, varies, load=load)
 
     def cast(self, x: Scalar, dtype: torch.dtype) -> str:
         """``x`` as an expression of ``dtype`` (torch's conversion: to bool is ``!= 0``)."""
         if x.value is not None:
-            return _literal(x.value, dtype)
+            return self.lang.literal(x.value, dtype)
         if x.dtype == dtype:
             return x.expr
         if dtype == torch.bool:
             return f"({x.expr} != 0)"
-        return f"{x.expr}.to({_TL[dtype]})"
+        return self.lang.to(x.expr, dtype)
 
     def scalar(self, node: torch.fx.Node, a: Any) -> Scalar:
         """An argument as a per-pair value: a graph value (a 0-d captured tensor is read here) or a
@@ -254,7 +293,7 @@ class _Emitter:
             return v
         if isinstance(a, (bool, int, float)):
             kind = torch.bool if isinstance(a, bool) else torch.int64 if isinstance(a, int) else torch.float64
-            return Scalar(_literal(a, kind), kind, False, value=a)
+            return Scalar(self.lang.literal(a, kind), kind, False, value=a)
         raise self.refuse(node, f"an argument of type {type(a).__name__}")
 
     def slot(self, t: Tensor) -> int:
@@ -270,10 +309,7 @@ class _Emitter:
             self.want_grads and not v.detached and t.requires_grad and _is_float(t.dtype)
             and any(c is t for c in self.captured)
         )  # fmt: skip
-        mask = f", mask={v.ok}, other=0" if v.ok else ""
-        expr = f"tl.load(CAP[{v.slot}] + {v.offset}{mask})"
-        if v.dtype == torch.bool:
-            expr = f"({expr} != 0)"
+        expr = self.lang.load(v.slot, v.offset, v.ok, v.dtype)
         load = Load(v.slot, v.offset, v.ok, v.varies, grad)
         if v.cast is None or v.cast == v.dtype:
             return self.new(expr, v.dtype, v.varies, load)
@@ -286,7 +322,7 @@ class _Emitter:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for node, name in zip(placeholders, arg_names):
             dtype = F32 if name == "score" else mods.INDEX_DTYPE
-            self.vals[node] = Scalar(name, dtype, name in ("score", "q_idx", "kv_idx"))
+            self.vals[node] = Scalar(name, dtype, name in self.lang.varying)
         out: Scalar | None = None
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
@@ -296,7 +332,7 @@ class _Emitter:
                 assert isinstance(t, Tensor)
                 if t.ndim == 0 and not any(c is t for c in self.captured):  # a constant made inside the mod
                     value = t.item()
-                    self.vals[node] = Scalar(_literal(value, t.dtype), t.dtype, False, value=value)
+                    self.vals[node] = Scalar(self.lang.literal(value, t.dtype), t.dtype, False, value=value)
                     continue
                 strides = _contiguous_strides(tuple(t.shape))
                 v = View(self.slot(t), tuple(t.shape), strides, "0", None, False, t.dtype)
@@ -340,7 +376,7 @@ class _Emitter:
             number = args[value] if value is not None else (1 if "ones" in op else 0)
             if isinstance(number, torch.fx.Node):
                 raise self.refuse(node, "a value that is not a Python number")
-            return Scalar(_literal(number, dt), dt, False, value=number)
+            return Scalar(self.lang.literal(number, dt), dt, False, value=number)
         if op in _IDENTITY:
             return self.scalar(node, args[0])
         if op == "detach":
@@ -355,9 +391,9 @@ class _Emitter:
             alpha = kw.get("alpha", xs[2] if len(xs) > 2 else 1)
             if isinstance(alpha, Scalar):
                 raise self.refuse(node, "a tensor alpha")
-            sb = self.cast(b, dt) if alpha == 1 else f"({self.cast(b, dt)} * {_literal(alpha, dt)})"
+            sb = self.cast(b, dt) if alpha == 1 else f"({self.cast(b, dt)} * {self.lang.literal(alpha, dt)})"
             if op == "rsub":  # other - alpha·self
-                sa = self.cast(a, dt) if alpha == 1 else f"({self.cast(a, dt)} * {_literal(alpha, dt)})"
+                sa = self.cast(a, dt) if alpha == 1 else f"({self.cast(a, dt)} * {self.lang.literal(alpha, dt)})"
                 return self.new(f"{self.cast(b, dt)} - {sa}", dt, varies)
             return self.new(f"{self.cast(a, dt)} {_BINARY[op]} {sb}", dt, varies)
         if op == "div":
@@ -367,13 +403,13 @@ class _Emitter:
                 return self.new(f"{self.cast(a, dt)} / {self.cast(b, dt)}", dt, varies)
             if _is_float(dt):
                 inner = f"{self.cast(a, dt)} / {self.cast(b, dt)}"
-                return self.new(f"tl.floor({inner})" if mode == "floor" else f"_trunc({inner})", dt, varies)
+                return self.new(self.lang.fn("floor", inner) if mode == "floor" else f"_trunc({inner})", dt, varies)
             fn = "_floordiv" if mode == "floor" else "_truncdiv"
             return self.new(f"{fn}({self.cast(a, dt)}, {self.cast(b, dt)})", dt, varies)
         if op in ("floor_divide", "remainder", "fmod"):
             a, b = self.cast(xs[0], dt), self.cast(xs[1], dt)
             if op == "floor_divide":
-                expr = f"tl.floor({a} / {b})" if _is_float(dt) else f"_floordiv({a}, {b})"
+                expr = self.lang.fn("floor", f"{a} / {b}") if _is_float(dt) else f"_floordiv({a}, {b})"
             elif op == "remainder":
                 expr = f"_fremainder({a}, {b})" if _is_float(dt) else f"_remainder({a}, {b})"
             else:
@@ -397,9 +433,11 @@ class _Emitter:
         if op in _UNARY:
             if op in _FLOAT_ONLY and not _is_float(dt):
                 raise self.refuse(node, f"dtype {dt}")
-            return self.new(_UNARY[op].format(self.cast(xs[0], dt)), dt, varies)
+            return self.new(self.lang.fn(op, self.cast(xs[0], dt)), dt, varies)
+        if op in _INLINE:
+            return self.new(_INLINE[op].format(self.cast(xs[0], dt)), dt, varies)
         if op == "abs":
-            return self.new(f"tl.abs({self.cast(xs[0], dt)})", dt, varies)
+            return self.new(self.lang.fn("abs", self.cast(xs[0], dt)), dt, varies)
         if op in ("sign", "sgn"):
             return self.new(f"_sign({self.cast(xs[0], dt)})", dt, varies)
         if op == "pow":
@@ -421,19 +459,19 @@ class _Emitter:
             return self.new(expr, dt, varies)
         if op == "where":
             c, a, b = xs[0], xs[1], xs[2]
-            return self.new(f"tl.where({self.cast(c, torch.bool)}, {self.cast(a, dt)}, {self.cast(b, dt)})", dt,
-                            varies)  # fmt: skip
+            return self.new(self.lang.where(self.cast(c, torch.bool), self.cast(a, dt), self.cast(b, dt)), dt, varies)
         raise self.refuse(node)
 
     def pow(self, node: torch.fx.Node, xs: list[Any], dt: torch.dtype, varies: bool) -> Scalar:
         base, ex = xs[0], xs[1]
         if isinstance(ex, Scalar) and ex.value is not None and base.value is None:  # x ** n
-            expr = _pow_expr(self.cast(base, dt), ex.value, dt)
+            expr = _pow_expr(self.lang, self.cast(base, dt), ex.value, dt)
             if expr is None:
                 raise self.refuse(node, "an integer to a negative power")
             return self.new(expr, dt, varies)
         if base.value is not None and float(base.value) > 0 and _is_float(dt):  # c ** x
-            return self.new(f"tl.exp2({self.cast(ex, dt)} * {_literal(math.log2(base.value), dt)})", dt, varies)
+            power = f"{self.cast(ex, dt)} * {self.lang.literal(math.log2(base.value), dt)}"
+            return self.new(self.lang.fn("exp2", power), dt, varies)
         raise self.refuse(node, "only a tensor to a Python number's power, or a positive number to a tensor's")
 
     def view_op(self, node: torch.fx.Node, op: str, args: list[Any], kw: dict[str, Any]) -> Any:
@@ -478,7 +516,7 @@ class _Emitter:
                     raise self.refuse(node, f"an index of dtype {s.dtype}")
                 size = v.shape[d]
                 raw = self.new(self.cast(s, s.dtype), s.dtype, s.varies)
-                w = self.new(f"tl.where({raw.expr} < 0, {raw.expr} + {size}, {raw.expr})", s.dtype, s.varies)
+                w = self.new(self.lang.where(f"{raw.expr} < 0", f"{raw.expr} + {size}", raw.expr), s.dtype, s.varies)
                 cond = f"_and({w.expr} >= 0, {w.expr} < {size})"
                 ok = cond if ok is None else f"_and({ok}, {cond})"
                 offset = f"({offset} + {w.expr} * {v.strides[d]})"
@@ -499,19 +537,19 @@ def _clamp_bounds(op: str, xs: list[Any], kw: dict[str, Any]) -> tuple[Any, Any]
     return kw.get("min", lo), kw.get("max", hi)
 
 
-def _pow_expr(x: str, n: float | int, dt: torch.dtype) -> str | None:
+def _pow_expr(lang: _Lang, x: str, n: float | int, dt: torch.dtype) -> str | None:
     """``x ** n`` for a Python number n as an expression, or None (an integer to a negative power)."""
     if float(n).is_integer() and abs(n) <= 16:
         k = int(abs(n))
         if k == 0:
-            return _literal(1, dt)
+            return lang.literal(1, dt)
         prod = "(" + " * ".join([x] * k) + ")"
         if n < 0:
             return f"(1.0 / {prod})" if _is_float(dt) else None
         return prod
     if n == 0.5:
-        return f"tl.sqrt_rn({x})"
-    return f"tl.exp2({_literal(n, dt)} * tl.log2({x}))"
+        return lang.fn("sqrt", x)
+    return lang.fn("exp2", f"{lang.literal(n, dt)} * {lang.fn('log2', x)}")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -538,10 +576,10 @@ class _Backward:
         self.count = 0
         self.needs: dict[torch.fx.Node, bool] = {}
 
-    def var(self, expr: str) -> str:
+    def var(self, expr: str, dtype: torch.dtype) -> str:
         self.count += 1
         name = f"g{self.count}"
-        self.lines.append(f"{name} = {expr}")
+        self.lines.append(self.em.lang.assign(name, expr, dtype))
         return name
 
     def add(self, node: Any, expr: str, dtype: torch.dtype) -> None:
@@ -552,9 +590,9 @@ class _Backward:
         v = self.em.vals[node]
         assert isinstance(v, Scalar)
         if v.dtype != dtype:
-            expr = f"({expr}).to({_TL[v.dtype]})"
+            expr = self.em.lang.to(f"({expr})", v.dtype)
         before = self.adj.get(node)
-        self.adj[node] = self.var(expr if before is None else f"{before} + {expr}")
+        self.adj[node] = self.var(expr if before is None else f"{before} + {expr}", v.dtype)
 
     def mark(self) -> None:
         """Which nodes need a gradient: the score, reads that want one, and float nodes computed
@@ -603,8 +641,13 @@ class _Backward:
         return f"if ACCUMULATE:\n        tl.atomic_add(CAP_GRAD[{load.slot}] + {load.offset}, {total}{mask})"
 
     def rule(self, node: torch.fx.Node, g: str, y: Scalar) -> None:
-        em, dt = self.em, y.dtype
+        em, dt, lang = self.em, y.dtype, self.em.lang
         op = node.target._overloadpacket.__name__  # type: ignore[union-attr]
+        zero = lang.literal(0.0, dt)
+
+        def where(c: str, a: str, b: str) -> str:
+            return lang.where(c, a, b)
+
         args: list[Any] = list(node.args)
         kw: dict[str, Any] = dict(node.kwargs)
 
@@ -618,11 +661,11 @@ class _Backward:
             alpha = kw.get("alpha", args[2] if len(args) > 2 else 1)
             sign = -1 if op != "add" else 1
             if op == "rsub":  # other - alpha·self
-                self.add(a0, f"{g} * {_literal(-alpha, dt)}", dt)
+                self.add(a0, f"{g} * {lang.literal(-alpha, dt)}", dt)
                 self.add(args[1], g, dt)
                 return
             self.add(a0, g, dt)
-            self.add(args[1], f"{g} * {_literal(sign * alpha, dt)}", dt)
+            self.add(args[1], f"{g} * {lang.literal(sign * alpha, dt)}", dt)
         elif op == "mul":
             self.add(a0, f"{g} * {val(1)}", dt)
             self.add(args[1], f"{g} * {val(0)}", dt)
@@ -652,9 +695,9 @@ class _Backward:
         elif op == "rsqrt":
             self.add(a0, f"-0.5 * {g} * {y.expr} * {y.expr} * {y.expr}", dt)
         elif op == "sin":
-            self.add(a0, f"{g} * tl.cos({val(0)})", dt)
+            self.add(a0, f"{g} * {lang.fn('cos', val(0))}", dt)
         elif op == "cos":
-            self.add(a0, f"-{g} * tl.sin({val(0)})", dt)
+            self.add(a0, f"-{g} * {lang.fn('sin', val(0))}", dt)
         elif op == "square":
             self.add(a0, f"2.0 * {g} * {val(0)}", dt)
         elif op == "reciprocal":
@@ -664,10 +707,10 @@ class _Backward:
             if isinstance(ex, (int, float)) and not isinstance(ex, bool):  # x ** n
                 if ex == 0:
                     return
-                p = _pow_expr(val(0), ex - 1, dt)
-                self.add(base, f"{g} * {_literal(ex, dt)} * {p}", dt)
+                p = _pow_expr(lang, val(0), ex - 1, dt)
+                self.add(base, f"{g} * {lang.literal(ex, dt)} * {p}", dt)
             else:  # c ** x
-                self.add(ex, f"{g} * {y.expr} * {_literal(math.log(float(base)), dt)}", dt)
+                self.add(ex, f"{g} * {y.expr} * {lang.literal(math.log(float(base)), dt)}", dt)
         elif op in ("clamp", "clamp_min", "clamp_max"):
             x = val(0)
             lo, hi = _clamp_bounds(op, args, kw)
@@ -675,27 +718,29 @@ class _Backward:
             if lo is not None:
                 lo_e = em.cast(em.scalar(node, lo), dt)
                 keep.append(f"({x} >= {lo_e})")
-                self.add(lo, f"tl.where({x} < {lo_e}, {g}, 0.0)", dt)
+                self.add(lo, where(f"{x} < {lo_e}", g, zero), dt)
             if hi is not None:
                 hi_e = em.cast(em.scalar(node, hi), dt)
                 keep.append(f"({x} <= {hi_e})")
-                self.add(hi, f"tl.where({x} > {hi_e}, {g}, 0.0)", dt)
+                self.add(hi, where(f"{x} > {hi_e}", g, zero), dt)
             for cond in keep:
-                g = f"tl.where({cond}, {g}, 0.0)"
+                g = where(cond, g, zero)
             self.add(a0, g, dt)
         elif op in ("maximum", "minimum"):
             a, b = val(0), val(1)
             wins = ">" if op == "maximum" else "<"
-            self.add(a0, f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {wins} {b}, {g}, 0.0))", dt)
-            self.add(args[1], f"tl.where({a} == {b}, {g} * 0.5, tl.where({b} {wins} {a}, {g}, 0.0))", dt)
+            half = f"{g} * {lang.literal(0.5, dt)}"
+            self.add(a0, where(f"{a} == {b}", half, where(f"{a} {wins} {b}", g, zero)), dt)
+            self.add(args[1], where(f"{a} == {b}", half, where(f"{b} {wins} {a}", g, zero)), dt)
         elif op == "where":
             c = em.cast(em.scalar(node, args[0]), torch.bool)
-            self.add(args[1], f"tl.where({c}, {g}, 0.0)", dt)
-            self.add(args[2], f"tl.where({c}, 0.0, {g})", dt)
+            self.add(args[1], where(c, g, zero), dt)
+            self.add(args[2], where(c, zero, g), dt)
         elif op == "remainder" or op == "fmod":
             self.add(a0, g, dt)
-            fn = "tl.floor" if op == "remainder" else "_trunc"
-            self.add(args[1], f"-{g} * {fn}({val(0)} / {val(1)})", dt)
+            ratio = f"{val(0)} / {val(1)}"
+            rounded = lang.fn("floor", ratio) if op == "remainder" else f"_trunc({ratio})"
+            self.add(args[1], f"-{g} * {rounded}", dt)
         elif op in ("_to_copy", *_IDENTITY):
             self.add(a0, g, dt)
         elif op in ("floor", "ceil", "sign", "sgn", "floor_divide", "detach", *_CONSTANTS):
@@ -813,7 +858,7 @@ def _trace(fn: Callable[..., Any], name: str, device: torch.device) -> torch.fx.
         with torch.no_grad():
             return make_fx(one_pair)(*args)
     except Exception as e:  # data-dependent Python (``if score > 0``, ``.item()``), an op make_fx rejects
-        raise NotGenerable(f"{name}: cannot trace it into Triton code ({type(e).__name__}: {e})") from e
+        raise NotGenerable(f"{name}: cannot trace it to generate code from ({type(e).__name__}: {e})") from e
 
 
 def _uses_autograd_function(fn: Any) -> str | None:
@@ -887,38 +932,46 @@ def _indent(lines: list[str]) -> str:
     return "".join(f"    {line}\n" for line in lines)
 
 
-def score_mod(fn: mods.ScoreMod, device: torch.device, *, grads: bool) -> Generated:
-    """``fn`` as Triton code: the forward, and with ``grads`` the backward (see the module
-    docstring). Raises ``NotGenerable`` naming what cannot be generated, ``mods.ModError`` for a mod
-    that returns another dtype than the (float32) score's."""
+def translate(
+    fn: mods.ScoreMod, device: torch.device, *, grads: bool, lang: _Lang = TRITON
+) -> tuple[_Emitter, Scalar, torch.fx.Node | None]:
+    """A score mod traced and translated into ``lang``'s lines (``em.lines``; ``em.tensors`` what they
+    read): ``(em, out, out_node)``, ``out`` the result's value, ``out_node`` its graph node (None
+    when the mod returns a number). Raises ``NotGenerable`` naming what cannot be generated,
+    ``mods.ModError`` for a mod that returns another dtype than the (float32) score's."""
     if grads:
         found = _uses_autograd_function(fn)
         if found:
             raise NotGenerable(
                 f"score_mod: calls the autograd.Function {found}; its backward cannot be generated as "
-                f"Triton code (only the forward's derivative could)"
+                f"{lang.name} code (only the forward's derivative could)"
             )
     gm = _trace(fn, "score_mod", device)
-    captured = mods.captured_tensors(fn)
-    em = _Emitter("score_mod", gm, captured, grads)
+    em = _Emitter("score_mod", gm, mods.captured_tensors(fn), grads, lang)
     out = em.run(["score", "b", "h", "q_idx", "kv_idx"])
     if out.dtype != F32:
         raise mods.ModError(
             f"score_mod: expected the score's dtype {F32} back, got {out.dtype} (a captured tensor of another "
             f"dtype promotes it: cast it, e.g. table.to(score.dtype))"
         )
+    out_node = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out_node = out_node[0] if isinstance(out_node, (list, tuple)) else out_node
+    return em, out, (out_node if isinstance(out_node, torch.fx.Node) else None)
+
+
+def score_mod(fn: mods.ScoreMod, device: torch.device, *, grads: bool) -> Generated:
+    """``fn`` as Triton code: the forward, and with ``grads`` the backward (see the module
+    docstring). Raises ``NotGenerable`` naming what cannot be generated, ``mods.ModError`` for a mod
+    that returns another dtype than the (float32) score's."""
+    em, out, out_node = translate(fn, device, grads=grads)
+    captured = em.captured
     fwd_lines = list(em.lines)
     body = f"    return {em.cast(out, F32)} + tl.zeros_like(score)\n"
     source = _PRELUDE.format(what="a score_mod") + (
         "\n\n@triton.jit\ndef score_mod_fwd(score, b, h, q_idx, kv_idx, CAP):\n" + _indent(fwd_lines) + body
     )
     if grads:
-        out_node = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        out_node = out_node[0] if isinstance(out_node, (list, tuple)) else out_node
-        if isinstance(out_node, torch.fx.Node):
-            dx, lines = _Backward(em).run(out_node)
-        else:
-            dx, lines = "0.0", []
+        dx, lines = _Backward(em).run(out_node) if out_node is not None else ("0.0", [])
         source += (
             "\n\n@triton.jit\ndef score_mod_bwd(score, b, h, q_idx, kv_idx, dy, CAP, CAP_GRAD, "
             "ACCUMULATE: tl.constexpr):\n"
