@@ -162,3 +162,21 @@ def backward_with_graph(
         g = next(got) if n and t is not None and t.requires_grad else None
         grads.append(torch.zeros_like(t) if g is None and n and t is not None else g)
     return tuple(grads)
+
+
+def mod_backward_with_graph(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
+    options: dict[str, Any], captured: list[Tensor],
+) -> tuple[Tensor | None, ...]:
+    """:func:`backward_with_graph` for a kernel with a ``score_mod`` (in ``options``) whose autograd
+    Function takes ``(q, k, v, bias, options, *captured)``: the gradients of those, the captured
+    tensors' included (``needs`` lists all of them, the options' slot too)."""
+    inputs = [q, k, v, bias, *captured]
+    wrt = [t for t, n in zip(inputs[:4], needs[:4]) if t is not None and n]
+    wrt += [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
+    with torch.enable_grad():
+        out, _ = attention(q, k, v, bias=bias, **options)
+        got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True))
+    res: list[Tensor | None] = [next(got) if t is not None and n else None for t, n in zip(inputs[:4], needs[:4])]
+    rest = [next(got) if n and t.requires_grad else None for t, n in zip(captured, needs[5:])]
+    return (*res, None, *rest)

@@ -930,7 +930,7 @@ class _ModAttention(torch.autograd.Function):
         args, gen, captured = options["args"], options["gen"], options["captured"]
         needs = ctx.needs_input_grad
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
-            return _mod_graph_grads(dout, q, k, v, bias, needs, options)
+            return reference.mod_backward_with_graph(dout, q, k, v, bias, needs, options["reference"], captured)
         tensors = gen.tensors if gen is not None else ()
         bufs = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors)
         deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
@@ -945,23 +945,6 @@ class _ModAttention(torch.autograd.Function):
             if j is not None and needs[5 + j]:
                 grads[j] = buf.to(captured[j].dtype)
         return dq, dk, dv, (dbias if bias_grad else None), None, *grads
-
-
-def _mod_graph_grads(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...], options: dict[str, Any]
-) -> tuple[Tensor | None, ...]:
-    """Differentiable gradients (double backward, a batched dout): autograd through the reference's
-    formula with the same score_mod, as the kernels' op does for its double backward."""
-    ref, captured = options["reference"], options["captured"]
-    inputs = [q, k, v, bias, *captured]
-    wrt = [t for t, n in zip(inputs[:4], needs[:4]) if t is not None and n]
-    wrt += [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
-    with torch.enable_grad():
-        out, _ = reference.attention(q, k, v, bias=bias, **ref)
-        got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True))
-    res: list[Tensor | None] = [next(got) if t is not None and n else None for t, n in zip(inputs[:4], needs[:4])]
-    rest = [next(got) if n and t.requires_grad else None for t, n in zip(captured, needs[5:])]
-    return (*res, None, *rest)
 
 
 def attention_with_mod(
