@@ -184,18 +184,57 @@ def captured_tensors(fn: Any) -> list[Tensor]:
     globals its code names, an ``nn.Module``'s parameters and buffers (a mod that is a module, or a
     bound method of one), a ``functools.partial``'s arguments — followed into the functions they
     hold, each tensor once, in the order found."""
-    found: dict[int, Tensor] = {}
+    return [obj for obj in _reachable(fn) if isinstance(obj, Tensor)]
+
+
+def fingerprint(fn: Any) -> tuple[Any, ...]:
+    """What a mod's traced graph depends on besides its arguments, as a hashable key: the code of
+    every function it reaches (a lambda made anew with the same code has the same key), the Python
+    numbers, strings and flags it reads (closures, globals, defaults, a module's attributes — traced
+    in as constants), each captured tensor's shape, dtype, device and requires_grad (their values are
+    read when the generated code runs, not traced in), and the identity of anything else. Two calls
+    with equal keys trace to the same graph (``cpu_mods.py`` keeps generated code by it)."""
+    key: list[Any] = []
+    for obj in _reachable(fn, defaults=True):
+        if isinstance(obj, Tensor):
+            key.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
+        elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+            key.append(("V", type(obj), obj))
+        elif inspect.isfunction(obj):
+            key.append(("F", obj.__code__))
+        elif isinstance(obj, torch.nn.Module):
+            plain = {k: v for k, v in vars(obj).items() if v is None or isinstance(v, (bool, int, float, str))}
+            key.append(("N", type(obj), tuple(sorted(plain.items()))))
+        elif isinstance(obj, (list, tuple, dict)) or inspect.ismethod(obj) or isinstance(obj, functools.partial):
+            key.append(("C", type(obj), len(obj) if isinstance(obj, (list, tuple, dict)) else 0))
+        else:
+            key.append(("O", type(obj), id(obj)))
+    return tuple(key)
+
+
+def _reachable(fn: Any, *, defaults: bool = False) -> list[Any]:
+    """Everything a mod reads besides its arguments, each object once, in the order found (see
+    ``captured_tensors``); with ``defaults``, functions' default arguments and the numbers and
+    strings reached too."""
+    found: list[Any] = []
     seen: set[int] = set()
+
+    def add(obj: Any) -> None:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            found.append(obj)
 
     def visit(obj: Any, depth: int) -> None:
         if id(obj) in seen or depth > 8:
             return
-        seen.add(id(obj))
         if isinstance(obj, Tensor):
-            found.setdefault(id(obj), obj)
-        elif isinstance(obj, torch.nn.Module):
+            add(obj)
+            return
+        if defaults or not (obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))):
+            add(obj)
+        if isinstance(obj, torch.nn.Module):
             for t in (*obj.parameters(), *obj.buffers()):
-                found.setdefault(id(t), t)
+                add(t)
         elif isinstance(obj, functools.partial):
             for x in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(x, depth + 1)
@@ -212,6 +251,9 @@ def captured_tensors(fn: Any) -> list[Tensor]:
             for cell in obj.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
                     visit(cell.cell_contents, depth + 1)
+            if defaults:
+                for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+                    visit(x, depth + 1)
             for name in _names(obj.__code__):
                 if name in obj.__globals__:
                     visit(obj.__globals__[name], depth + 1)
@@ -220,7 +262,7 @@ def captured_tensors(fn: Any) -> list[Tensor]:
             visit(vars(obj) if hasattr(obj, "__dict__") else None, depth + 1)
 
     visit(fn, 0)
-    return list(found.values())
+    return found
 
 
 def _names(code: Any) -> list[str]:
@@ -271,6 +313,7 @@ __all__ = [
     "ModError",
     "ScoreMod",
     "captured_tensors",
+    "fingerprint",
     "mask_block",
     "mask_grid",
     "mask_on",
