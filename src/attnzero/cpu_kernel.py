@@ -330,25 +330,30 @@ def _args(
 def forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int, softcap: float | None = None,
+    mod: Any = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)``; fully blocked rows: 0, −inf."""
+    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)``; fully blocked rows: 0, −inf.
+    ``mod``: a score_mod built by ``cpu_mods.py`` (its ``forward_args()``), or None."""
     tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
-    out, lse = _state["module"].forward(q, k, v, *tensors, *options)  # (no autograd: plain values)
+    extra = mod.forward_args() if mod is not None else (0, None)
+    out, lse = _state["module"].forward(q, k, v, *tensors, *options, *extra)  # (no autograd: plain values)
     return out, lse
 
 
 def backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, mask: Tensor | Mask | None,
     bias: Tensor | None, causal: bool, window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int,
-    bias_grad: bool = True, softcap: float | None = None,
+    bias_grad: bool = True, softcap: float | None = None, mod: Any = None, mod_grad: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` from ``out`` and ``lse`` (also those of the same queries over more
     keys: the ring's), recomputing P block by block; dbias in bias's shape and dtype, None
-    without a bias or when ``bias_grad`` is False."""
+    without a bias or when ``bias_grad`` is False. ``mod``: a score_mod built by ``cpu_mods.py``;
+    its captured tensors' gradients are added into ``mod_grad`` (float64, a flat copy per thread)."""
     tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     want = bias is not None and bias_grad
+    extra = mod.backward_args(mod_grad) if mod is not None else (0, 0, None, None, 0)
     dq, dk, dv, dbias = _state["module"].backward(
-        dout, q, k, v, out, lse.to(torch.float32), *tensors, *options, want
+        dout, q, k, v, out, lse.to(torch.float32), *tensors, *options, want, *extra
     )
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 

@@ -319,9 +319,10 @@ def _attention(
         # on "auto" for CUDA inputs when it can be generated; else on flash.py's tiles (eager, a backward
         # of its own that gives the captured tensors their gradients) or on the reference's formula —
         # which "auto" takes where a tiled backend's Python cannot run: traced by dynamo (an op's schema
-        # cannot hold a function), under torch.func, and for empty problems. The compiled CPU kernel
-        # runs no user function. A mod that cannot be generated is refused by backend="triton",
-        # naming the operation — never run elsewhere.
+        # cannot hold a function), under torch.func, and for empty problems. On CPU ("auto", "flash")
+        # the compiled kernel runs it as generated C++ where it can be (cpu_mods.py), else flash.py.
+        # A mod that cannot be generated is refused by backend="triton", naming the operation — never
+        # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
         special = (  # (sinks too, for now: flash folds them outside its Function, which a mod's grads need)
             torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty or sink is not None
@@ -345,11 +346,22 @@ def _attention(
             got = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=False)
             if got is not None:
                 return got if want_lse else got[0]
+        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        if name in ("auto", "flash") and not special and _takes_kernel(q, add):
+            # The compiled CPU kernel with the mod as C++ generated from it (cpu_mods.py); None: it
+            # cannot be generated or built, and flash.py runs it below.
+            from . import cpu_mods
+
+            got = cpu_mods.attention(
+                q, k, v, score_mod=fn, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap,
+                dropout_p=p, dropout_seed=seed,
+            )  # fmt: skip
+            if got is not None:
+                return got if want_lse else got[0]
         if name == "triton":
             name = "reference" if empty else "flash"  # float64 (as without a mod: flash computes it) or empty
         if name in ("auto", "flash"):
             name = "reference" if special else "flash"
-        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
         run = reference.attention if name == "reference" else _flash_with_mod
         out, lse = run(
             q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,

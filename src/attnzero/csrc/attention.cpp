@@ -94,6 +94,15 @@ struct OneMklThread {
 
 enum Kind : int { SKIP = 0, FULL = 1, PARTIAL = 2 };
 
+// A score_mod as C++ generated from the user's Python function (attnzero/cpu_mods.py), built into a
+// library of its own and handed over as two function pointers, for one row's keys [j0, j0 + n) of
+// query i in batch b, query head h. ModFwd: s_j = score_mod(s_j, b, h, i, j0 + j) in place. ModBwd:
+// g_j = g_j · ∂score_mod/∂score at the input x_j, and each captured tensor's share g_j · ∂score_mod/∂θ
+// added into `grad` (this thread's copy, float64: it sums over every pair); `tmp` is scratch. `cap`: the captured tensors' data.
+using ModFwd = void (*)(float* s, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0, const void* const* cap);
+using ModBwd = void (*)(const float* x, float* g, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0,
+                        const void* const* cap, double* grad, float* tmp);
+
 // One (query block, key block) pair as a task computes it: query rows [i0, i0 + ni) and key columns
 // [j0, j0 + nc), the columns trimmed to those the band can keep in some row of the block (a causal
 // diagonal block computes no column past its last row's position). jj0: j0's column in the block's
@@ -120,6 +129,11 @@ struct Problem {
   int64_t tb = 1;
   const uint8_t* tiles = nullptr;  // (n, tiles_b, tiles_h, bm, bn) bool
   int64_t tiles_b = 1, tiles_h = 1;
+  ModFwd mod_fwd = nullptr;  // a generated score_mod (nullptr: none)
+  ModBwd mod_bwd = nullptr;
+  const void* const* caps = nullptr;  // what the mod reads
+  double* mod_grad = nullptr;         // its captured tensors' gradients, one flat copy per thread
+  int64_t mod_grad_stride = 0, mod_tmp = 0;  // doubles per copy; scratch floats per key for ModBwd
 
   // The band's kind on query rows [i0, i1) × key columns [j0, j1) (geometry.classify): d = j - p
   // spans [j0 - p_last, j1 - 1 - p_first] on the block.
@@ -174,27 +188,38 @@ struct Problem {
   }
 
   // The scores of row ii of a block, in place: x = q_i · k_j (from the matmul) becomes
-  // s_ij = scale · x, capped (softcap · tanh(s / softcap)), plus the bias b_ij, and −inf where
-  // blocked (PARTIAL blocks only). `t` (may be null): tanh of the capped scores, for the backward.
-  void scores(float* s, float* t, const Block& blk, int64_t b, int64_t h, int64_t ii) const {
+  // s_ij = scale · x, through the score_mod, capped (softcap · tanh(s / softcap)), plus the bias b_ij,
+  // and −inf where blocked (PARTIAL blocks only). `t` (may be null): tanh of the capped scores, for
+  // the backward; `x` (may be null): the score_mod's input scale · x_ij, for the backward.
+  void scores(float* s, float* t, float* x, const Block& blk, int64_t b, int64_t h, int64_t ii) const {
     const int64_t n = blk.nc, step = Vec::size(), i = blk.i0 + ii, j0 = blk.j0;
     int64_t j = 0;
-    if (cap > 0.f) {  // s = cap · tanh(scale · x / cap); the tanh kept in t for d(cap · tanh)/dx = 1 − t²
-      const Vec f(scale / cap), c(cap);
+    float scl = scale;  // what still multiplies s below: scale, or 1 once the score_mod has it
+    if (mod_fwd != nullptr) {  // s_ij = score_mod(scale · x_ij, b, h, i, j)
+      const Vec f(scale);
+      for (; j + step <= n; j += step) (Vec::loadu(s + j) * f).store(s + j);
+      for (; j < n; ++j) s[j] *= scale;
+      if (x != nullptr) std::copy(s, s + n, x);
+      mod_fwd(s, n, b, h, i, j0, caps);
+      scl = 1.f;
+      j = 0;
+    }
+    if (cap > 0.f) {  // s = cap · tanh(scl · x / cap); the tanh kept in t for d(cap · tanh)/dx = 1 − t²
+      const Vec f(scl / cap), c(cap);
       for (; j + step <= n; j += step) {
         Vec th = (Vec::loadu(s + j) * f).tanh();
         if (t != nullptr) th.store(t + j);
         (th * c).store(s + j);
       }
       for (; j < n; ++j) {
-        const float th = std::tanh(s[j] * (scale / cap));
+        const float th = std::tanh(s[j] * (scl / cap));
         if (t != nullptr) t[j] = th;
         s[j] = cap * th;
       }
-    } else {
-      const Vec f(scale);
+    } else if (scl != 1.f) {
+      const Vec f(scl);
       for (; j + step <= n; j += step) (Vec::loadu(s + j) * f).store(s + j);
-      for (; j < n; ++j) s[j] *= scale;
+      for (; j < n; ++j) s[j] *= scl;
     }
     if (bias != nullptr) {  // s_ij += b_ij
       const float* br = bias + b * bs[0] + h * bs[1] + i * bs[2] + j0 * bs[3];
@@ -220,7 +245,9 @@ struct Problem {
   // Whether a block's scores are just scale · x (no cap, no bias, nothing masked): then the scale
   // rides in the max and the exp (max_j scale·x_ij = scale · max_j x_ij for scale > 0) and the
   // scores are never written out.
-  bool plain(Kind k) const { return k == FULL && cap == 0.f && bias == nullptr && scale > 0.f; }
+  bool plain(Kind k) const {
+    return k == FULL && cap == 0.f && bias == nullptr && mod_fwd == nullptr && scale > 0.f;
+  }
 
   // Z / (1 − dropout_p) of one row of a block: multiplies p in place (0 where dropped).
   void drop(float* p, int64_t nc, int64_t b, int64_t h, int64_t i, int64_t j0) const {
@@ -351,6 +378,22 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return P;
 }
 
+// The generated score_mod of a call (mod_fwd 0: none): its functions' addresses, the captured tensors'
+// data pointers (int64), and for the backward the gradient copies (threads, floats) and its scratch.
+void set_mod(Problem& P, int64_t mod_fwd, int64_t mod_bwd, const std::optional<at::Tensor>& caps,
+             const std::optional<at::Tensor>& mod_grad, int64_t mod_tmp) {
+  if (mod_fwd == 0) return;
+  P.mod_fwd = reinterpret_cast<ModFwd>(static_cast<intptr_t>(mod_fwd));
+  P.mod_bwd = mod_bwd == 0 ? nullptr : reinterpret_cast<ModBwd>(static_cast<intptr_t>(mod_bwd));
+  if (caps.has_value() && caps->numel() > 0) P.caps = reinterpret_cast<const void* const*>(caps->data_ptr<int64_t>());
+  if (mod_grad.has_value() && mod_grad->numel() > 0) {
+    TORCH_CHECK(mod_grad->size(0) >= at::get_num_threads(), "attnzero_cpu: a gradient copy per thread");
+    P.mod_grad = mod_grad->data_ptr<double>();
+    P.mod_grad_stride = mod_grad->stride(0);
+  }
+  P.mod_tmp = mod_tmp;
+}
+
 // A thread's scratch, kept from call to call (grown, never shrunk): no allocation and no zeroing per
 // call — a tiny call's cost was mostly malloc and memset. `take` hands out 64-byte aligned pieces.
 struct Scratch {
@@ -453,7 +496,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
           if (plain) {
             f = P.scale, top = P.scale * row_max(sr, nc);
           } else {
-            P.scores(sr, nullptr, blk, b, h, ii);  // s_ij (−inf where blocked)
+            P.scores(sr, nullptr, nullptr, blk, b, h, ii);  // s_ij (−inf where blocked)
             top = row_max(sr, nc);
           }
           const float m_new = std::max(m[r], top);                // m_new = max(m, max_j s_ij)
@@ -490,11 +533,13 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& table,
                                            const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
                                            double scale, double softcap, double dropout_p, int64_t seed,
-                                           int64_t block_q, int64_t block_k) {
+                                           int64_t block_q, int64_t block_k, int64_t mod_fwd,
+                                           const std::optional<at::Tensor>& caps) {
   at::NoGradGuard no_grad;  // plain values out (the autograd is cpu_kernel.py's Function)
   const at::Tensor k = unit_rows(k_in), v = unit_rows(v_in);
-  const Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed,
-                                 block_q, block_k);
+  Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
+                           block_k);
+  set_mod(P, mod_fwd, 0, caps, std::nullopt, 0);
   at::Tensor out = at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
   at::Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_forward", [&] {
@@ -529,12 +574,14 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
     // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
     // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
     const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
-    Scratch pool(room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt}));
+    const int64_t nx = P.mod_bwd != nullptr ? RB : 0, nm = P.mod_bwd != nullptr ? P.mod_tmp * bn : 0;
+    Scratch pool(room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt, nx, nm}));
     float *qf = pool.take(NR * D), *dof = pool.take(NR * Dv), *Dr = pool.take(NR), *lser = pool.take(NR);
     float *dqa = pool.take(NR * D), *kb = pool.take(bn * D), *vb = pool.take(bn * Dv);
     float *dka = pool.take(bn * D), *dva = pool.take(bn * Dv), *s = pool.take(RB), *dp = pool.take(RB);
-    float *pd = pool.take(nd), *th = pool.take(nt);
+    float *pd = pool.take(nd), *th = pool.take(nt), *xs = pool.take(nx), *mt = pool.take(nm);
     float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? thread_slot() * dbias_per_thread : 0);
+    double* mg = P.mod_grad == nullptr ? nullptr : P.mod_grad + thread_slot() * P.mod_grad_stride;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / P.Hkv, hkv = task % P.Hkv;
       for (int64_t ib = 0; ib < P.nqb; ++ib) {
@@ -582,7 +629,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
             float* sr = s + r * bn;
-            if (!plain) P.scores(sr, P.cap > 0.f ? th + r * bn : nullptr, blk, b, h, ii);
+            if (!plain) P.scores(sr, P.cap > 0.f ? th + r * bn : nullptr, nx ? xs + r * bn : nullptr, blk, b, h, ii);
             const float lse_i = lser[row0 + r];
             if (lse_i == NEG_INF) {  // p_ij = 0 for a row with no kept key
               std::fill(sr, sr + nc, 0.f);
@@ -617,6 +664,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
               const float* tr = th + r * bn;
               for (int64_t j = 0; j < nc; ++j) dpr[j] *= 1.f - tr[j] * tr[j];
             }
+            if (nx) P.mod_bwd(xs + r * bn, dpr, nc, b, h, i, j0, P.caps, mg, mt);  // through the mod: ds · ∂y/∂x (+ dθ)
           }
           gemm(false, false, R, D, nc, P.scale, dp, bn, kp, ldk, 1.f, dqa + row0 * D, D);  // dQ_i += scale · Σ_j ds_ij k_j
           gemm(true, false, nc, D, R, P.scale, dp, bn, qi, D, 1.f, dkb, D);  // dK_j += scale · Σ_i ds_ij q_i
@@ -643,11 +691,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
-    double scale, double softcap, double dropout_p, int64_t seed, int64_t block_q, int64_t block_k, bool bias_grad) {
+    double scale, double softcap, double dropout_p, int64_t seed, int64_t block_q, int64_t block_k, bool bias_grad,
+    int64_t mod_fwd, int64_t mod_bwd, const std::optional<at::Tensor>& caps, const std::optional<at::Tensor>& mod_grad,
+    int64_t mod_tmp) {
   at::NoGradGuard no_grad;
   const at::Tensor k = unit_rows(k_in), v = unit_rows(v_in);
-  const Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed,
-                                 block_q, block_k);
+  Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
+                           block_k);
+  set_mod(P, mod_fwd, mod_bwd, caps, mod_grad, mod_tmp);
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());

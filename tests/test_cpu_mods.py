@@ -1,0 +1,407 @@
+"""A score_mod in the compiled CPU kernel (cpu_mods.py): C++ generated from the user's function, built
+into a library of its own and called on each row of scores, against the vmapped mod and autograd
+(one row at a time), against the float64 golden (conftest's tolerance rule, forward and backward),
+the captured tensors' gradients against the reference's, its float32 math functions against
+float64 over dense grids, what still runs on flash.py (a mod that cannot be generated, a build that
+fails), and the cache that keeps a mod met again from being traced or compiled again."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import check_against_golden, need_kernel, qkv
+from torch import Tensor
+
+import attnzero as az
+from attnzero import cpu_kernel, cpu_mods, functional, mods
+from attnzero.kernels import codegen
+
+F32, BF16 = torch.float32, torch.bfloat16
+H, L = 4, 40  # the heads and the longest length the captured tables below are made for
+
+
+@pytest.fixture(autouse=True)
+def _kernel() -> None:
+    need_kernel()
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Any]:
+    """An empty cache directory and no mod built in this process yet."""
+    monkeypatch.setenv("ATTNZERO_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_mods, "_CACHE", {})
+    monkeypatch.setattr(cpu_mods, "_warned", set())
+    yield tmp_path
+
+
+FWD = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_void_p)  # fmt: skip
+BWD = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The generated functions alone, row by row
+
+
+def run_on_rows(mod: mods.ScoreMod, b: int = 1, h: int = 2, R: int = 13, C: int = 37, j0: int = 2) -> None:
+    """The generated forward and backward of ``mod`` on rows q_idx = 0..R-1 and keys j0..j0+C-1
+    equal the vmapped mod and autograd's derivative (score and captured tensors), to float32
+    rounding."""
+    built = cpu_mods._get(mod, True)
+    assert built is not None
+    captured = mods.captured_tensors(mod)
+    bound = cpu_mods._bind(built, captured)
+    s = torch.randn(R, C) * 3
+    dy = torch.randn(R, C)
+    y, dx = s.clone(), dy.clone()
+    src = built.source
+    grad = torch.zeros(max(src.total, 1), dtype=torch.float64)
+    tmp = torch.zeros(max(src.tmp * C, 1))
+    fwd, bwd = FWD(built.fwd), BWD(built.bwd)
+    for i in range(R):
+        fwd(y[i].data_ptr(), C, b, h, i, j0, bound.caps.data_ptr())
+        bwd(s[i].data_ptr(), dx[i].data_ptr(), C, b, h, i, j0, bound.caps.data_ptr(), grad.data_ptr(), tmp.data_ptr())
+    x = s.clone().requires_grad_()
+    want = mods.score_block(mod, x.view(1, 1, R, C), batches=(b, b + 1), heads=(h, h + 1), rows=(0, R),
+                            cols=(j0, j0 + C)).view(R, C)  # fmt: skip
+    wrt = [x, *[t for t in captured if t.requires_grad]]
+    got = torch.autograd.grad(want, wrt, dy, allow_unused=True)
+    torch.testing.assert_close(y, want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, torch.zeros_like(s) if got[0] is None else got[0], rtol=1e-5, atol=1e-5)
+    wants = dict(zip([id(t) for t in wrt[1:]], got[1:]))
+    for _slot, j, start in src.grads:
+        t = captured[j]
+        w = wants[id(t)]
+        mine = grad[start : start + t.numel()].view(t.shape).float()
+        torch.testing.assert_close(mine, torch.zeros_like(mine) if w is None else w, rtol=1e-5, atol=1e-4)
+
+
+slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+table = torch.randn(H, 2 * L - 1, requires_grad=True)
+temperature = torch.tensor(1.5, requires_grad=True)
+doc = torch.tensor([0] * 7 + [1] * 19 + [2] * 14)  # (L,) document ids
+flags = torch.tensor([True, False, True, True])  # (H,) bool
+
+ROW_MODS: dict[str, Callable[..., Tensor]] = {
+    "alibi": lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(),
+    "rel_table": lambda s, b, h, i, j: s + table[h, i - j + L - 1],
+    "row_of_table": lambda s, b, h, i, j: s * table[h][j] + table[:, 3][h],
+    "temperature": lambda s, b, h, i, j: s / temperature + temperature ** 2,
+    "softcap": lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+    "int_div_where": lambda s, b, h, i, j: torch.where((i - 9) // 4 == (j - 3) % 5 - 2, s, s * 0.5 - 1.0),
+    "div_modes": lambda s, b, h, i, j: s + torch.div(i - 7, 3, rounding_mode="trunc")
+    + torch.div(j - 17, 3, rounding_mode="floor") + torch.fmod(j - 20, 7) + torch.remainder(s, 1.5),
+    "clamp_min_max": lambda s, b, h, i, j: torch.clamp(s, -1.0, 2.0) + torch.maximum(s, (j * 0.1).float())
+    - torch.minimum(s * s, torch.ones_like(s)),
+    "unary": lambda s, b, h, i, j: torch.sigmoid(s) + torch.exp(-s.abs()) + torch.sqrt(s * s + 1.0)
+    + torch.rsqrt(s * s + 2.0) + torch.sin(s) * torch.cos(s) + s.pow(3) + 2.0 ** (s * 0.1)
+    + torch.log(s * s + 1.0) + torch.log2(s * s + 2.0) + torch.exp2(-s * s),
+    "casts_logic": lambda s, b, h, i, j: s + ((i > j) & ~(j == 3) | (h == 2)).float() + (i ^ j).float() * 0.01
+    + (b + h).to(torch.float64).float() + s.detach() * 0.5 + flags[h].float(),
+    "documents": lambda s, b, h, i, j: torch.where(doc[i] == doc[j], s, -float("inf")),
+    "negative_index_wraps": lambda s, b, h, i, j: s + table[h, i - j] + table[h, j - 40],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ROW_MODS))
+def test_generated_code_equals_the_mod_and_its_derivative(name: str) -> None:
+    run_on_rows(ROW_MODS[name])
+
+
+def test_a_wrong_translation_fails_the_row_test(monkeypatch: pytest.MonkeyPatch, fresh: Any) -> None:
+    """The row test can fail: one operator translated wrongly (sub as +) is caught."""
+    monkeypatch.setitem(codegen._BINARY, "sub", "+")
+    with pytest.raises(AssertionError):
+        run_on_rows(ROW_MODS["alibi"])
+
+
+def _grid() -> Tensor:
+    return torch.cat([
+        torch.linspace(-120.0, 120.0, 400_001), torch.logspace(-44, 38, 20_000), -torch.logspace(-44, 38, 20_000),
+        torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, 88.72, 89.0, -103.9, -104.0, -150.0, 128.0]),
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "ref"),
+    [
+        ("tanh", torch.tanh, np.tanh),
+        ("exp", torch.exp, np.exp),
+        ("exp2", torch.exp2, np.exp2),
+        ("log", torch.log, np.log),
+        ("log2", torch.log2, np.log2),
+        ("sigmoid", torch.sigmoid, lambda x: 1.0 / (1.0 + np.exp(-x))),
+    ],
+)
+def test_the_float32_math_is_within_3_ulp_of_float64(name: str, fn: Any, ref: Any) -> None:
+    """The prelude's exp, exp2, log, log2, tanh and sigmoid (what the compiler vectorises in place of
+    libm's calls) on a dense grid and the edges: within 3 float32 ulp of float64 where the result is
+    a normal float, and the same zeros, infinities and NaNs."""
+    built = cpu_mods._get(lambda s, b, h, i, j: fn(s), False)
+    assert built is not None
+    x = _grid()
+    y = x.clone()
+    FWD(built.fwd)(y.data_ptr(), y.numel(), 0, 0, 0, 0, torch.zeros(1, dtype=torch.int64).data_ptr())
+    with np.errstate(all="ignore"):
+        want = torch.from_numpy(ref(x.double().numpy()))
+    w32 = want.float()
+    assert torch.equal(y.isnan(), w32.isnan())
+    assert torch.equal(y[w32.isinf()], w32[w32.isinf()])
+    assert torch.equal(y[w32 == 0] == 0, torch.ones_like(y[w32 == 0], dtype=torch.bool))
+    normal = w32.isfinite() & (w32.abs() >= torch.finfo(F32).tiny)
+    ulp = torch.from_numpy(np.spacing(w32.abs().numpy())).double()
+    err = ((y.double() - want).abs() / ulp)[normal]
+    assert float(err.max()) <= 3.0, f"{name}: {float(err.max()):.2f} ulp"
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel with a generated mod, against the golden
+
+
+def _alibi(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s - slopes[h] * (i - j).abs() + (b * 0.1).to(s.dtype)
+
+
+def _rel(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s + table[h, i - j + L - 1]
+
+
+def _softcap(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return 1.5 * torch.tanh(s / 1.5)
+
+
+def _int_div(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return torch.where(i // 5 >= j // 5, s, -float("inf"))  # block-causal in blocks of 5
+
+
+def _late_rows_blocked(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return torch.where(i >= 15, -float("inf"), s)  # rows 15.. have no kept key: output 0, no NaN
+
+
+CASES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "alibi_causal": (_alibi, {"causal": True}),
+    "rel_table": (_rel, {}),
+    "softcap_mod_window": (_softcap, {"window": (9, 2)}),
+    "int_div_with_softcap": (_int_div, {"softcap": 2.0}),
+    "rows_blocked_by_the_mod": (_late_rows_blocked, {}),
+    "alibi_dropout": (_alibi, {"dropout_p": 0.3}),
+}
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call ran the kernel with a generated mod (True) or gave up to flash.py (False)."""
+    calls: list[bool] = []
+    real = cpu_mods.attention
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        got = real(*a, **kw)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(cpu_mods, "attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_runs_a_score_mod_against_the_golden(case: str, ran: list[bool]) -> None:
+    """out, lse and the gradients of q, k, v: GQA (4 query heads on 2), Lq != Lk, float32."""
+    mod, kw = CASES[case]
+    q, k, v = qkv(2, 4, 2, 23, 37, 16)
+    check_against_golden("flash", F32, q, k, v, score_mod=mod, seed=3, **kw)
+    assert ran and all(ran)
+
+
+@pytest.mark.parametrize(("Lq", "Lk", "D"), [(1, 1, 8), (17, 113, 40), (113, 17, 64), (130, 600, 96)])
+def test_awkward_sizes(Lq: int, Lk: int, D: int, ran: list[bool]) -> None:
+    """Rows and key blocks cut anywhere (the kernel's 512-key blocks: 600 keys are two of them)."""
+    big = torch.randn(H, 2 * 700, requires_grad=True)
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + big[h, i - j + 650] - slopes[h] * (i - j).abs()
+
+    q, k, v = qkv(1, 4, 1, Lq, Lk, D)
+    check_against_golden("flash", F32, q, k, v, score_mod=mod, causal=True)
+    assert ran and all(ran)
+
+
+def test_bf16_a_bias_and_a_mask_from_a_mod_with_a_mod(ran: list[bool]) -> None:
+    q, k, v = qkv(1, 2, 1, 40, 40, 16)
+    bias = torch.randn(1, 2, 40, 40, dtype=torch.float64)
+    prefix = az.masks.from_mod(lambda b, h, i, j: (j < 9) | (j <= i), 1, 1, 40, 40, block_size=8)
+    check_against_golden("flash", BF16, q, k, v, bias=bias, score_mod=_alibi, mask=prefix)
+    check_against_golden("flash", F32, q, k, v, bias=bias, score_mod=_rel, mask=prefix, softcap=3.0)
+    assert ran and all(ran)
+
+
+def test_captured_tensors_get_the_references_gradients(ran: list[bool]) -> None:
+    """ALiBi slopes and a relative-position table, both leaves: the per-thread float64 sums equal
+    autograd through the reference (float32, GQA, Lq != Lk, a mask from a mod, two threads)."""
+    sl = slopes.detach().clone().requires_grad_()
+    rel = table.detach().clone().requires_grad_()
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + rel[h, i - j + L - 1] - sl[h] * (i - j).abs()
+
+    q, k, v = (t.to(F32).requires_grad_() for t in qkv(2, 4, 2, 37, 40, 16))
+    prefix = az.masks.from_mod(lambda b, h, i, j: (j < 5) | (j <= i + 3), 1, 1, 37, 40, block_size=8)
+    grads = {}
+    for backend in ("reference", "flash"):
+        out = az.attention(q, k, v, score_mod=mod, mask=prefix, backend=backend)  # type: ignore[arg-type]
+        grads[backend] = torch.autograd.grad(out.square().sum(), (q, k, v, sl, rel))
+    for got, want in zip(grads["flash"], grads["reference"]):
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    assert ran == [True]
+
+
+def test_a_mod_that_blocks_everything_gives_zeros_and_zero_gradients(ran: list[bool]) -> None:
+    q, k, v = (t.to(F32).requires_grad_() for t in qkv(1, 2, 2, 9, 9, 8))
+    out, lse = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s - math.inf, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+    for g in torch.autograd.grad(out.sum(), (q, k, v)):
+        assert torch.equal(g, torch.zeros_like(g))
+    assert ran == [True]
+
+
+def test_double_backward_goes_through_the_formula(ran: list[bool]) -> None:
+    q, k, v = (t.to(F32).requires_grad_() for t in qkv(1, 2, 2, 6, 7, 8))
+    sl = slopes.detach().clone().requires_grad_()
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s - sl[h] * (i - j).abs()
+
+    (gq,) = torch.autograd.grad(az.attention(q, k, v, score_mod=mod).sum(), q, create_graph=True)
+    (gsl,) = torch.autograd.grad(gq.square().sum(), sl)
+    (wq,) = torch.autograd.grad(az.attention(q, k, v, score_mod=mod, backend="reference").sum(), q, create_graph=True)
+    (wsl,) = torch.autograd.grad(wq.square().sum(), sl)
+    torch.testing.assert_close(gsl, wsl, rtol=1e-4, atol=1e-5)
+    assert ran == [True]
+
+
+# ---------------------------------------------------------------------------------------------
+# What runs on flash.py instead
+
+
+def _dot(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s + torch.dot(table[h], table[h]) * 0.01
+
+
+half_table = torch.randn(H, 2 * L - 1).to(torch.float16)
+
+
+def _half(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    return s + half_table[h, i - j + L - 1].float()
+
+
+@pytest.mark.parametrize("mod", [_dot, _half], ids=["dot", "float16_table"])
+def test_a_mod_that_cannot_be_generated_runs_on_flash(
+    mod: Any, ran: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flash_calls: list[int] = []
+    real = functional._flash_with_mod
+    monkeypatch.setattr(functional, "_flash_with_mod", lambda *a, **kw: flash_calls.append(1) or real(*a, **kw))
+    q, k, v = (t.to(F32) for t in qkv(1, 4, 4, 5, 7, 16))
+    got = az.attention(q, k, v, score_mod=mod)
+    want = az.attention(q.double(), k.double(), v.double(), score_mod=mod, backend="reference")
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+    assert ran == [False] and flash_calls == [1]
+
+
+@pytest.mark.parametrize("how", ["no_compiler", "failing_compiler", "unwritable_cache"])
+def test_a_build_that_fails_warns_once_and_runs_on_flash(
+    how: str, fresh: Any, monkeypatch: pytest.MonkeyPatch, ran: list[bool]
+) -> None:
+    if how == "no_compiler":
+        monkeypatch.setenv("CXX", "/nonexistent/c++")
+    elif how == "failing_compiler":
+        monkeypatch.setenv("CXX", "false")
+    else:  # a file where the directory should be: no one, root included, can make it
+        (fresh / "file").write_text("")
+        monkeypatch.setenv("ATTNZERO_CACHE", str(fresh / "file"))
+    q, k, v = (t.to(F32) for t in qkv(1, 2, 2, 6, 9, 8))
+    want = az.attention(q.double(), k.double(), v.double(), score_mod=_rel, backend="reference")
+    with pytest.warns(RuntimeWarning, match="score_mod cannot run in the CPU kernel .* flash.py"):
+        got = az.attention(q, k, v, score_mod=_rel)
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the same reason is not said again
+        az.attention(q, k, v, score_mod=_softcap)
+    assert ran == [False, False]
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache: traced and built once per mod and what it reads
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch, fresh: Any) -> list[int]:
+    count: list[int] = []
+    real = codegen._trace
+    monkeypatch.setattr(codegen, "_trace", lambda *a, **kw: count.append(1) or real(*a, **kw))
+    return count
+
+
+def test_a_mod_met_again_is_not_traced_again(traces: list[int], ran: list[bool]) -> None:
+    q, k, v = (t.to(F32) for t in qkv(1, 4, 2, 8, 8, 8))
+    for _ in range(3):
+        az.attention(q, k, v, score_mod=_rel)
+    def scaled(w: float) -> mods.ScoreMod:
+        return lambda s, b, h, i, j: s * w
+
+    for _ in range(3):  # a function made anew each call, with the same code and closure: the same key
+        az.attention(q, k, v, score_mod=scaled(0.5))
+    assert len(traces) == 2 and ran == [True] * 6
+
+
+def test_what_the_mod_reads_is_read_now(traces: list[int], ran: list[bool]) -> None:
+    """A captured tensor changed in place, replaced by another of the same shape (no new trace), a
+    Python number it reads changed (traced in: a new trace): each call gives the mod's answer now."""
+    q, k, v = (t.to(F32) for t in qkv(1, 4, 2, 8, 8, 8))
+    state: dict[str, Any] = {"t": torch.randn(H, 2 * L - 1), "c": 0.5}
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * state["c"] + state["t"][h, i - j + L - 1]
+
+    def check() -> None:
+        got = az.attention(q, k, v, score_mod=mod)
+        want = az.attention(q.double(), k.double(), v.double(), score_mod=mod, backend="reference")
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+
+    check()
+    state["t"].mul_(3.0)
+    check()
+    state["t"] = torch.randn(H, 2 * L - 1)
+    check()
+    assert len(traces) == 1
+    state["c"] = 2.0
+    check()
+    assert len(traces) == 2 and ran == [True] * 4
+
+
+def test_fingerprint_tells_apart_what_changes_the_trace() -> None:
+    t = torch.randn(3)
+    c = 1.0
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * c + t[h]
+
+    key = mods.fingerprint(mod)
+    assert mods.fingerprint(mod) == key
+    t = torch.randn(3)  # same shape, another tensor: the same graph
+    assert mods.fingerprint(mod) == key
+    t = torch.randn(4)
+    assert mods.fingerprint(mod) != key
+    t = torch.randn(3, requires_grad=True)
+    assert mods.fingerprint(mod) != key
+    t, c = torch.randn(3), 2.0
+    assert mods.fingerprint(mod) != key
+    assert cpu_kernel.available()
