@@ -1,4 +1,4 @@
-"""benchmarks/shapes.py, features.py and cpu_kernel.py's tables run (at the smallest of their cases):
+"""benchmarks/shapes.py, features.py, cpu_kernel.py's and mods.py's tables run (at the smallest of their cases):
 the scripts behind docs/benchmarks.md do not rot. cpu_kernel.py's memory table is not run here (four
 fresh processes; tests/test_memory.py runs its method) nor its Flex table compiled (minutes)."""
 
@@ -92,3 +92,30 @@ def test_busy_load_stops_when_its_block_raises() -> None:
         assert [p.name for p in kids] == ["busy-load"] and kids[0].is_alive()
         raise KeyboardInterrupt
     assert not kids[0].is_alive() and mp.active_children() == []
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_mods_benchmark_runs_its_tables_at_a_small_size() -> None:
+    """benchmarks/mods.py (issue 23's numbers): the cost and masks tables, every training step of
+    the training table (its memory, fresh processes, is not measured here), and the attention-gym
+    rows' two sides agreeing (eager Flex here; the script compiles it)."""
+    import mods
+
+    cost = list(mods.cost(64, repeats=1))
+    assert cost[2].startswith("| pass | case |") and len(cost) == 4 + 2 * 7
+    masks = list(mods.masks(64, repeats=1))
+    assert any(line.startswith("| prefix-LM from_mod ÷ its kept blocks") for line in masks)
+    for case in ("alibi", "relative", "prefix"):
+        for impl in ("attnzero", "torch"):
+            mods._training_case(f"{case}/{impl}", 64)()
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import attnzero as az
+
+    L = 64
+    q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))
+    with torch.no_grad():
+        for name, (ours, theirs) in mods._gym(L).items():
+            bm = create_block_mask(theirs["mask_mod"], None, None, L, L, device="cpu", BLOCK_SIZE=16)
+            want = flex_attention(q, k, v, score_mod=theirs.get("score_mod"), block_mask=bm)
+            torch.testing.assert_close(az.attention(q, k, v, **ours), want, rtol=1e-4, atol=1e-4, msg=name)
