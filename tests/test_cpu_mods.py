@@ -405,3 +405,18 @@ def test_fingerprint_tells_apart_what_changes_the_trace() -> None:
     t, c = torch.randn(3), 2.0
     assert mods.fingerprint(mod) != key
     assert cpu_kernel.available()
+
+
+def test_fingerprint_sees_a_config_objects_field() -> None:
+    class Config:
+        def __init__(self) -> None:
+            self.cap = 30.0
+
+    cfg = Config()
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return cfg.cap * torch.tanh(s / cfg.cap)
+
+    key = mods.fingerprint(mod)
+    cfg.cap = 20.0  # traced in as a constant: a new key, so a new trace
+    assert mods.fingerprint(mod) != key

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -190,12 +191,13 @@ def captured_tensors(fn: Any) -> list[Tensor]:
 def fingerprint(fn: Any) -> tuple[Any, ...]:
     """What a mod's traced graph depends on besides its arguments, as a hashable key: the code of
     every function it reaches (a lambda made anew with the same code has the same key), the Python
-    numbers, strings and flags it reads (closures, globals, defaults, a module's attributes — traced
-    in as constants), each captured tensor's shape, dtype, device and requires_grad (their values are
-    read when the generated code runs, not traced in), and the identity of anything else. Two calls
-    with equal keys trace to the same graph (``cpu_mods.py`` keeps generated code by it)."""
+    numbers, strings and flags it reads (closures, globals, defaults, the attributes of a module or
+    of any other object it reaches — traced in as constants), each captured tensor's shape, dtype,
+    device and requires_grad (their values are read when the generated code runs, not traced in),
+    and the identity of anything else. Two calls with equal keys trace to the same graph
+    (``cpu_mods.py`` keeps generated code by it)."""
     key: list[Any] = []
-    for obj in _reachable(fn, defaults=True):
+    for obj in _reachable(fn, deep=True):
         if isinstance(obj, Tensor):
             key.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
         elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
@@ -212,10 +214,10 @@ def fingerprint(fn: Any) -> tuple[Any, ...]:
     return tuple(key)
 
 
-def _reachable(fn: Any, *, defaults: bool = False) -> list[Any]:
+def _reachable(fn: Any, *, deep: bool = False) -> list[Any]:
     """Everything a mod reads besides its arguments, each object once, in the order found (see
-    ``captured_tensors``); with ``defaults``, functions' default arguments and the numbers and
-    strings reached too."""
+    ``captured_tensors``); with ``deep``, also functions' default arguments, the attributes of
+    plain objects (not Python modules or classes), and the numbers and strings reached."""
     found: list[Any] = []
     seen: set[int] = set()
 
@@ -230,7 +232,7 @@ def _reachable(fn: Any, *, defaults: bool = False) -> list[Any]:
         if isinstance(obj, Tensor):
             add(obj)
             return
-        if defaults or not (obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))):
+        if deep or not (obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))):
             add(obj)
         if isinstance(obj, torch.nn.Module):
             for t in (*obj.parameters(), *obj.buffers()):
@@ -251,7 +253,7 @@ def _reachable(fn: Any, *, defaults: bool = False) -> list[Any]:
             for cell in obj.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
                     visit(cell.cell_contents, depth + 1)
-            if defaults:
+            if deep:
                 for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
                     visit(x, depth + 1)
             for name in _names(obj.__code__):
@@ -260,6 +262,8 @@ def _reachable(fn: Any, *, defaults: bool = False) -> list[Any]:
         elif callable(obj) and not isinstance(obj, type):  # an instance with a __call__ of its class
             visit(vars(type(obj)).get("__call__"), depth + 1)
             visit(vars(obj) if hasattr(obj, "__dict__") else None, depth + 1)
+        elif deep and hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
+            visit(vars(obj), depth + 1)  # a config object's fields, read by the mod and traced in
 
     visit(fn, 0)
     return found
