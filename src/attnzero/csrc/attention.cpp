@@ -518,7 +518,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
       for (int64_t r = 0; r < R; ++r) {  // O_i = acc / l, lse_i = m + log(l); a row with no kept key: 0, −inf
         const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        T* orow = op + ((b * P.Hq + h) * P.Lq + i) * Dv;
+        T* orow = op + b * out.stride(0) + h * out.stride(1) + i * out.stride(2);  // (out's rows are unit-stride)
         const float* ar = acc + r * Dv;
         for (int64_t d = 0; d < Dv; ++d) orow[d] = static_cast<T>(ar[d] * inv);
         lp[(b * P.Hq + h) * P.Lq + i] = (m[r] == NEG_INF || l[r] == 0.f) ? NEG_INF : m[r] + std::log(l[r]);
@@ -540,7 +540,11 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, 0, caps, std::nullopt, 0);
-  at::Tensor out = at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
+  // O in q's memory order, as torch's CPU attention gives it: q laid out (B, Lq, Hq, D) — one projection
+  // split into heads — gives O laid out (B, Lq, Hq, Dv), whose merge of the heads is then a view.
+  at::Tensor out = q.stride(1) < q.stride(2) && P.Hq > 1
+                       ? at::empty({P.B, P.Lq, P.Hq, P.Dv}, q.options()).transpose(1, 2)
+                       : at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
   at::Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_forward", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
