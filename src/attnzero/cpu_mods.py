@@ -268,10 +268,11 @@ inline double _rsqrt(double x) { return 1.0 / std::sqrt(x); }
 
 @dataclass(frozen=True)
 class _Source:
-    """A mod as C++: ``text``; ``slots[i]`` where ``CAP<i>`` comes from — the index in
-    ``mods.captured_tensors(fn)``, or the tensor itself when the mod made it (a constant of the
-    trace); ``grads``: ``(slot, index in the captured list, start in GRAD)`` for each tensor that gets
-    a gradient; ``total`` GRAD's doubles; ``tmp`` the backward's scratch floats per key."""
+    """A mod as C++: ``text``; ``slots[i]`` where ``CAP<i>`` comes from — its index in the tensors
+    of ``mods.fingerprint(fn)`` (read afresh at every call), or the tensor itself when the mod made
+    it (a constant of the trace); ``grads``: ``(slot, index in mods.captured_tensors(fn), start in
+    GRAD)`` for each tensor that gets a gradient; ``total`` GRAD's doubles; ``tmp`` the backward's
+    scratch floats per key."""
 
     text: str
     slots: tuple[int | Tensor, ...]
@@ -284,9 +285,10 @@ def _indent(lines: list[str], n: int = 8) -> str:
     return "".join(" " * n + line.replace("\n", "\n" + " " * n) + "\n" for line in lines)
 
 
-def _translate(fn: mods.ScoreMod, grads: bool) -> _Source:
-    """The mod as C++ (see the module docstring). Raises ``codegen.NotGenerable`` naming what cannot
-    be generated, ``mods.ModError`` for a mod that returns another dtype than the score's."""
+def _translate(fn: mods.ScoreMod, grads: bool, reached: list[Tensor]) -> _Source:
+    """The mod as C++ (see the module docstring); ``reached``: the tensors of ``mods.fingerprint``.
+    Raises ``codegen.NotGenerable`` naming what cannot be generated, ``mods.ModError`` for a mod that
+    returns another dtype than the score's."""
     em, out, out_node = codegen.translate(fn, torch.device("cpu"), grads=grads, lang=CPP)
     captured = em.captured
     slots: list[int | Tensor] = []
@@ -301,7 +303,7 @@ def _translate(fn: mods.ScoreMod, grads: bool) -> _Source:
             raise codegen.NotGenerable(f"score_mod: reads a {t.dtype} tensor (cast it to float32 for the CPU kernel)")
         ty = CPP.type(arg)
         decls.append(f"const {ty}* __restrict CAP{i} = static_cast<const {ty}*>(CAP[{i}]);")
-        slots.append(next((j for j, c in enumerate(captured) if c is t), t))
+        slots.append(next((j for j, c in enumerate(reached) if c is t), t))
     fwd_lines = list(em.lines)
     head = (
         "    const int32_t b = static_cast<int32_t>(b_), h = static_cast<int32_t>(h_), "
@@ -321,8 +323,8 @@ def _translate(fn: mods.ScoreMod, grads: bool) -> _Source:
     if grads:
         base: dict[int, int] = {}
         for i, t in enumerate(em.tensors):
-            j = slots[i]
-            if isinstance(j, int) and t.requires_grad and t.dtype.is_floating_point:
+            j = next((j for j, c in enumerate(captured) if c is t), None)
+            if j is not None and t.requires_grad and t.dtype.is_floating_point:
                 base[i] = total
                 grad_slots.append((i, j, total))
                 total += t.numel()
@@ -440,16 +442,18 @@ _CACHE: dict[tuple[Any, ...], _Built | None] = {}
 _CACHE_MAX = 512
 
 
-def _get(fn: mods.ScoreMod, grads: bool) -> _Built | None:
-    key = (mods.fingerprint(fn), grads)
+def _get(fn: mods.ScoreMod, grads: bool) -> tuple[_Built | None, list[Tensor]]:
+    """The mod built (None: it cannot be generated or built) and the tensors it reads now."""
+    fp, reached = mods.fingerprint(fn)
+    key = (fp, grads)
     if key in _CACHE:
-        return _CACHE[key]
+        return _CACHE[key], reached
     with _lock:
         if key in _CACHE:
-            return _CACHE[key]
+            return _CACHE[key], reached
         built: _Built | None = None
         try:
-            source = _translate(fn, grads)
+            source = _translate(fn, grads, reached)
         except codegen.NotGenerable:
             source = None
         if source is not None:
@@ -461,7 +465,7 @@ def _get(fn: mods.ScoreMod, grads: bool) -> _Built | None:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = built
-        return built
+        return built, reached
 
 
 @dataclass
@@ -479,8 +483,8 @@ class Bound:
         return self.built.fwd, self.built.bwd, self.caps, grad, self.built.source.tmp
 
 
-def _bind(built: _Built, captured: list[Tensor]) -> Bound:
-    tensors = [codegen._as_kernel_arg(captured[s] if isinstance(s, int) else s) for s in built.source.slots]
+def _bind(built: _Built, reached: list[Tensor]) -> Bound:
+    tensors = [codegen._as_kernel_arg(reached[s] if isinstance(s, int) else s) for s in built.source.slots]
     caps = torch.tensor([t.data_ptr() for t in tensors] or [0], dtype=torch.int64)
     return Bound(built, tensors, caps)
 
@@ -536,10 +540,10 @@ def attention(
     (``functional._takes_kernel``)."""
     captured = mods.captured_tensors(score_mod)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *captured))
-    built = _get(score_mod, needs_grad)
+    built, reached = _get(score_mod, needs_grad)
     if built is None:
         return None
-    bound = _bind(built, captured)
+    bound = _bind(built, reached)
     kernel: dict[str, Any] = {
         "mask": mask, "causal": causal, "window": window, "scale": scale, "softcap": softcap, "dropout_p": dropout_p,
         "dropout_seed": dropout_seed,

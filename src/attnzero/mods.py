@@ -188,17 +188,20 @@ def captured_tensors(fn: Any) -> list[Tensor]:
     return [obj for obj in _reachable(fn) if isinstance(obj, Tensor)]
 
 
-def fingerprint(fn: Any) -> tuple[Any, ...]:
+def fingerprint(fn: Any) -> tuple[tuple[Any, ...], list[Tensor]]:
     """What a mod's traced graph depends on besides its arguments, as a hashable key: the code of
     every function it reaches (a lambda made anew with the same code has the same key), the Python
     numbers, strings and flags it reads (closures, globals, defaults, the attributes of a module or
     of any other object it reaches — traced in as constants), each captured tensor's shape, dtype,
     device and requires_grad (their values are read when the generated code runs, not traced in),
     and the identity of anything else. Two calls with equal keys trace to the same graph
-    (``cpu_mods.py`` keeps generated code by it)."""
+    (``cpu_mods.py`` keeps generated code by it). Returns ``(key, tensors)``: the tensors in the
+    key's order (those ``captured_tensors`` finds, and those in a plain object's attributes)."""
     key: list[Any] = []
+    tensors: list[Tensor] = []
     for obj in _reachable(fn, deep=True):
         if isinstance(obj, Tensor):
+            tensors.append(obj)
             key.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
         elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
             key.append(("V", type(obj), obj))
@@ -211,7 +214,7 @@ def fingerprint(fn: Any) -> tuple[Any, ...]:
             key.append(("C", type(obj), len(obj) if isinstance(obj, (list, tuple, dict)) else 0))
         else:
             key.append(("O", type(obj), id(obj)))
-    return tuple(key)
+    return tuple(key), tensors
 
 
 def _reachable(fn: Any, *, deep: bool = False) -> list[Any]:
