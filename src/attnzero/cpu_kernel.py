@@ -43,6 +43,7 @@ from . import geometry, reference
 from .masks import Mask
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+HEADER = SOURCE.with_name("fast_math.h")  # its float32 tanh (shared with cpu_mods.py's generated code)
 # Query rows per block (the G heads of a group are stacked: G·bm rows share each K/V block) and key
 # columns per block, chosen per call by ``block_sizes``. Measured on the 2-core EPYC VM of
 # docs/benchmarks.md (one thread, against torch's SDPA, forward and backward): 512 keys per block
@@ -94,11 +95,13 @@ def _build_flags() -> list[str]:
     # -fopenmp at compile time only: the kernel's parallel region is an OpenMP pragma (without the
     # flag it is ignored and every call runs on one thread), and its GOMP_* calls resolve at load to
     # the OpenMP runtime libtorch_cpu links — torch's own thread pool, not a second one.
-    return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags()]
+    wide = ["-mprefer-vector-width=512"] if "-mavx512f" in _cpu_flags() else []  # loops the compiler vectorises
+    return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags(), *wide]
 
 
 def _key(flags: list[str]) -> str:
-    parts = [SOURCE.read_text(), " ".join(flags), torch.__version__, sys.version, os.environ.get("CXX", "")]
+    parts = [SOURCE.read_text(), HEADER.read_text(), " ".join(flags), torch.__version__, sys.version,
+             os.environ.get("CXX", "")]  # fmt: skip
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 

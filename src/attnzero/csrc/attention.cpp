@@ -12,7 +12,7 @@
 // (batch, kv head, query block); the backward one over (batch, kv head), each task owning its
 // dK / dV rows and its query heads' dQ rows (no races). Scores, probabilities and accumulators are
 // float32 whatever the input dtype (float32, bfloat16, float16); the products are MKL's sgemm,
-// the row math at::vec (exp, tanh).
+// the row math at::vec (exp) and fast_math.h (tanh).
 //
 // What blocks are computed. Per (query block, key block) the kind is SKIP (nothing kept: not
 // computed), FULL (everything kept: no masking) or PARTIAL (masked element by element). It is the
@@ -26,6 +26,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
 #include <torch/extension.h>
+
+#include "fast_math.h"  // azm::tanh: float32, vectorised by the compiler (softcap)
 
 #include <algorithm>
 #include <cmath>
@@ -205,16 +207,17 @@ struct Problem {
       j = 0;
     }
     if (cap > 0.f) {  // s = cap · tanh(scl · x / cap); the tanh kept in t for d(cap · tanh)/dx = 1 − t²
-      const Vec f(scl / cap), c(cap);
-      for (; j + step <= n; j += step) {
-        Vec th = (Vec::loadu(s + j) * f).tanh();
-        if (t != nullptr) th.store(t + j);
-        (th * c).store(s + j);
-      }
-      for (; j < n; ++j) {
-        const float th = std::tanh(s[j] * (scl / cap));
-        if (t != nullptr) t[j] = th;
-        s[j] = cap * th;
+      const float f = scl / cap, c = cap;
+      if (t != nullptr) {
+#pragma omp simd
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const float th = azm::tanh(s[jj] * f);
+          t[jj] = th;
+          s[jj] = c * th;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t jj = 0; jj < n; ++jj) s[jj] = c * azm::tanh(s[jj] * f);
       }
     } else if (scl != 1.f) {
       const Vec f(scl);
