@@ -54,7 +54,11 @@ def draw_seed(device: torch.device) -> int:
 def wrapped(*xs: Any) -> bool:
     """Whether any of ``xs`` is a tensor seen through a torch.func transform (batched, tracked for
     grad, or dual)."""
-    return any(isinstance(x, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x) for x in xs)
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for x in xs:  # (a loop, not any() over a generator: every eager call asks)
+        if isinstance(x, Tensor) and is_wrapped(x):
+            return True
+    return False
 
 
 def forward_mode() -> bool:

@@ -121,8 +121,10 @@ def _takes_kernel(q: Tensor, bias: Tensor | None) -> bool:
     read there), and the kernel built (else flash.py, after one warning that says why)."""
     if q.device.type != "cpu" or q.dtype not in cpu_kernel.DTYPES:
         return False
+    if bias is None:  # (device and dtype checked above: all that ``unsupported`` asks without a bias)
+        return _kernel_built()
     if torch.compiler.is_compiling():
-        return bias is None and _kernel_built()
+        return False
     return cpu_kernel.unsupported(q, bias) is None and _kernel_built()
 
 
@@ -162,7 +164,12 @@ def choose(
 
 def _needs_grad(*xs: Tensor | None) -> bool:
     """Whether autograd will ask for a gradient of any of ``xs``."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+    if not torch.is_grad_enabled():
+        return False
+    for x in xs:  # (a loop, not any() over a generator: this runs on every call)
+        if x is not None and x.requires_grad:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,8 +207,13 @@ def _as_given(x: Any) -> contextlib.AbstractContextManager[None]:
     runs in the dtypes it was given (its float32 internals for 16-bit inputs are deliberate), so
     all backends give the same dtype and the same numbers."""
     if not _autocasting() or not isinstance(x, Tensor):
-        return contextlib.nullcontext()
+        return _UNCHANGED
     return ops.without_autocast(x.device)
+
+
+# The context of a call outside autocast: one shared, reentrant nullcontext (a fresh one per call
+# is a measurable part of a tiny call).
+_UNCHANGED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 # Whether autocast is on for any device type: one call, where asking per tensor and device costs
@@ -298,13 +310,14 @@ def _attention(
         raise ArgumentTypeError("v: expected a torch.Tensor, got NoneType")
     B, Hq, _, Lq, Lk = checks.qkv(q, k, v, empty_ok=True)
     full = (B, Hq, Lq, Lk)
-    keep = checks.mask(mask, full, q.device)
-    add = checks.bias(bias, full, q.device)
+    device = q.device
+    keep = checks.mask(mask, full, device)
+    add = checks.bias(bias, full, device)
     is_causal = checks.flag("causal", causal)
     win = checks.window(window, Lq, Lk)
     sc = checks.scale(scale, q.shape[-1])
     cap = checks.softcap(softcap)
-    sink = checks.sinks(sinks, B, Hq, Lq, q.device)
+    sink = checks.sinks(sinks, B, Hq, Lq, device)
     p = checks.dropout_p(dropout_p)
     name = checks.choice("backend", backend, BACKENDS)
     want_lse = checks.flag("return_lse", return_lse)
@@ -358,7 +371,8 @@ def _attention(
         return (out, lse) if want_lse else out
 
     name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v, bias=add)
-    transformed = not torch.compiler.is_compiling() and batching.wrapped(q, k, v, keep, add, sink)
+    compiling = torch.compiler.is_compiling()
+    transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
     if transformed and batching.forward_mode():
         name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
     if transformed and name != "reference":
@@ -369,7 +383,7 @@ def _attention(
             name, q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed,
         )  # fmt: skip
-    elif torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
+    elif compiling or 0 in (q.numel(), k.numel(), v.numel()):
         # One opaque op per call: dynamo never traces a backend's Python, and zero sizes (some only
         # known when a compiled program runs) are answered there. The seed stays a tensor.
         dense = keep.to_tensor(q.device) if isinstance(keep, Mask) else keep  # (B|1, Hq|1, Lq|1, Lk|1)
