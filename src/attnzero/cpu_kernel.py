@@ -301,26 +301,30 @@ def block_sizes(Lq: int, Lk: int, G: int, banded: bool, structured: bool) -> tup
 
 
 def _args(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    q: Tensor, k: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: geometry.Window, scale: float, softcap: float | None, dropout_p: float, dropout_seed: int,
-) -> tuple[list[Any], list[Any]]:
-    """The tensors and the options of both ops, after (q, k, v)."""
+) -> tuple[Any, ...]:
+    """What both ops take after (q, k, v): the tensors ``(dense, bias, table, tiles)``, then the
+    options ``(left, right, scale, softcap, dropout_p, seed, bm, bn)`` — one flat tuple (a tiny call
+    spends more here than in the kernel: no lists, the shapes read once)."""
     if not available():
         raise RuntimeError(f"attnzero: the CPU kernel is not available: {why()}")
-    Lq, Lk = q.shape[2], k.shape[2]
-    structured = isinstance(mask, Mask) and _structured(mask)
-    bm, bn = block_sizes(Lq, Lk, q.shape[1] // max(1, k.shape[1]), causal or window is not None, structured)
+    _, Hq, Lq, _ = q.shape
+    _, Hkv, Lk, _ = k.shape
+    banded = causal or window is not None
     dense: Tensor | None = None
     table = tiles = None
     if isinstance(mask, Mask):
+        bm, bn = block_sizes(Lq, Lk, Hq // max(1, Hkv), banded, _structured(mask))
         dense, table, tiles = _mask_table(mask, Lq, Lk, bm, bn)
-    elif mask is not None:
+    else:
+        bm, bn = block_sizes(Lq, Lk, Hq // max(1, Hkv), banded, False)
         dense = mask
     b32 = None if bias is None else bias.detach().to(torch.float32)
-    left, right = _band(causal, window)
+    left, right = _band(causal, window) if banded else (UNBOUNDED, UNBOUNDED)
     seed = dropout_seed if dropout_seed < 2**63 else dropout_seed - 2**64  # int64 bits
-    options = [left, right, float(scale), float(softcap or 0.0), float(dropout_p), seed, bm, bn]
-    return [dense, b32, table, tiles], options
+    cap = 0.0 if softcap is None else float(softcap)
+    return dense, b32, table, tiles, left, right, float(scale), cap, float(dropout_p), seed, bm, bn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,8 +336,8 @@ def forward(
     window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)``; fully blocked rows: 0, −inf."""
-    tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
-    out, lse = _state["module"].forward(q, k, v, *tensors, *options)  # (no autograd: plain values)
+    args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
+    out, lse = _state["module"].forward(q, k, v, *args)  # (no autograd: plain values)
     return out, lse
 
 
@@ -345,11 +349,9 @@ def backward(
     """``(dq, dk, dv, dbias)`` from ``out`` and ``lse`` (also those of the same queries over more
     keys: the ring's), recomputing P block by block; dbias in bias's shape and dtype, None
     without a bias or when ``bias_grad`` is False."""
-    tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
+    args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     want = bias is not None and bias_grad
-    dq, dk, dv, dbias = _state["module"].backward(
-        dout, q, k, v, out, lse.to(torch.float32), *tensors, *options, want
-    )
+    dq, dk, dv, dbias = _state["module"].backward(dout, q, k, v, out, lse.to(torch.float32), *args, want)
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 
 
@@ -395,13 +397,18 @@ def attention(
 ) -> tuple[Tensor, Tensor | None]:
     """The backend entry used by ``functional.py``: ``(out, lse)``, differentiable in q, k, v and
     bias (lse is not). The lse is always computed (``need_lse`` changes nothing here)."""
+    grads = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not grads:
+        return forward(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, softcap=softcap,
+        )  # fmt: skip
     options: dict[str, Any] = {
         "mask": mask, "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p,
         "dropout_seed": dropout_seed, "softcap": softcap,
     }  # fmt: skip
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    if not needs_grad:
-        return forward(q, k, v, bias=bias, **options)
     out, lse = _KernelAttention.apply(q, k, v, bias, options)
     return out, lse
 
