@@ -279,6 +279,11 @@ def attention(
     Under ``torch.autocast`` the float32 tensors are cast as autocast casts torch's
     ``scaled_dot_product_attention``'s, and the result has that dtype on every backend.
     """
+    if not _autocasting():  # the common call: nothing to cast, nothing to turn off (asked once: µs count here)
+        return _attention(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
+            dropout_p=dropout_p, backend=backend, return_lse=return_lse, score_mod=score_mod,
+        )  # fmt: skip
     q, k, v, bias = _autocast(q, k, v, bias)
     with _as_given(q):
         return _attention(
