@@ -351,7 +351,8 @@ def backward(
     without a bias or when ``bias_grad`` is False."""
     args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     want = bias is not None and bias_grad
-    dq, dk, dv, dbias = _state["module"].backward(dout, q, k, v, out, lse.to(torch.float32), *args, want)
+    lse32 = lse if lse.dtype == torch.float32 else lse.to(torch.float32)  # (a .to that changes nothing: ~1 µs)
+    dq, dk, dv, dbias = _state["module"].backward(dout, q, k, v, out, lse32, *args, want)
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 
 
