@@ -33,7 +33,7 @@ import contextlib
 import importlib.util
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -562,7 +562,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _plainly_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Whether two shapes are equal without deciding anything symbolic: the same ints, or the very
     same size objects."""
-    return len(a) == len(b) and all(x is y or (type(x) is int and type(y) is int and x == y) for x, y in zip(a, b))
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):  # (a loop, not all() over a generator: the drop-in asks this ~6 times a call)
+        if x is not y and not (type(x) is int and type(y) is int and x == y):
+            return False
+    return True
 
 
 def _broadcast(shapes: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -593,19 +598,27 @@ def _broadcast(shapes: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-@contextlib.contextmanager
-def _torch_says(type_phrase: str, value_phrase: str | None = None) -> Iterator[None]:
-    """A check's error with torch's phrase for the same misuse after "torch:" (``type_phrase`` for a
-    wrong kind of argument, prefixed as torch's argument parser prefixes it; ``value_phrase`` for a
-    wrong value), so that code matching torch's messages matches attnzero's too."""
-    try:
-        yield
-    except ArgumentTypeError as e:
-        raise ArgumentTypeError(f"{e}. torch: scaled_dot_product_attention(): {type_phrase}") from None
-    except ArgumentError as e:
-        if value_phrase is None:
-            raise
-        raise ArgumentError(f"{e}. torch: {value_phrase}") from None
+# The kind torch's argument parser names for each of the drop-in's arguments, and the position of
+# the tensors (``_torch_words``).
+_TORCH_KINDS = {"query": "Tensor", "key": "Tensor", "value": "Tensor", "is_causal": "bool", "enable_gqa": "bool",
+                "dropout_p": "float", "scale": "float"}  # fmt: skip
+_TORCH_POSITIONS = {"query": " (position 1)", "key": " (position 2)", "value": " (position 3)"}
+
+
+def _torch_words(e: Exception, name: str, x: Any) -> Exception:
+    """A check's error on the drop-in's argument ``name`` (given ``x``) with torch's phrase for the
+    same misuse after "torch:" — a wrong kind of argument as torch's argument parser says it (for
+    every argument), a wrong value as torch says it (for ``dropout_p``) — so that code matching
+    torch's messages matches attnzero's too; any other error as it is. Built only when a check
+    failed: the drop-in's common call pays nothing for it."""
+    if isinstance(e, ArgumentTypeError):
+        where = f"argument '{name}'{_TORCH_POSITIONS.get(name, '')}"
+        return ArgumentTypeError(
+            f"{e}. torch: scaled_dot_product_attention(): {where} must be {_TORCH_KINDS[name]}, not {type(x).__name__}"
+        )
+    if isinstance(e, ArgumentError) and name == "dropout_p":
+        return ArgumentError(f"{e}. torch: dropout probability has to be between 0 and 1, but got {x}")
+    return e
 
 
 def _count(sizes: tuple[Any, ...]) -> Any:
@@ -645,27 +658,35 @@ def _sdpa(
     """The drop-in after autocast: torch's checks and conventions, then ``_attention``. Messages
     name this function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias) and carry
     torch's own phrase after "torch:", so that code matching torch's text keeps working."""
-    for i, (name, x) in enumerate((("query", query), ("key", key), ("value", value)), start=1):
-        with _torch_says(f"argument '{name}' (position {i}) must be Tensor, not {type(x).__name__}"):
+    name, x = "query", query  # the argument checked, for torch's words when a check fails
+    try:
+        for name, x in (("query", query), ("key", key), ("value", value)):
             checks.tensor(name, x, empty_ok=True)
-    for name, x, kind in (("is_causal", is_causal, "bool"), ("enable_gqa", enable_gqa, "bool")):
-        with _torch_says(f"argument '{name}' must be {kind}, not {type(x).__name__}"):
-            checks.flag(name, x)
-    with _torch_says(
-        f"argument 'dropout_p' must be float, not {type(dropout_p).__name__}",
-        f"dropout probability has to be between 0 and 1, but got {dropout_p}",
-    ):
-        checks.dropout_p(dropout_p)
-    with _torch_says(f"argument 'scale' must be float, not {type(scale).__name__}"):
-        checks.scale(scale, query.shape[-1])
-    if min(query.ndim, key.ndim, value.ndim) < 2:
+        name, x = "is_causal", is_causal
+        wants_causal = checks.flag(name, x)
+        name, x = "enable_gqa", enable_gqa
+        gqa = checks.flag(name, x)
+        name, x = "dropout_p", dropout_p
+        checks.dropout_p(x)
+        name, x = "scale", scale
+        checks.scale(x, query.shape[-1])
+    except (ArgumentTypeError, ArgumentError) as e:
+        worded = _torch_words(e, name, x)
+        if worded is e:
+            raise
+        raise worded from None
+    qs, ks, vs = query.shape, key.shape, value.shape  # (each read once: a read costs ~0.1 µs)
+    if min(len(qs), len(ks), len(vs)) < 2:
         name = next(n for n, x in (("query", query), ("key", key), ("value", value)) if x.ndim < 2)
         raise ArgumentError(
             f"{name}: expected at least 2 dims (..., L, E), got {min(query.ndim, key.ndim, value.ndim)}. torch: "
             f"Expected query, key, and value to all be  at least 2 dimensional, but got query.dim: {query.ndim} "
             f"key.dim: {key.ndim} and value.dim: {value.ndim} instead."
         )
+    dtype, device = query.dtype, query.device
     for name, x in (("key", key), ("value", value)):
+        if x.dtype == dtype and x.device == device:
+            continue
         if x.dtype != query.dtype:
             raise ArgumentTypeError(
                 f"{name}: dtype {x.dtype} does not match query's {query.dtype}. torch: Expected query, key, and value "
@@ -678,33 +699,31 @@ def _sdpa(
                 f"value to have the same device type, but got query.device: {query.device} key.device: {key.device} "
                 f"and value.device: {value.device} instead."
             )
-    gqa = checks.flag("enable_gqa", enable_gqa)
-    wants_causal = checks.flag("is_causal", is_causal)
-    if not checks.holds(key.shape[-1] == query.shape[-1]):
+    if not checks.holds(ks[-1] == qs[-1]):
         raise ArgumentError(
-            f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}. torch: Expected size for first "
-            f"two dimensions of batch2 tensor to be: [{_count(query.shape[:-2])}, {query.shape[-1]}] but got: "
-            f"[{_count(key.shape[:-2])}, {key.shape[-1]}]."
+            f"key: head dim {ks[-1]} does not match query's {qs[-1]}. torch: Expected size for first "
+            f"two dimensions of batch2 tensor to be: [{_count(qs[:-2])}, {qs[-1]}] but got: "
+            f"[{_count(ks[:-2])}, {ks[-1]}]."
         )
-    if not checks.holds(value.shape[-2] == key.shape[-2]):
-        raise ArgumentError(f"value: length {value.shape[-2]} does not match key's {key.shape[-2]}")
+    if not checks.holds(vs[-2] == ks[-2]):
+        raise ArgumentError(f"value: length {vs[-2]} does not match key's {ks[-2]}")
 
     # The leading dims broadcast as torch's do: (*batch, heads). With enable_gqa the heads are
     # grouped (key and value heads each divide query's) and only the batch dims broadcast.
-    if gqa and min(query.ndim, key.ndim, value.ndim) >= 3:
-        batch = _broadcast({"query": query.shape[:-3], "key": key.shape[:-3], "value": value.shape[:-3]})
-        Hq = query.shape[-3]
-        for name, x in (("key", key), ("value", value)):
+    if gqa and min(len(qs), len(ks), len(vs)) >= 3:
+        batch = _broadcast({"query": qs[:-3], "key": ks[:-3], "value": vs[:-3]})
+        Hq = qs[-3]
+        for name, heads in (("key", ks[-3]), ("value", vs[-3])):
             checks.groups(
-                Hq, x.shape[-3],
+                Hq, heads,
                 f"{name}: expected a number of heads that divides query's {{Hq}} (enable_gqa), got {{Hkv}}. torch: "
                 "Number of heads in key and value must divide the number of heads in query",
             )  # fmt: skip
     else:
-        lead = _broadcast({"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+        lead = _broadcast({"query": qs[:-2], "key": ks[:-2], "value": vs[:-2]})
         batch, Hq = (lead[:-1], lead[-1]) if lead else ((), 1)  # all 2-D: one head, dropped again below
-    hk = key.shape[-3] if key.ndim >= 3 else 1
-    hv = value.shape[-3] if value.ndim >= 3 else 1
+    hk = ks[-3] if len(ks) >= 3 else 1
+    hv = vs[-3] if len(vs) >= 3 else 1
     # Key and value get one head count: a single head stays single (MQA, read by every query head
     # without a copy) or is stretched as a view; otherwise the fewer heads are spread over the more
     # (GQA's grouping), or over every query head when neither count divides the other.
@@ -714,13 +733,16 @@ def _sdpa(
         Hkv = hv
     else:
         Hkv = hk if hk % hv == 0 else Hq
-    Lq, Lk = query.shape[-2], key.shape[-2]
+    Lq, Lk = qs[-2], ks[-2]
     full = (*batch, Hq, Lq, Lk)  # (..., Hq, Lq, Lk)
 
     def four(x: Tensor, heads: Any) -> Tensor:
         """(…, h, L, E) or (L, E) → (N, heads, L, E) over the broadcast batch: views unless heads
-        must be spread."""
-        x = x if x.ndim >= 3 else x.unsqueeze(0)  # (1, L, E): one head
+        must be spread; a 4-D tensor of the batch and heads as it is (the drop-in's common call)."""
+        shape = x.shape
+        if len(shape) == 4 and len(batch) == 1 and _plainly_equal((shape[0], shape[1]), (batch[0], heads)):
+            return x  # (N, heads, L, E) already
+        x = x if len(shape) >= 3 else x.unsqueeze(0)  # (1, L, E): one head
         x = _heads_to(x, heads)
         x = x.expand(*batch, *x.shape[-3:]) if not _same_sizes(tuple(x.shape[:-3]), batch) else x
         return _to4(x)  # (N, heads, L, E)
@@ -789,8 +811,9 @@ def _sdpa(
         scale=scale, dropout_p=dropout_p,
     )  # fmt: skip
     assert isinstance(out, Tensor)
-    lead_out = full[:-2] if max(query.ndim, key.ndim, value.ndim) > 2 else ()
-    return out.reshape(*lead_out, Lq, value.shape[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
+    lead_out = full[:-2] if max(len(qs), len(ks), len(vs)) > 2 else ()
+    shape = (*lead_out, Lq, vs[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
+    return out if _plainly_equal(tuple(out.shape), shape) else out.reshape(shape)
 
 
 def _to4(x: Tensor) -> Tensor:
