@@ -54,11 +54,13 @@ def draw_seed(device: torch.device) -> int:
 def wrapped(*xs: Any) -> bool:
     """Whether any of ``xs`` is a tensor seen through a torch.func transform (batched, tracked for
     grad, or dual)."""
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     for x in xs:  # (a loop, not any() over a generator: every eager call asks)
-        if isinstance(x, Tensor) and is_wrapped(x):
+        if x is not None and isinstance(x, Tensor) and _is_wrapped(x):
             return True
     return False
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def forward_mode() -> bool:

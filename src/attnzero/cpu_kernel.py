@@ -377,12 +377,15 @@ class _KernelAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (no zeros made for the lse's gradient at every backward)
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, out, lse = ctx.saved_tensors
+        if dout is None:  # no gradient reached the output (grads are not materialised): zeros, as autograd gives
+            dout = torch.zeros_like(out)
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             needs = tuple(ctx.needs_input_grad[:4])
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)

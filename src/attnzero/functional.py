@@ -537,6 +537,8 @@ def scaled_dot_product_attention(
     ``attn_mask`` together with ``is_causal=True``, mismatched shapes, dtypes or devices. Zero
     sizes and autocast behave as torch's; a row with every key blocked gives 0 (torch's CPU path
     too), never NaN. Dropout drops other entries than torch's would (its own random stream)."""
+    if not _autocasting():  # the common call: nothing to cast, nothing to turn off
+        return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     with _as_given(query):
         return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
