@@ -566,7 +566,7 @@ def _plainly_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     same size objects."""
     if len(a) != len(b):
         return False
-    for x, y in zip(a, b):  # (a loop, not all() over a generator: the drop-in asks this ~6 times a call)
+    for x, y in zip(a, b):  # (a loop, not all() over a generator: every drop-in call asks)
         if x is not y and not (type(x) is int and type(y) is int and x == y):
             return False
     return True
