@@ -297,7 +297,10 @@ def block_sizes(Lq: int, Lk: int, G: int, banded: bool, structured: bool) -> tup
     else:
         bm = BLOCK_ROWS_BAND if banded else max(BLOCK_ROWS_BAND, BLOCK_ROWS_FULL // G)  # G·bm rows: ~256
         bn = BLOCK_KEYS
-    return max(1, min(bm, Lq)), max(1, min(bn, Lk))
+    # min(b, L), then at least 1 (a length may be 0) — as comparisons: every call asks, and each
+    # min / max builtin costs ~0.1 µs
+    bm, bn = (bm if bm < Lq else Lq), (bn if bn < Lk else Lk)
+    return (bm if bm > 1 else 1), (bn if bn > 1 else 1)
 
 
 def _args(
@@ -314,11 +317,12 @@ def _args(
     banded = causal or window is not None
     dense: Tensor | None = None
     table = tiles = None
+    G = Hq // Hkv if Hkv else Hq  # query heads per key/value head
     if isinstance(mask, Mask):
-        bm, bn = block_sizes(Lq, Lk, Hq // max(1, Hkv), banded, _structured(mask))
+        bm, bn = block_sizes(Lq, Lk, G, banded, _structured(mask))
         dense, table, tiles = _mask_table(mask, Lq, Lk, bm, bn)
     else:
-        bm, bn = block_sizes(Lq, Lk, Hq // max(1, Hkv), banded, False)
+        bm, bn = block_sizes(Lq, Lk, G, banded, False)
         dense = mask
     b32 = None if bias is None else bias.detach().to(torch.float32)
     left, right = _band(causal, window) if banded else (UNBOUNDED, UNBOUNDED)
