@@ -678,7 +678,8 @@ def _sdpa(
             raise
         raise worded from None
     qs, ks, vs = query.shape, key.shape, value.shape  # (each read once: a read costs ~0.1 µs)
-    if min(len(qs), len(ks), len(vs)) < 2:
+    nq, nk, nv = len(qs), len(ks), len(vs)
+    if nq < 2 or nk < 2 or nv < 2:
         name = next(n for n, x in (("query", query), ("key", key), ("value", value)) if x.ndim < 2)
         raise ArgumentError(
             f"{name}: expected at least 2 dims (..., L, E), got {min(query.ndim, key.ndim, value.ndim)}. torch: "
@@ -714,10 +715,10 @@ def _sdpa(
     # grouped (key and value heads each divide query's) and only the batch dims broadcast. The
     # common call (all 4-D, one (B, H)) has nothing to broadcast, spread or fold: ``plain``.
     plain = False
-    if len(qs) == len(ks) == len(vs) == 4:
+    if nq == nk == nv == 4:
         (B, H, _, _), (Bk, Hk, _, _), (Bv, Hv, _, _) = qs, ks, vs  # (unpacked: a slice of a Size costs ~0.3 µs)
         plain = _plainly_equal((B, H, B, H), (Bk, Hk, Bv, Hv))
-    if gqa and min(len(qs), len(ks), len(vs)) >= 3:
+    if gqa and nq >= 3 and nk >= 3 and nv >= 3:
         batch = (B,) if plain else _broadcast({"query": qs[:-3], "key": ks[:-3], "value": vs[:-3]})
         Hq = qs[-3]
         for name, heads in (("key", ks[-3]), ("value", vs[-3])):
@@ -729,8 +730,8 @@ def _sdpa(
     else:
         lead = (B, H) if plain else _broadcast({"query": qs[:-2], "key": ks[:-2], "value": vs[:-2]})
         batch, Hq = (lead[:-1], lead[-1]) if lead else ((), 1)  # all 2-D: one head, dropped again below
-    hk = ks[-3] if len(ks) >= 3 else 1
-    hv = vs[-3] if len(vs) >= 3 else 1
+    hk = ks[-3] if nk >= 3 else 1
+    hv = vs[-3] if nv >= 3 else 1
     # Key and value get one head count: a single head stays single (MQA, read by every query head
     # without a copy) or is stretched as a view; otherwise the fewer heads are spread over the more
     # (GQA's grouping), or over every query head when neither count divides the other.
@@ -817,9 +818,9 @@ def _sdpa(
         scale=scale, dropout_p=dropout_p,
     )  # fmt: skip
     assert isinstance(out, Tensor)
-    lead_out = full[:-2] if max(len(qs), len(ks), len(vs)) > 2 else ()
     if plain:
         return out  # (B, H, Lq, Ev): _attention's shape
+    lead_out = full[:-2] if nq > 2 or nk > 2 or nv > 2 else ()
     shape = (*lead_out, Lq, vs[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
     return out if _plainly_equal(tuple(out.shape), shape) else out.reshape(shape)
 
