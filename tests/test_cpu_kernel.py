@@ -317,3 +317,28 @@ def test_a_mask_from_a_mod_runs_from_its_table_built_once(
     assert table is not None
     kinds = [[min(t, 2) for t in row] for row in table[0].tolist()]  # 0 SKIP, 1 FULL, 2 PARTIAL (2 + tile)
     assert kinds == [[2, 0, 0], [1, 2, 0], [1, 1, 2]]
+
+
+class _NoGradient(torch.autograd.Function):
+    """The identity whose backward passes no gradient on (None)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:  # type: ignore[override]
+        return None
+
+
+def test_a_backward_that_gets_no_gradient_gives_zeros(calls: dict[str, int]) -> None:
+    """The kernel's Function does not materialise gradients (no zeros made for the lse's at every
+    backward): an output that gets no gradient still gives zero gradients, as autograd would."""
+    q, k, v = (randn(1, 2, 9, 8, dtype=torch.float32).requires_grad_() for _ in range(3))
+    out = az.attention(q, k, v, backend="flash")
+    assert isinstance(out, torch.Tensor)
+    (_NoGradient.apply(out).sum() + q.sum()).backward()
+    assert calls == {"forward": 1, "backward": 1}
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    torch.testing.assert_close(q.grad, torch.ones_like(q))  # from q.sum() alone
+    assert not k.grad.any() and not v.grad.any()

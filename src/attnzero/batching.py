@@ -54,7 +54,13 @@ def draw_seed(device: torch.device) -> int:
 def wrapped(*xs: Any) -> bool:
     """Whether any of ``xs`` is a tensor seen through a torch.func transform (batched, tracked for
     grad, or dual)."""
-    return any(isinstance(x, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x) for x in xs)
+    for x in xs:  # (a loop, not any() over a generator: every eager call asks)
+        if x is not None and isinstance(x, Tensor) and _is_wrapped(x):
+            return True
+    return False
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def forward_mode() -> bool:

@@ -96,27 +96,32 @@ def same_kind(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
 
 def qkv(q: Any, k: Any, v: Any | None, empty_ok: bool = False) -> tuple[int, int, int, int, int]:
     """q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv); with ``empty_ok`` any size may be 0
-    (DESIGN.md: the functional API takes zero-size inputs). Returns (B, Hq, Hkv, Lq, Lk)."""
+    (DESIGN.md: the functional API takes zero-size inputs). Returns (B, Hq, Hkv, Lq, Lk).
+    (Every call runs this: each shape, dtype and device is read once — a read costs ~0.1 µs.)"""
     layout = "(B, H, L, D)"
     q = tensor("q", q, 4, layout, empty_ok)
     k = tensor("k", k, 4, layout, empty_ok)
-    same_kind("k", k, "q", q)
+    dtype, device = q.dtype, q.device
+    if k.dtype != dtype or k.device != device:
+        same_kind("k", k, "q", q)  # raises, naming which differs
     B, Hq, Lq, D = q.shape
-    if not holds(k.shape[0] == B):
-        raise ArgumentError(f"k: batch {k.shape[0]} does not match q's {B}")
-    if not holds(k.shape[3] == D):
-        raise ArgumentError(f"k: head dim {k.shape[3]} does not match q's {D}")
-    Hkv, Lk = k.shape[1], k.shape[2]
+    Bk, Hkv, Lk, Dk = k.shape
+    if not holds(Bk == B):
+        raise ArgumentError(f"k: batch {Bk} does not match q's {B}")
+    if not holds(Dk == D):
+        raise ArgumentError(f"k: head dim {Dk} does not match q's {D}")
     groups(Hq, Hkv, "k: expected a number of key/value heads that divides q's {Hq} heads, got {Hkv}")
     if v is not None:
         v = tensor("v", v, 4, layout, empty_ok)
-        same_kind("v", v, "q", q)
-        if not holds(v.shape[0] == B):
-            raise ArgumentError(f"v: batch {v.shape[0]} does not match q's {B}")
-        if not holds(v.shape[1] == Hkv):
-            raise ArgumentError(f"v: {v.shape[1]} heads do not match k's {Hkv}")
-        if not holds(v.shape[2] == Lk):
-            raise ArgumentError(f"v: length {v.shape[2]} does not match k's {Lk}")
+        if v.dtype != dtype or v.device != device:
+            same_kind("v", v, "q", q)
+        Bv, Hv, Lv, _ = v.shape
+        if not holds(Bv == B):
+            raise ArgumentError(f"v: batch {Bv} does not match q's {B}")
+        if not holds(Hv == Hkv):
+            raise ArgumentError(f"v: {Hv} heads do not match k's {Hkv}")
+        if not holds(Lv == Lk):
+            raise ArgumentError(f"v: length {Lv} does not match k's {Lk}")
     return B, Hq, Hkv, Lq, Lk
 
 

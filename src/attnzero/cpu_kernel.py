@@ -300,34 +300,46 @@ def block_sizes(Lq: int, Lk: int, G: int, banded: bool, structured: bool) -> tup
     else:
         bm = BLOCK_ROWS_BAND if banded else max(BLOCK_ROWS_BAND, BLOCK_ROWS_FULL // G)  # G·bm rows: ~256
         bn = BLOCK_KEYS
-    return max(1, min(bm, Lq)), max(1, min(bn, Lk))
+    # min(b, L), then at least 1 (a length may be 0) — as comparisons: every call asks, and each
+    # min / max builtin costs ~0.1 µs
+    bm, bn = (bm if bm < Lq else Lq), (bn if bn < Lk else Lk)
+    return (bm if bm > 1 else 1), (bn if bn > 1 else 1)
 
 
 def _args(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    q: Tensor, k: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: geometry.Window, scale: float, softcap: float | None, dropout_p: float, dropout_seed: int,
-) -> tuple[list[Any], list[Any]]:
-    """The tensors and the options of both ops, after (q, k, v)."""
+) -> tuple[Any, ...]:
+    """What both ops take after (q, k, v): the tensors ``(dense, bias, table, tiles)``, then the
+    options ``(left, right, scale, softcap, dropout_p, seed, bm, bn)`` — one flat tuple (a tiny call
+    spends more here than in the kernel: no lists, the shapes read once)."""
     if not available():
         raise RuntimeError(f"attnzero: the CPU kernel is not available: {why()}")
-    Lq, Lk = q.shape[2], k.shape[2]
-    structured = isinstance(mask, Mask) and _structured(mask)
-    bm, bn = block_sizes(Lq, Lk, q.shape[1] // max(1, k.shape[1]), causal or window is not None, structured)
+    _, Hq, Lq, _ = q.shape
+    _, Hkv, Lk, _ = k.shape
+    banded = causal or window is not None
     dense: Tensor | None = None
     table = tiles = None
+    G = Hq // Hkv if Hkv else Hq  # query heads per key/value head
     if isinstance(mask, Mask):
+        bm, bn = block_sizes(Lq, Lk, G, banded, _structured(mask))
         dense, table, tiles = _mask_table(mask, Lq, Lk, bm, bn)
-    elif mask is not None:
+    else:
+        bm, bn = block_sizes(Lq, Lk, G, banded, False)
         dense = mask
     b32 = None if bias is None else bias.detach().to(torch.float32)
-    left, right = _band(causal, window)
+    left, right = _band(causal, window) if banded else (UNBOUNDED, UNBOUNDED)
     seed = dropout_seed if dropout_seed < 2**63 else dropout_seed - 2**64  # int64 bits
-    options = [left, right, float(scale), float(softcap or 0.0), float(dropout_p), seed, bm, bn]
-    return [dense, b32, table, tiles], options
+    cap = 0.0 if softcap is None else float(softcap)
+    return dense, b32, table, tiles, left, right, float(scale), cap, float(dropout_p), seed, bm, bn
 
 
 # ---------------------------------------------------------------------------------------------
 # The backend (ops.Backend): plain forward and backward, and the differentiable entry
+
+
+_NO_MOD_FORWARD = (0, None)  # the C++ functions' score_mod arguments without one
+_NO_MOD_BACKWARD = (0, 0, None, None, 0)
 
 
 def forward(
@@ -337,9 +349,9 @@ def forward(
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)``; fully blocked rows: 0, −inf.
     ``mod``: a score_mod built by ``cpu_mods.py`` (its ``forward_args()``), or None."""
-    tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
-    extra = mod.forward_args() if mod is not None else (0, None)
-    out, lse = _state["module"].forward(q, k, v, *tensors, *options, *extra)  # (no autograd: plain values)
+    args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
+    extra = mod.forward_args() if mod is not None else _NO_MOD_FORWARD
+    out, lse = _state["module"].forward(q, k, v, *args, *extra)  # (no autograd: plain values)
     return out, lse
 
 
@@ -352,12 +364,11 @@ def backward(
     keys: the ring's), recomputing P block by block; dbias in bias's shape and dtype, None
     without a bias or when ``bias_grad`` is False. ``mod``: a score_mod built by ``cpu_mods.py``;
     its captured tensors' gradients are added into ``mod_grad`` (float64, a flat copy per thread)."""
-    tensors, options = _args(q, k, v, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
+    args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     want = bias is not None and bias_grad
-    extra = mod.backward_args(mod_grad) if mod is not None else (0, 0, None, None, 0)
-    dq, dk, dv, dbias = _state["module"].backward(
-        dout, q, k, v, out, lse.to(torch.float32), *tensors, *options, want, *extra
-    )
+    lse32 = lse if lse.dtype == torch.float32 else lse.to(torch.float32)  # (a .to that changes nothing: ~1 µs)
+    extra = mod.backward_args(mod_grad) if mod is not None else _NO_MOD_BACKWARD
+    dq, dk, dv, dbias = _state["module"].backward(dout, q, k, v, out, lse32, *args, want, *extra)
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 
 
@@ -382,12 +393,15 @@ class _KernelAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (no zeros made for the lse's gradient at every backward)
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, out, lse = ctx.saved_tensors
+        if dout is None:  # no gradient reached the output (grads are not materialised): zeros, as autograd gives
+            dout = torch.zeros_like(out)
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             needs = tuple(ctx.needs_input_grad[:4])
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, **ctx.options), None)
@@ -403,13 +417,18 @@ def attention(
 ) -> tuple[Tensor, Tensor | None]:
     """The backend entry used by ``functional.py``: ``(out, lse)``, differentiable in q, k, v and
     bias (lse is not). The lse is always computed (``need_lse`` changes nothing here)."""
+    grads = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not grads:
+        return forward(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, softcap=softcap,
+        )  # fmt: skip
     options: dict[str, Any] = {
         "mask": mask, "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p,
         "dropout_seed": dropout_seed, "softcap": softcap,
     }  # fmt: skip
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    if not needs_grad:
-        return forward(q, k, v, bias=bias, **options)
     out, lse = _KernelAttention.apply(q, k, v, bias, options)
     return out, lse
 

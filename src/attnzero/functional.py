@@ -33,7 +33,7 @@ import contextlib
 import importlib.util
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -121,8 +121,10 @@ def _takes_kernel(q: Tensor, bias: Tensor | None) -> bool:
     read there), and the kernel built (else flash.py, after one warning that says why)."""
     if q.device.type != "cpu" or q.dtype not in cpu_kernel.DTYPES:
         return False
+    if bias is None:  # (device and dtype checked above: all that ``unsupported`` asks without a bias)
+        return _kernel_built()
     if torch.compiler.is_compiling():
-        return bias is None and _kernel_built()
+        return False
     return cpu_kernel.unsupported(q, bias) is None and _kernel_built()
 
 
@@ -162,7 +164,12 @@ def choose(
 
 def _needs_grad(*xs: Tensor | None) -> bool:
     """Whether autograd will ask for a gradient of any of ``xs``."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+    if not torch.is_grad_enabled():
+        return False
+    for x in xs:  # (a loop, not any() over a generator: this runs on every call)
+        if x is not None and x.requires_grad:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,8 +207,13 @@ def _as_given(x: Any) -> contextlib.AbstractContextManager[None]:
     runs in the dtypes it was given (its float32 internals for 16-bit inputs are deliberate), so
     all backends give the same dtype and the same numbers."""
     if not _autocasting() or not isinstance(x, Tensor):
-        return contextlib.nullcontext()
+        return _UNCHANGED
     return ops.without_autocast(x.device)
+
+
+# The context of a call outside autocast: one shared, reentrant nullcontext (a fresh one per call
+# is a measurable part of a tiny call).
+_UNCHANGED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 # Whether autocast is on for any device type: one call, where asking per tensor and device costs
@@ -267,6 +279,11 @@ def attention(
     Under ``torch.autocast`` the float32 tensors are cast as autocast casts torch's
     ``scaled_dot_product_attention``'s, and the result has that dtype on every backend.
     """
+    if not _autocasting():  # the common call: nothing to cast, nothing to turn off (asked once: µs count here)
+        return _attention(
+            q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
+            dropout_p=dropout_p, backend=backend, return_lse=return_lse, score_mod=score_mod,
+        )  # fmt: skip
     q, k, v, bias = _autocast(q, k, v, bias)
     with _as_given(q):
         return _attention(
@@ -298,17 +315,18 @@ def _attention(
         raise ArgumentTypeError("v: expected a torch.Tensor, got NoneType")
     B, Hq, _, Lq, Lk = checks.qkv(q, k, v, empty_ok=True)
     full = (B, Hq, Lq, Lk)
-    keep = checks.mask(mask, full, q.device)
-    add = checks.bias(bias, full, q.device)
+    # (an optional argument left at None has nothing to check: asked here, where a check costs a call)
+    keep = None if mask is None else checks.mask(mask, full, q.device)
+    add = None if bias is None else checks.bias(bias, full, q.device)
     is_causal = checks.flag("causal", causal)
-    win = checks.window(window, Lq, Lk)
+    win = None if window is None else checks.window(window, Lq, Lk)
     sc = checks.scale(scale, q.shape[-1])
-    cap = checks.softcap(softcap)
-    sink = checks.sinks(sinks, B, Hq, Lq, q.device)
+    cap = None if softcap is None else checks.softcap(softcap)
+    sink = None if sinks is None else checks.sinks(sinks, B, Hq, Lq, q.device)
     p = checks.dropout_p(dropout_p)
     name = checks.choice("backend", backend, BACKENDS)
     want_lse = checks.flag("return_lse", return_lse)
-    fn = mods.check_callable("score_mod", score_mod)
+    fn = None if score_mod is None else mods.check_callable("score_mod", score_mod)
     if checks.is_zero(Lk):
         fn = None  # no pair to modify: every row is blocked, as without it (ops.py answers it)
     keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
@@ -370,7 +388,8 @@ def _attention(
         return (out, lse) if want_lse else out
 
     name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v, bias=add)
-    transformed = not torch.compiler.is_compiling() and batching.wrapped(q, k, v, keep, add, sink)
+    compiling = torch.compiler.is_compiling()
+    transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
     if transformed and batching.forward_mode():
         name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
     if transformed and name != "reference":
@@ -381,7 +400,7 @@ def _attention(
             name, q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed,
         )  # fmt: skip
-    elif torch.compiler.is_compiling() or 0 in (q.numel(), k.numel(), v.numel()):
+    elif compiling or 0 in (q.numel(), k.numel(), v.numel()):
         # One opaque op per call: dynamo never traces a backend's Python, and zero sizes (some only
         # known when a compiled program runs) are answered there. The seed stays a tensor.
         dense = keep.to_tensor(q.device) if isinstance(keep, Mask) else keep  # (B|1, Hq|1, Lq|1, Lk|1)
@@ -530,6 +549,8 @@ def scaled_dot_product_attention(
     ``attn_mask`` together with ``is_causal=True``, mismatched shapes, dtypes or devices. Zero
     sizes and autocast behave as torch's; a row with every key blocked gives 0 (torch's CPU path
     too), never NaN. Dropout drops other entries than torch's would (its own random stream)."""
+    if not _autocasting():  # the common call: nothing to cast, nothing to turn off
+        return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     with _as_given(query):
         return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -555,7 +576,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _plainly_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Whether two shapes are equal without deciding anything symbolic: the same ints, or the very
     same size objects."""
-    return len(a) == len(b) and all(x is y or (type(x) is int and type(y) is int and x == y) for x, y in zip(a, b))
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):  # (a loop, not all() over a generator: every drop-in call asks)
+        if x is not y and not (type(x) is int and type(y) is int and x == y):
+            return False
+    return True
 
 
 def _broadcast(shapes: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -586,19 +612,27 @@ def _broadcast(shapes: dict[str, tuple[Any, ...]]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-@contextlib.contextmanager
-def _torch_says(type_phrase: str, value_phrase: str | None = None) -> Iterator[None]:
-    """A check's error with torch's phrase for the same misuse after "torch:" (``type_phrase`` for a
-    wrong kind of argument, prefixed as torch's argument parser prefixes it; ``value_phrase`` for a
-    wrong value), so that code matching torch's messages matches attnzero's too."""
-    try:
-        yield
-    except ArgumentTypeError as e:
-        raise ArgumentTypeError(f"{e}. torch: scaled_dot_product_attention(): {type_phrase}") from None
-    except ArgumentError as e:
-        if value_phrase is None:
-            raise
-        raise ArgumentError(f"{e}. torch: {value_phrase}") from None
+# The kind torch's argument parser names for each of the drop-in's arguments, and the position of
+# the tensors (``_torch_words``).
+_TORCH_KINDS = {"query": "Tensor", "key": "Tensor", "value": "Tensor", "is_causal": "bool", "enable_gqa": "bool",
+                "dropout_p": "float", "scale": "float"}  # fmt: skip
+_TORCH_POSITIONS = {"query": " (position 1)", "key": " (position 2)", "value": " (position 3)"}
+
+
+def _torch_words(e: Exception, name: str, x: Any) -> Exception:
+    """A check's error on the drop-in's argument ``name`` (given ``x``) with torch's phrase for the
+    same misuse after "torch:" — a wrong kind of argument as torch's argument parser says it (for
+    every argument), a wrong value as torch says it (for ``dropout_p``) — so that code matching
+    torch's messages matches attnzero's too; any other error as it is. Built only when a check
+    failed: the drop-in's common call pays nothing for it."""
+    if isinstance(e, ArgumentTypeError):
+        where = f"argument '{name}'{_TORCH_POSITIONS.get(name, '')}"
+        return ArgumentTypeError(
+            f"{e}. torch: scaled_dot_product_attention(): {where} must be {_TORCH_KINDS[name]}, not {type(x).__name__}"
+        )
+    if isinstance(e, ArgumentError) and name == "dropout_p":
+        return ArgumentError(f"{e}. torch: dropout probability has to be between 0 and 1, but got {x}")
+    return e
 
 
 def _count(sizes: tuple[Any, ...]) -> Any:
@@ -638,27 +672,36 @@ def _sdpa(
     """The drop-in after autocast: torch's checks and conventions, then ``_attention``. Messages
     name this function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias) and carry
     torch's own phrase after "torch:", so that code matching torch's text keeps working."""
-    for i, (name, x) in enumerate((("query", query), ("key", key), ("value", value)), start=1):
-        with _torch_says(f"argument '{name}' (position {i}) must be Tensor, not {type(x).__name__}"):
+    name, x = "query", query  # the argument checked, for torch's words when a check fails
+    try:
+        for name, x in (("query", query), ("key", key), ("value", value)):
             checks.tensor(name, x, empty_ok=True)
-    for name, x, kind in (("is_causal", is_causal, "bool"), ("enable_gqa", enable_gqa, "bool")):
-        with _torch_says(f"argument '{name}' must be {kind}, not {type(x).__name__}"):
-            checks.flag(name, x)
-    with _torch_says(
-        f"argument 'dropout_p' must be float, not {type(dropout_p).__name__}",
-        f"dropout probability has to be between 0 and 1, but got {dropout_p}",
-    ):
-        checks.dropout_p(dropout_p)
-    with _torch_says(f"argument 'scale' must be float, not {type(scale).__name__}"):
-        checks.scale(scale, query.shape[-1])
-    if min(query.ndim, key.ndim, value.ndim) < 2:
+        name, x = "is_causal", is_causal
+        wants_causal = checks.flag(name, x)
+        name, x = "enable_gqa", enable_gqa
+        gqa = checks.flag(name, x)
+        name, x = "dropout_p", dropout_p
+        checks.dropout_p(x)
+        name, x = "scale", scale
+        checks.scale(x, query.shape[-1])
+    except (ArgumentTypeError, ArgumentError) as e:
+        worded = _torch_words(e, name, x)
+        if worded is e:
+            raise
+        raise worded from None
+    qs, ks, vs = query.shape, key.shape, value.shape  # (each read once: a read costs ~0.1 µs)
+    nq, nk, nv = len(qs), len(ks), len(vs)
+    if nq < 2 or nk < 2 or nv < 2:
         name = next(n for n, x in (("query", query), ("key", key), ("value", value)) if x.ndim < 2)
         raise ArgumentError(
             f"{name}: expected at least 2 dims (..., L, E), got {min(query.ndim, key.ndim, value.ndim)}. torch: "
             f"Expected query, key, and value to all be  at least 2 dimensional, but got query.dim: {query.ndim} "
             f"key.dim: {key.ndim} and value.dim: {value.ndim} instead."
         )
+    dtype, device = query.dtype, query.device
     for name, x in (("key", key), ("value", value)):
+        if x.dtype == dtype and x.device == device:
+            continue
         if x.dtype != query.dtype:
             raise ArgumentTypeError(
                 f"{name}: dtype {x.dtype} does not match query's {query.dtype}. torch: Expected query, key, and value "
@@ -671,33 +714,36 @@ def _sdpa(
                 f"value to have the same device type, but got query.device: {query.device} key.device: {key.device} "
                 f"and value.device: {value.device} instead."
             )
-    gqa = checks.flag("enable_gqa", enable_gqa)
-    wants_causal = checks.flag("is_causal", is_causal)
-    if not checks.holds(key.shape[-1] == query.shape[-1]):
+    if not checks.holds(ks[-1] == qs[-1]):
         raise ArgumentError(
-            f"key: head dim {key.shape[-1]} does not match query's {query.shape[-1]}. torch: Expected size for first "
-            f"two dimensions of batch2 tensor to be: [{_count(query.shape[:-2])}, {query.shape[-1]}] but got: "
-            f"[{_count(key.shape[:-2])}, {key.shape[-1]}]."
+            f"key: head dim {ks[-1]} does not match query's {qs[-1]}. torch: Expected size for first "
+            f"two dimensions of batch2 tensor to be: [{_count(qs[:-2])}, {qs[-1]}] but got: "
+            f"[{_count(ks[:-2])}, {ks[-1]}]."
         )
-    if not checks.holds(value.shape[-2] == key.shape[-2]):
-        raise ArgumentError(f"value: length {value.shape[-2]} does not match key's {key.shape[-2]}")
+    if not checks.holds(vs[-2] == ks[-2]):
+        raise ArgumentError(f"value: length {vs[-2]} does not match key's {ks[-2]}")
 
     # The leading dims broadcast as torch's do: (*batch, heads). With enable_gqa the heads are
-    # grouped (key and value heads each divide query's) and only the batch dims broadcast.
-    if gqa and min(query.ndim, key.ndim, value.ndim) >= 3:
-        batch = _broadcast({"query": query.shape[:-3], "key": key.shape[:-3], "value": value.shape[:-3]})
-        Hq = query.shape[-3]
-        for name, x in (("key", key), ("value", value)):
+    # grouped (key and value heads each divide query's) and only the batch dims broadcast. The
+    # common call (all 4-D, one (B, H)) has nothing to broadcast, spread or fold: ``plain``.
+    plain = False
+    if nq == nk == nv == 4:
+        (B, H, _, _), (Bk, Hk, _, _), (Bv, Hv, _, _) = qs, ks, vs  # (unpacked: a slice of a Size costs ~0.3 µs)
+        plain = _plainly_equal((B, H, B, H), (Bk, Hk, Bv, Hv))
+    if gqa and nq >= 3 and nk >= 3 and nv >= 3:
+        batch = (B,) if plain else _broadcast({"query": qs[:-3], "key": ks[:-3], "value": vs[:-3]})
+        Hq = qs[-3]
+        for name, heads in (("key", ks[-3]), ("value", vs[-3])):
             checks.groups(
-                Hq, x.shape[-3],
+                Hq, heads,
                 f"{name}: expected a number of heads that divides query's {{Hq}} (enable_gqa), got {{Hkv}}. torch: "
                 "Number of heads in key and value must divide the number of heads in query",
             )  # fmt: skip
     else:
-        lead = _broadcast({"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+        lead = (B, H) if plain else _broadcast({"query": qs[:-2], "key": ks[:-2], "value": vs[:-2]})
         batch, Hq = (lead[:-1], lead[-1]) if lead else ((), 1)  # all 2-D: one head, dropped again below
-    hk = key.shape[-3] if key.ndim >= 3 else 1
-    hv = value.shape[-3] if value.ndim >= 3 else 1
+    hk = ks[-3] if nk >= 3 else 1
+    hv = vs[-3] if nv >= 3 else 1
     # Key and value get one head count: a single head stays single (MQA, read by every query head
     # without a copy) or is stretched as a view; otherwise the fewer heads are spread over the more
     # (GQA's grouping), or over every query head when neither count divides the other.
@@ -707,12 +753,14 @@ def _sdpa(
         Hkv = hv
     else:
         Hkv = hk if hk % hv == 0 else Hq
-    Lq, Lk = query.shape[-2], key.shape[-2]
+    Lq, Lk = qs[-2], ks[-2]
     full = (*batch, Hq, Lq, Lk)  # (..., Hq, Lq, Lk)
 
     def four(x: Tensor, heads: Any) -> Tensor:
         """(…, h, L, E) or (L, E) → (N, heads, L, E) over the broadcast batch: views unless heads
-        must be spread."""
+        must be spread; as it is in the ``plain`` call."""
+        if plain:
+            return x  # (B, H, L, E) already
         x = x if x.ndim >= 3 else x.unsqueeze(0)  # (1, L, E): one head
         x = _heads_to(x, heads)
         x = x.expand(*batch, *x.shape[-3:]) if not _same_sizes(tuple(x.shape[:-3]), batch) else x
@@ -782,8 +830,11 @@ def _sdpa(
         scale=scale, dropout_p=dropout_p,
     )  # fmt: skip
     assert isinstance(out, Tensor)
-    lead_out = full[:-2] if max(query.ndim, key.ndim, value.ndim) > 2 else ()
-    return out.reshape(*lead_out, Lq, value.shape[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
+    if plain:
+        return out  # (B, H, Lq, Ev): _attention's shape
+    lead_out = full[:-2] if nq > 2 or nk > 2 or nv > 2 else ()
+    shape = (*lead_out, Lq, vs[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
+    return out if _plainly_equal(tuple(out.shape), shape) else out.reshape(shape)
 
 
 def _to4(x: Tensor) -> Tensor:

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import dropout, reference
+from . import cpu_kernel, dropout, reference
 from . import sinks as _sinks
 from .masks import Mask
 from .reference import accum_dtype
@@ -201,7 +201,8 @@ def reference_backward(
 
 # ---------------------------------------------------------------------------------------------
 # The backends behind one interface. The modules of flash and triton are imported on first use
-# (triton may be missing), and their functions are looked up at each call.
+# (triton may be missing); the kernel's module (cpu_kernel.py: its build waits for the first call)
+# comes with this one. Their functions are looked up at each call.
 
 Attention = Callable[..., tuple[Tensor, Tensor | None]]
 Forward = Callable[..., tuple[Tensor, Tensor]]
@@ -232,26 +233,30 @@ def _flash() -> Any:
     return flash
 
 
-def _kernel() -> Any:
-    from . import cpu_kernel
-
-    return cpu_kernel
-
-
 def _kernel_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None = None, **kw: Any
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: Window, scale: float, softcap: float | None, sinks: Tensor | None = None, dropout_p: float,
+    dropout_seed: int, need_lse: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
+    # (the arguments by name, not through **kw: collecting and spreading a dict of them costs
+    # ~1 µs, a tenth of a tiny call)
     if sinks is not None:
-        return _with_sinks("cpu_kernel", q, k, v, sinks, **kw)
-    return _kernel().attention(q, k, v, **kw)  # type: ignore[no-any-return]
+        return _with_sinks(
+            "cpu_kernel", q, k, v, sinks, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed, need_lse=need_lse,
+        )  # fmt: skip
+    return cpu_kernel.attention(
+        q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, need_lse=need_lse,
+    )  # fmt: skip
 
 
 def _kernel_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
-    return _kernel().forward(q, k, v, **kw)  # type: ignore[no-any-return]
+    return cpu_kernel.forward(q, k, v, **kw)
 
 
 def _kernel_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    return _kernel().backward(*args, **kw)  # type: ignore[no-any-return]
+    return cpu_kernel.backward(*args, **kw)
 
 
 def _triton() -> Any:
