@@ -13,20 +13,25 @@ namespace azm {
 
 constexpr float INF = std::numeric_limits<float>::infinity();
 
-// 2^(t + lo) for float t and a small correction lo, branch-free: t = n + f (n an integer, |f| <= 1/2),
-// 2^(f + lo) by a degree-6 polynomial (relative error below 2e-7), 2^n by two exponent-field
-// scalings (so that a subnormal result is still rounded once). Overflow gives inf, below 2^-150
-// gives 0, NaN stays NaN.
-inline float pow2(float t, float lo) {
-  const float y = t < -151.f ? -151.f : (t > 129.f ? 129.f : t);
-  const float n = std::nearbyint(y), f = (y - n) + lo;
+// 2^f for |f| <= 1/2 (and a little beyond): a degree-6 polynomial, relative error below 2e-7.
+inline float pow2_reduced(float f) {
   float p = 1.5353362e-4f;
   p = p * f + 1.3398874e-3f;
   p = p * f + 9.6184375e-3f;
   p = p * f + 5.5503324e-2f;
   p = p * f + 2.4022648e-1f;
   p = p * f + 6.9314720e-1f;
-  p = p * f + 1.f;
+  return p * f + 1.f;
+}
+
+// 2^(t + lo) for float t and a small correction lo, branch-free: t = n + f (n an integer, |f| <= 1/2),
+// 2^(f + lo) by pow2_reduced, 2^n by two exponent-field
+// scalings (so that a subnormal result is still rounded once). Overflow gives inf, below 2^-150
+// gives 0, NaN stays NaN.
+inline float pow2(float t, float lo) {
+  const float y = t < -151.f ? -151.f : (t > 129.f ? 129.f : t);
+  const float n = std::nearbyint(y), f = (y - n) + lo;
+  const float p = pow2_reduced(f);
   const int32_t e = static_cast<int32_t>(n), e1 = e / 2, e2 = e - e1;
   const int32_t b1 = (e1 + 127) << 23, b2 = (e2 + 127) << 23;
   float s1, s2;
@@ -68,7 +73,7 @@ inline float log(float x) {
 inline float log2(float x) { return log(x) * 1.44269504f; }
 // tanh x: odd Taylor series to x^11 where |x| < 0.3 (error below 1e-9 relative), else
 // sign(x) · (1 − e) / (1 + e) with e = exp(−2|x|) = 2^t, t = −2 log2(e) · min(|x|, 9) in [−26, 0]
-// (tanh 9 rounds to 1 in float32): 2^t as in _exp2, with none of its range checks.
+// (tanh 9 rounds to 1 in float32): 2^t as in pow2, with none of its range checks.
 inline float tanh(float x) {
   const float a = std::fabs(x), x2 = x * x;
   float p = -0.0088632355f;  // −1382/155925, 62/2835, −17/315, 2/15, −1/3
@@ -79,13 +84,7 @@ inline float tanh(float x) {
   const float small = x + x * x2 * p;
   const float t = -2.88539008f * (a < 9.f ? a : 9.f);
   const float n = std::nearbyint(t), f = t - n;
-  float q = 1.5353362e-4f;
-  q = q * f + 1.3398874e-3f;
-  q = q * f + 9.6184375e-3f;
-  q = q * f + 5.5503324e-2f;
-  q = q * f + 2.4022648e-1f;
-  q = q * f + 6.9314720e-1f;
-  q = q * f + 1.f;
+  const float q = pow2_reduced(f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
