@@ -84,8 +84,9 @@ def _cpu_flags() -> list[str]:
     except OSError:
         flags = []
     if all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
+        # (and loops the compiler vectorises at that width too: gcc's default for AVX-512 is 256 bits)
         return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                "-mavx512dq", "-mfma", "-mf16c"]
+                "-mavx512dq", "-mfma", "-mf16c", "-mprefer-vector-width=512"]
     if "avx2" in flags and "fma" in flags:
         return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
     return ["-DCPU_CAPABILITY=DEFAULT"]
@@ -95,8 +96,7 @@ def _build_flags() -> list[str]:
     # -fopenmp at compile time only: the kernel's parallel region is an OpenMP pragma (without the
     # flag it is ignored and every call runs on one thread), and its GOMP_* calls resolve at load to
     # the OpenMP runtime libtorch_cpu links — torch's own thread pool, not a second one.
-    wide = ["-mprefer-vector-width=512"] if "-mavx512f" in _cpu_flags() else []  # loops the compiler vectorises
-    return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags(), *wide]
+    return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags()]
 
 
 def _key(flags: list[str]) -> str:

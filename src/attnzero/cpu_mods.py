@@ -286,11 +286,8 @@ def _flags() -> list[str]:
     """The compiler's flags: optimised, the CPU's vector width (the kernel's, ``cpu_kernel._cpu_flags``),
     ``#pragma omp simd`` honoured, integer overflow wrapping as torch's."""
     isa = [f for f in cpu_kernel._cpu_flags() if f.startswith("-m")]
-    wide = ["-mprefer-vector-width=512"] if "-mavx512f" in isa else []  # (gcc's default for AVX-512 is 256 bits)
-    return ["-O3", "-fno-math-errno", "-fwrapv", "-fopenmp-simd", "-fPIC", "-shared", *isa, *wide, f"-I{MATH.parent}"]
-
-
-MATH = cpu_kernel.SOURCE.with_name("fast_math.h")
+    return ["-O3", "-fno-math-errno", "-fwrapv", "-fopenmp-simd", "-fPIC", "-shared", *isa,
+            f"-I{cpu_kernel.HEADER.parent}"]  # fmt: skip
 
 
 _lock = threading.Lock()
@@ -302,7 +299,7 @@ def _build(text: str) -> ctypes.CDLL | None:
     warning that says why (no compiler, a cache that cannot be written, a failing build)."""
     cxx = os.environ.get("CXX") or "c++"
     flags = _flags()
-    key = hashlib.sha256("\0".join([text, MATH.read_text(), cxx, *flags]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([text, cpu_kernel.HEADER.read_text(), cxx, *flags]).encode()).hexdigest()[:24]
     folder = Path(cpu_kernel.cache_dir()) / "cpu_mods"
     path = folder / f"mod_{key}.so"
     why = None

@@ -100,7 +100,8 @@ enum Kind : int { SKIP = 0, FULL = 1, PARTIAL = 2 };
 // library of its own and handed over as two function pointers, for one row's keys [j0, j0 + n) of
 // query i in batch b, query head h. ModFwd: s_j = score_mod(s_j, b, h, i, j0 + j) in place. ModBwd:
 // g_j = g_j · ∂score_mod/∂score at the input x_j, and each captured tensor's share g_j · ∂score_mod/∂θ
-// added into `grad` (this thread's copy, float64: it sums over every pair); `tmp` is scratch. `cap`: the captured tensors' data.
+// added into `grad` (this thread's copy, float64: it sums over every pair); `tmp` is scratch.
+// `cap`: the captured tensors' data.
 using ModFwd = void (*)(float* s, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0, const void* const* cap);
 using ModBwd = void (*)(const float* x, float* g, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0,
                         const void* const* cap, double* grad, float* tmp);
@@ -382,7 +383,8 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // The generated score_mod of a call (mod_fwd 0: none): its functions' addresses, the captured tensors'
-// data pointers (int64), and for the backward the gradient copies (threads, floats) and its scratch.
+// data pointers (int64), and for the backward the gradient copies (threads, doubles) and the scratch
+// floats per key its backward needs.
 void set_mod(Problem& P, int64_t mod_fwd, int64_t mod_bwd, const std::optional<at::Tensor>& caps,
              const std::optional<at::Tensor>& mod_grad, int64_t mod_tmp) {
   if (mod_fwd == 0) return;
