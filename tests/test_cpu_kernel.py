@@ -49,9 +49,11 @@ def golden(dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 # (B, Hq, Hkv, Lq, Lk, D, Dv): a single query and key, lengths that are no multiple of the blocks,
-# Lq ≠ Lk both ways, GQA and MQA, the head dims of DESIGN.md, a long decode row
+# Lq ≠ Lk both ways, GQA and MQA, the head dims of DESIGN.md, a long decode row; head dims that fill no
+# vector (the tiled products' partial loads: D = 5, Dv = 19 and 40 against 16 floats a vector)
 SHAPES = [
     (1, 1, 1, 1, 1, 8, 8),
+    (1, 3, 1, 40, 150, 5, 19),
     (1, 2, 2, 17, 17, 40, 40),
     (2, 4, 2, 113, 77, 64, 32),
     (1, 4, 1, 65, 130, 96, 96),

@@ -11,8 +11,8 @@
 // whole group (GQA without copying K/V). The forward runs one parallel region (run_tasks) over
 // (batch, kv head, query block); the backward one over (batch, kv head), each task owning its
 // dK / dV rows and its query heads' dQ rows (no races). Scores, probabilities and accumulators are
-// float32 whatever the input dtype (float32, bfloat16, float16); the products are MKL's sgemm,
-// the row math at::vec (exp) and fast_math.h (tanh).
+// float32 whatever the input dtype (float32, bfloat16, float16); the forward's products are tiles
+// in registers (`product`), the backward's MKL's sgemm, the row math at::vec (exp) and fast_math.h.
 //
 // What blocks are computed. Per (query block, key block) the kind is SKIP (nothing kept: not
 // computed), FULL (everything kept: no masking) or PARTIAL (masked element by element). It is the
@@ -30,6 +30,7 @@
 #include "fast_math.h"  // azm::tanh: float32, vectorised by the compiler (softcap)
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -65,6 +66,86 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
     return;
   }
   sgemm_(tb ? "T" : "N", ta ? "T" : "N", &M, &N, &K, &alpha, B, &la, A, &lb, &beta, C, &lc);
+}
+
+// The forward's two products without sgemm's copies. sgemm packs both operands into a layout of its
+// own on every call: in the causal forward at L = 2048 those copies took a sixth of the time (perf).
+// Here neither product copies per block: C = A · B is computed a tile of C at a time, reading A one
+// element at a time (broadcast to a vector) and B one row of the tile at a time. For acc += P V that
+// is P and V as they are; for S = Q Kᵀ, B is Kᵀ, which `KPanels` builds once per head and thread,
+// not once per block. Where at::vec has no vector registers (its scalar fallback) sgemm stays.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool TILED = true;
+#else
+constexpr bool TILED = false;
+#endif
+constexpr int64_t W = Vec::size();                 // floats per vector: 16 (AVX-512), 8 (AVX2)
+constexpr int MR = W == 16 ? 6 : 4;                // a tile: MR rows × NV vectors of C, in registers
+constexpr int NV = W == 16 ? 4 : 3;                // (AVX-512: 24 of the 32; AVX2: 12 of the 16)
+constexpr int64_t NR = NV * W;                     // columns per tile: 64 / 24
+
+// One tile, C (M × cols, ldc) = A (M × K, lda) · B (K × cols, ldb), or C += A · B when `add`; cols
+// = (N − 1)·W + last, 0 < last <= W. C_rc = Σ_k A_rk B_kc, the sum over k kept in registers.
+// The first n (< W) floats at p, zeros after them.
+inline Vec load_part(const float* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+#else
+  return Vec::loadu(p, n);
+#endif
+}
+
+template <int M, int N, bool FULL>
+void tile(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t last,
+          bool add) {
+  Vec c[M][N];
+  for (int r = 0; r < M; ++r)
+    for (int v = 0; v < N; ++v) c[r][v] = Vec(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = B + k * ldb;  // B_k·, the tile's columns
+    Vec b[N];
+    for (int v = 0; v < N; ++v) b[v] = FULL || v + 1 < N ? Vec::loadu(bk + v * W) : load_part(bk + v * W, last);
+    for (int r = 0; r < M; ++r) {
+      const Vec a(A[r * lda + k]);  // A_rk in every lane
+      for (int v = 0; v < N; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int v = 0; v < N; ++v) {
+      float* cr = C + r * ldc + v * W;
+      const int64_t n = v + 1 < N ? W : last;
+      (add ? c[r][v] + Vec::loadu(cr, n) : c[r][v]).store(cr, n);
+    }
+}
+
+// tile<M, N> for M = m rows (1..MR) and N = nv vectors (1..NV), chosen at run time.
+template <int M, int N = 1>
+void tile_cols(int64_t nv, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+               int64_t ldc, int64_t last, bool add) {
+  if constexpr (N < NV)
+    if (nv > N) return tile_cols<M, N + 1>(nv, K, A, lda, B, ldb, C, ldc, last, add);
+  if (last == W)
+    tile<M, N, true>(K, A, lda, B, ldb, C, ldc, last, add);
+  else
+    tile<M, N, false>(K, A, lda, B, ldb, C, ldc, last, add);
+}
+template <int M = 1>
+void tile_any(int64_t m, int64_t nv, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+              int64_t ldc, int64_t last, bool add) {
+  if constexpr (M < MR)
+    if (m > M) return tile_any<M + 1>(m, nv, K, A, lda, B, ldb, C, ldc, last, add);
+  tile_cols<M>(nv, K, A, lda, B, ldb, C, ldc, last, add);
+}
+
+// C (m × n, ldc) = A (m × K, lda) · B (K × n, ldb), or C += A · B when `add`; all row-major. Column
+// tiles outside, row tiles inside: a tile's K × NR piece of B is read from cache by every row tile.
+void product(int64_t m, int64_t n, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+             int64_t ldc, bool add) {
+  for (int64_t j = 0; j < n; j += NR) {
+    const int64_t w = std::min(NR, n - j), nv = (w + W - 1) / W, last = w - (nv - 1) * W;
+    for (int64_t i = 0; i < m; i += MR)
+      tile_any(std::min<int64_t>(MR, m - i), nv, K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, last, add);
+  }
 }
 
 // dropout.py's counter-based hash, bit for bit: lowbias32 applied to the low then the high 32 bits
@@ -336,6 +417,53 @@ at::Tensor unit_rows(const at::Tensor& x) {
   return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
 }
 
+// Kᵀ of one head in panels of NR keys, the B of a tile of S = Q Kᵀ: panel p holds keys
+// [p·NR, p·NR + NR) as a D × NR row-major block (row d: k_jd of those keys). A thread keeps the panels
+// of the head it works on and transposes a panel the first time one of its blocks needs it, so K is
+// transposed about once per head and thread (sgemm packed it once per query block and key block).
+struct KPanels {
+  std::vector<float> data;
+  std::vector<uint8_t> ready;  // panel p transposed yet
+  uint64_t call = 0;           // whose panels: the forward call (its number) and the head (b·Hkv + hkv)
+  int64_t head = -1;
+
+  void start(uint64_t c, int64_t h, int64_t Lk, int64_t D) {
+    if (c == call && h == head) return;
+    call = c, head = h;
+    const int64_t n = (Lk + NR - 1) / NR;
+    if (data.size() < static_cast<size_t>(n * NR * D)) data.resize(n * NR * D);
+    ready.assign(n, 0);
+  }
+
+  // Panel p of the head whose K rows start at `k` (strides sj, sd; Lk keys).
+  template <typename T>
+  const float* panel(int64_t p, const T* k, int64_t Lk, int64_t D, int64_t sj, int64_t sd) {
+    float* kt = data.data() + p * NR * D;
+    if (!ready[p]) {
+      const int64_t j0 = p * NR, n = std::min(NR, Lk - j0);
+      for (int64_t c = 0; c < n; ++c) {  // key j0 + c as column c: kt_dc = k_{j0+c, d}
+        const T* row = k + (j0 + c) * sj;
+        for (int64_t d = 0; d < D; ++d) kt[d * NR + c] = static_cast<float>(row[d * sd]);
+      }
+      ready[p] = 1;
+    }
+    return kt;
+  }
+
+  // S (m × nc, lds) = Q (m × D, ld D) · Kᵀ for keys [j0, j0 + nc): a product per panel the keys touch.
+  template <typename T>
+  void scores(int64_t m, int64_t j0, int64_t nc, const float* Q, float* S, int64_t lds, const T* k, int64_t Lk,
+              int64_t D, int64_t sj, int64_t sd) {
+    for (int64_t col = j0; col < j0 + nc;) {
+      const int64_t p = col / NR, end = std::min(j0 + nc, (p + 1) * NR);
+      const float* kt = panel(p, k, Lk, D, sj, sd);
+      product(m, end - col, D, Q, D, kt + (col - p * NR), NR, S + (col - j0), lds, false);
+      col = end;
+    }
+  }
+};
+std::atomic<uint64_t> forward_calls{0};  // numbers the forward calls (KPanels.call)
+
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left,
@@ -463,8 +591,13 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
+  // The tiled products when a task has rows enough to pay for transposing K (a decode step's few
+  // rows do not): sgemm otherwise.
+  const bool tiled = TILED && R_max >= 16;
+  const uint64_t call = ++forward_calls;
   run_tasks(tasks, grain(tasks, R_max * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one;
+    thread_local KPanels panels;
     // per-thread scratch: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l
     const bool wide = !std::is_same_v<T, float>;
     Scratch pool(room({R_max * D, wide ? bn * D : 0, wide ? bn * Dv : 0, R_max * bn, R_max * Dv, R_max, R_max}));
@@ -479,6 +612,8 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
       const int64_t bh = task / P.nqb, ib = zigzag(task % P.nqb, P.nqb);
       const int64_t b = bh / P.Hkv, hkv = bh % P.Hkv;
       const int64_t i0 = ib * P.bm, ni = std::min(P.bm, P.Lq - i0), R = P.G * ni;
+      const T* kh = k.data_ptr<T>() + b * k.stride(0) + hkv * k.stride(1);  // this head's K rows
+      if (tiled) panels.start(call, bh, P.Lk, D);
       for (int64_t g = 0; g < P.G; ++g)  // q rows of the group's heads, stacked: (G·ni, D)
         load_rows(qs + g * ni * D, qp + b * q.stride(0) + (hkv * P.G + g) * q.stride(1) + i0 * q.stride(2), ni,
                   D, q.stride(2), q.stride(3));
@@ -490,9 +625,13 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         if (!P.block(b, ib, jb, ni, std::min(bn, P.Lk - jb * bn), &blk)) continue;
         const int64_t j0 = blk.j0, nc = blk.nc;
         int64_t ldk, ldv;
-        const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb, &ldk);
         const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb, &ldv);
-        gemm(false, true, R, nc, D, 1.f, qs, D, kp, ldk, 0.f, s, bn);  // x_ij = q_i · k_j
+        if (tiled) {  // x_ij = q_i · k_j
+          panels.scores(R, j0, nc, qs, s, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
+        } else {
+          const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb, &ldk);
+          gemm(false, true, R, nc, D, 1.f, qs, D, kp, ldk, 0.f, s, bn);
+        }
         const bool plain = P.plain(blk.kind);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
@@ -516,7 +655,10 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
           }
           if (P.dropout) P.drop(sr, nc, b, h, i, j0);  // p̃_ij = p_ij · Z_ij / (1 − p) for the values only
         }
-        gemm(false, false, R, Dv, nc, 1.f, s, bn, vp, ldv, first ? 0.f : 1.f, acc, Dv);  // acc += Σ_j p_ij v_j
+        if (tiled)  // acc += Σ_j p_ij v_j
+          product(R, Dv, nc, s, bn, vp, ldv, acc, Dv, !first);
+        else
+          gemm(false, false, R, Dv, nc, 1.f, s, bn, vp, ldv, first ? 0.f : 1.f, acc, Dv);
         first = false;
       }
       if (first) std::fill(acc, acc + R * Dv, 0.f);  // no block kept anything: O = 0
