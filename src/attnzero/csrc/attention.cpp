@@ -68,24 +68,38 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   sgemm_(tb ? "T" : "N", ta ? "T" : "N", &M, &N, &K, &alpha, B, &la, A, &lb, &beta, C, &lc);
 }
 
-// The forward's two products without sgemm's copies. sgemm packs both operands into a layout of its
-// own on every call: in the causal forward at L = 2048 those copies took a sixth of the time (perf).
-// Here neither product copies per block: C = A · B is computed a tile of C at a time, reading A one
-// element at a time (broadcast to a vector) and B one row of the tile at a time. For acc += P V that
-// is P and V as they are; for S = Q Kᵀ, B is Kᵀ, which `KPanels` builds once per head and thread,
-// not once per block. Where at::vec has no vector registers (its scalar fallback) sgemm stays.
+// Products without sgemm's copies. sgemm packs both operands into a layout of its own on every call:
+// in the causal forward at L = 2048 those copies took a sixth of the time (perf). Here a product
+// C = α·A·B is computed a tile of C at a time, reading A one element at a time (broadcast to a
+// vector, any strides: Aᵀ costs nothing) and B one row of the tile at a time (rows of unit stride).
+// So P V, dO, Q, K, dS and their transposes are read where they are; only a right operand that is
+// a transpose (Kᵀ in S = Q Kᵀ, Vᵀ in dP = dO Vᵀ) is copied, into `panels`, once per head or key
+// block instead of once per product. Where at::vec has no vector registers (its scalar fallback),
+// sgemm stays.
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr bool TILED = true;
 #else
 constexpr bool TILED = false;
 #endif
-constexpr int64_t W = Vec::size();                 // floats per vector: 16 (AVX-512), 8 (AVX2)
-constexpr int MR = W == 16 ? 6 : 4;                // a tile: MR rows × NV vectors of C, in registers
-constexpr int NV = W == 16 ? 4 : 3;                // (AVX-512: 24 of the 32; AVX2: 12 of the 16)
-constexpr int64_t NR = NV * W;                     // columns per tile: 64 / 24
+constexpr int64_t W = Vec::size();  // floats per vector: 16 (AVX-512), 8 (AVX2)
+constexpr int MR = W == 16 ? 6 : 4;  // a tile is MR rows × NV vectors of C, held in registers
+constexpr int NV = W == 16 ? 4 : 3;  // (AVX-512: 24 of the 32; AVX2: 12 of the 16)
+constexpr int64_t PANEL = NV * W;    // columns per tile, and rows per panel: 64 / 24
 
-// One tile, C (M × cols, ldc) = A (M × K, lda) · B (K × cols, ldb), or C += A · B when `add`; cols
-// = (N − 1)·W + last, 0 < last <= W. C_rc = Σ_k A_rk B_kc, the sum over k kept in registers.
+// C (m × n, ldc) = alpha · A (m × K) · B (K × n, ldb), or C += that when `add`. A_rk is at
+// A[r·ar + k·ak] (A as stored: ar = lda, ak = 1; Aᵀ: ar = 1, ak = lda).
+struct Product {
+  int64_t m, n, K;
+  const float* A;
+  int64_t ar, ak;
+  const float* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+  float alpha;
+  bool add;
+};
+
 // The first n (< W) floats at p, zeros after them.
 inline Vec load_part(const float* p, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -95,56 +109,81 @@ inline Vec load_part(const float* p, int64_t n) {
 #endif
 }
 
+// One tile of x: rows [i, i + M), columns [j, j + (N − 1)·W + last), 0 < last <= W (FULL: last = W).
+// C_rc = alpha · Σ_k A_rk B_kc, the M × N vectors of sums kept in registers over the whole k loop.
 template <int M, int N, bool FULL>
-void tile(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t last,
-          bool add) {
+void tile(const Product& x, int64_t i, int64_t j, int64_t last) {
+  const float* A = x.A + i * x.ar;
+  const float* B = x.B + j;
+  const int64_t ar = x.ar, ak = x.ak, ldb = x.ldb;
   Vec c[M][N];
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < N; ++v) c[r][v] = Vec(0.f);
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = 0; k < x.K; ++k) {
     const float* bk = B + k * ldb;  // B_k·, the tile's columns
     Vec b[N];
     for (int v = 0; v < N; ++v) b[v] = FULL || v + 1 < N ? Vec::loadu(bk + v * W) : load_part(bk + v * W, last);
     for (int r = 0; r < M; ++r) {
-      const Vec a(A[r * lda + k]);  // A_rk in every lane
+      const Vec a(A[r * ar + k * ak]);  // A_rk in every lane
       for (int v = 0; v < N; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
     }
   }
+  const Vec alpha(x.alpha);
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < N; ++v) {
-      float* cr = C + r * ldc + v * W;
+      float* cr = x.C + (i + r) * x.ldc + j + v * W;
       const int64_t n = v + 1 < N ? W : last;
-      (add ? c[r][v] + Vec::loadu(cr, n) : c[r][v]).store(cr, n);
+      const Vec out = c[r][v] * alpha;
+      (x.add ? out + Vec::loadu(cr, n) : out).store(cr, n);
     }
 }
 
 // tile<M, N> for M = m rows (1..MR) and N = nv vectors (1..NV), chosen at run time.
 template <int M, int N = 1>
-void tile_cols(int64_t nv, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-               int64_t ldc, int64_t last, bool add) {
+void tile_cols(const Product& x, int64_t i, int64_t j, int64_t nv, int64_t last) {
   if constexpr (N < NV)
-    if (nv > N) return tile_cols<M, N + 1>(nv, K, A, lda, B, ldb, C, ldc, last, add);
+    if (nv > N) return tile_cols<M, N + 1>(x, i, j, nv, last);
   if (last == W)
-    tile<M, N, true>(K, A, lda, B, ldb, C, ldc, last, add);
+    tile<M, N, true>(x, i, j, last);
   else
-    tile<M, N, false>(K, A, lda, B, ldb, C, ldc, last, add);
+    tile<M, N, false>(x, i, j, last);
 }
 template <int M = 1>
-void tile_any(int64_t m, int64_t nv, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-              int64_t ldc, int64_t last, bool add) {
+void tile_rows(const Product& x, int64_t i, int64_t j, int64_t m, int64_t nv, int64_t last) {
   if constexpr (M < MR)
-    if (m > M) return tile_any<M + 1>(m, nv, K, A, lda, B, ldb, C, ldc, last, add);
-  tile_cols<M>(nv, K, A, lda, B, ldb, C, ldc, last, add);
+    if (m > M) return tile_rows<M + 1>(x, i, j, m, nv, last);
+  tile_cols<M>(x, i, j, nv, last);
 }
 
-// C (m × n, ldc) = A (m × K, lda) · B (K × n, ldb), or C += A · B when `add`; all row-major. Column
-// tiles outside, row tiles inside: a tile's K × NR piece of B is read from cache by every row tile.
-void product(int64_t m, int64_t n, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-             int64_t ldc, bool add) {
-  for (int64_t j = 0; j < n; j += NR) {
-    const int64_t w = std::min(NR, n - j), nv = (w + W - 1) / W, last = w - (nv - 1) * W;
-    for (int64_t i = 0; i < m; i += MR)
-      tile_any(std::min<int64_t>(MR, m - i), nv, K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, last, add);
+// The whole product, column tiles outside and row tiles inside: a tile's K × PANEL piece of B is
+// read from cache by every row tile.
+void product(const Product& x) {
+  if (x.m <= 0 || x.n <= 0) return;
+  for (int64_t j = 0; j < x.n; j += PANEL) {
+    const int64_t w = std::min(PANEL, x.n - j), nv = (w + W - 1) / W, last = w - (nv - 1) * W;
+    for (int64_t i = 0; i < x.m; i += MR) tile_rows(x, i, j, std::min<int64_t>(MR, x.m - i), nv, last);
+  }
+}
+
+// Rows [j0, j0 + n) (n <= PANEL) of X (any dtype, strides sj, sd; D columns) transposed into one
+// panel: `panel` is D × PANEL row-major, panel_dc = X_{j0+c, d}.
+template <typename T>
+void to_panel(float* panel, const T* X, int64_t j0, int64_t n, int64_t D, int64_t sj, int64_t sd) {
+  for (int64_t c = 0; c < n; ++c) {
+    const T* row = X + (j0 + c) * sj;
+    for (int64_t d = 0; d < D; ++d) panel[d * PANEL + c] = static_cast<float>(row[d * sd]);
+  }
+}
+
+// C (m × nc, ldc) = alpha · A (m × D, lda) · Xᵀ for rows [c0, c0 + nc) of X, whose transpose is in
+// `panels` (panel p: rows [p·PANEL, p·PANEL + PANEL) as to_panel lays them out): a product per panel.
+void product_t(int64_t m, int64_t c0, int64_t nc, int64_t D, const float* A, int64_t lda, const float* panels,
+               float* C, int64_t ldc, float alpha) {
+  for (int64_t col = c0; col < c0 + nc;) {
+    const int64_t p = col / PANEL, end = std::min(c0 + nc, (p + 1) * PANEL);
+    const float* xt = panels + p * PANEL * D + (col - p * PANEL);
+    product({m, end - col, D, A, lda, 1, xt, PANEL, C + (col - c0), ldc, alpha, false});
+    col = end;
   }
 }
 
@@ -417,8 +456,7 @@ at::Tensor unit_rows(const at::Tensor& x) {
   return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
 }
 
-// Kᵀ of one head in panels of NR keys, the B of a tile of S = Q Kᵀ: panel p holds keys
-// [p·NR, p·NR + NR) as a D × NR row-major block (row d: k_jd of those keys). A thread keeps the panels
+// Kᵀ of one head in panels (to_panel), the B of S = Q Kᵀ in the forward. A thread keeps the panels
 // of the head it works on and transposes a panel the first time one of its blocks needs it, so K is
 // transposed about once per head and thread (sgemm packed it once per query block and key block).
 struct KPanels {
@@ -430,36 +468,22 @@ struct KPanels {
   void start(uint64_t c, int64_t h, int64_t Lk, int64_t D) {
     if (c == call && h == head) return;
     call = c, head = h;
-    const int64_t n = (Lk + NR - 1) / NR;
-    if (data.size() < static_cast<size_t>(n * NR * D)) data.resize(n * NR * D);
+    const int64_t n = (Lk + PANEL - 1) / PANEL;
+    if (data.size() < static_cast<size_t>(n * PANEL * D)) data.resize(n * PANEL * D);
     ready.assign(n, 0);
   }
 
-  // Panel p of the head whose K rows start at `k` (strides sj, sd; Lk keys).
-  template <typename T>
-  const float* panel(int64_t p, const T* k, int64_t Lk, int64_t D, int64_t sj, int64_t sd) {
-    float* kt = data.data() + p * NR * D;
-    if (!ready[p]) {
-      const int64_t j0 = p * NR, n = std::min(NR, Lk - j0);
-      for (int64_t c = 0; c < n; ++c) {  // key j0 + c as column c: kt_dc = k_{j0+c, d}
-        const T* row = k + (j0 + c) * sj;
-        for (int64_t d = 0; d < D; ++d) kt[d * NR + c] = static_cast<float>(row[d * sd]);
-      }
-      ready[p] = 1;
-    }
-    return kt;
-  }
-
-  // S (m × nc, lds) = Q (m × D, ld D) · Kᵀ for keys [j0, j0 + nc): a product per panel the keys touch.
+  // S (m × nc, lds) = Q (m × D) · Kᵀ for keys [j0, j0 + nc) of the head whose K starts at `k`
+  // (strides sj, sd; Lk keys), transposing the panels those keys need first.
   template <typename T>
   void scores(int64_t m, int64_t j0, int64_t nc, const float* Q, float* S, int64_t lds, const T* k, int64_t Lk,
               int64_t D, int64_t sj, int64_t sd) {
-    for (int64_t col = j0; col < j0 + nc;) {
-      const int64_t p = col / NR, end = std::min(j0 + nc, (p + 1) * NR);
-      const float* kt = panel(p, k, Lk, D, sj, sd);
-      product(m, end - col, D, Q, D, kt + (col - p * NR), NR, S + (col - j0), lds, false);
-      col = end;
-    }
+    for (int64_t p = j0 / PANEL; p * PANEL < j0 + nc; ++p)
+      if (!ready[p]) {
+        to_panel(data.data() + p * PANEL * D, k, p * PANEL, std::min(PANEL, Lk - p * PANEL), D, sj, sd);
+        ready[p] = 1;
+      }
+    product_t(m, j0, nc, D, Q, D, data.data(), S, lds, 1.f);
   }
 };
 std::atomic<uint64_t> forward_calls{0};  // numbers the forward calls (KPanels.call)
@@ -656,7 +680,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
           if (P.dropout) P.drop(sr, nc, b, h, i, j0);  // p̃_ij = p_ij · Z_ij / (1 − p) for the values only
         }
         if (tiled)  // acc += Σ_j p_ij v_j
-          product(R, Dv, nc, s, bn, vp, ldv, acc, Dv, !first);
+          product({R, Dv, nc, s, bn, 1, vp, ldv, acc, Dv, 1.f, !first});
         else
           gemm(false, false, R, Dv, nc, 1.f, s, bn, vp, ldv, first ? 0.f : 1.f, acc, Dv);
         first = false;
@@ -720,17 +744,21 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   T* dkp = dk.data_ptr<T>();
   T* dvp = dv.data_ptr<T>();
   const int64_t tasks = P.B * P.Hkv;
+  const bool tiled = TILED && R_max >= 16;  // as in the forward
+  const int64_t npanel = tiled ? (bn + PANEL - 1) / PANEL * PANEL : 0;  // a key block's rows, whole panels
   run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one;
     // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
     // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
     const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
     const int64_t nx = P.mod_bwd != nullptr ? RB : 0, nm = P.mod_bwd != nullptr ? P.mod_tmp * bn : 0;
-    Scratch pool(room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt, nx, nm}));
+    Scratch pool(room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt, nx, nm,
+                       npanel * D, npanel * Dv}));
     float *qf = pool.take(NR * D), *dof = pool.take(NR * Dv), *Dr = pool.take(NR), *lser = pool.take(NR);
     float *dqa = pool.take(NR * D), *kb = pool.take(bn * D), *vb = pool.take(bn * Dv);
     float *dka = pool.take(bn * D), *dva = pool.take(bn * Dv), *s = pool.take(RB), *dp = pool.take(RB);
     float *pd = pool.take(nd), *th = pool.take(nt), *xs = pool.take(nx), *mt = pool.take(nm);
+    float *kt = pool.take(npanel * D), *vt = pool.take(npanel * Dv);  // the key block's Kᵀ, Vᵀ as panels
     float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? thread_slot() * dbias_per_thread : 0);
     double* mg = P.mod_grad == nullptr ? nullptr : P.mod_grad + thread_slot() * P.mod_grad_stride;
     for (int64_t task = begin; task < end; ++task) {
@@ -759,6 +787,10 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
         int64_t ldk, ldv;
         const float* kb0 = kv_block<T>(k, b, hkv, jstart, ncb, kb, &ldk);
         const float* vb0 = kv_block<T>(v, b, hkv, jstart, ncb, vb, &ldv);
+        for (int64_t c = 0; tiled && c < ncb; c += PANEL) {  // once per key block, for all its query blocks
+          to_panel(kt + c * D, kb0, c, std::min(PANEL, ncb - c), D, ldk, int64_t(1));
+          to_panel(vt + c * Dv, vb0, c, std::min(PANEL, ncb - c), Dv, ldv, int64_t(1));
+        }
         std::fill(dka, dka + ncb * D, 0.f);
         std::fill(dva, dva + ncb * Dv, 0.f);
         bool any = false;
@@ -775,7 +807,10 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           float* dvb = dva + c0 * Dv;
           const float* qi = qf + row0 * D;
           const float* doi = dof + row0 * Dv;
-          gemm(false, true, R, nc, D, 1.f, qi, D, kp, ldk, 0.f, s, bn);  // x_ij = q_i · k_j
+          if (tiled)  // x_ij = q_i · k_j
+            product_t(R, c0, nc, D, qi, D, kt, s, bn, 1.f);
+          else
+            gemm(false, true, R, nc, D, 1.f, qi, D, kp, ldk, 0.f, s, bn);
           const bool plain = P.plain(blk.kind);  // s_ij = scale · x_ij, folded into the exp
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
@@ -794,8 +829,13 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
             }
           }
           const float* pt = P.dropout ? pd : s;
-          gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, Dv, 1.f, dvb, Dv);  // dV_j += Σ_i p̃_ij dO_i
-          gemm(false, true, R, nc, Dv, 1.f, doi, Dv, vp, ldv, 0.f, dp, bn);   // dp_ij = dO_i · v_j
+          if (tiled) {
+            product({nc, Dv, R, pt, 1, bn, doi, Dv, dvb, Dv, 1.f, true});  // dV_j += Σ_i p̃_ij dO_i
+            product_t(R, c0, nc, Dv, doi, Dv, vt, dp, bn, 1.f);            // dp_ij = dO_i · v_j
+          } else {
+            gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, Dv, 1.f, dvb, Dv);
+            gemm(false, true, R, nc, Dv, 1.f, doi, Dv, vp, ldv, 0.f, dp, bn);
+          }
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
             float* dpr = dp + r * bn;
@@ -817,8 +857,13 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
             }
             if (nx) P.mod_bwd(xs + r * bn, dpr, nc, b, h, i, j0, P.caps, mg, mt);  // through the mod: ds · ∂y/∂x (+ dθ)
           }
-          gemm(false, false, R, D, nc, P.scale, dp, bn, kp, ldk, 1.f, dqa + row0 * D, D);  // dQ_i += scale · Σ_j ds_ij k_j
-          gemm(true, false, nc, D, R, P.scale, dp, bn, qi, D, 1.f, dkb, D);  // dK_j += scale · Σ_i ds_ij q_i
+          if (tiled) {
+            product({R, D, nc, dp, bn, 1, kp, ldk, dqa + row0 * D, D, P.scale, true});  // dQ_i += scale · Σ_j ds_ij k_j
+            product({nc, D, R, dp, 1, bn, qi, D, dkb, D, P.scale, true});              // dK_j += scale · Σ_i ds_ij q_i
+          } else {
+            gemm(false, false, R, D, nc, P.scale, dp, bn, kp, ldk, 1.f, dqa + row0 * D, D);
+            gemm(true, false, nc, D, R, P.scale, dp, bn, qi, D, 1.f, dkb, D);
+          }
         }
         T* dkr = dkp + ((b * P.Hkv + hkv) * P.Lk + jstart) * D;
         T* dvr = dvp + ((b * P.Hkv + hkv) * P.Lk + jstart) * Dv;
