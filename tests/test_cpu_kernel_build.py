@@ -4,9 +4,10 @@ together, and every way it cannot be had — ``ATTNZERO_NO_BUILD=1``, no compile
 fails, a read-only or full cache directory — gives flash.py's results with exactly one warning that
 says why and what to do, never a crash.
 
-The cases that cannot build are quick (they stop before or at the compiler); the one that builds
-from scratch (``test_eight_processes_build_once``, about a minute) is the only one that really
-compiles, and every process of it checks its results against the reference."""
+The cases that cannot build are quick (they stop before or at the compiler). Three really compile,
+about a minute each: ``test_eight_processes_build_once``, every process of which checks its results
+against the reference, and the builds for narrower vector widths than this CPU's
+(``ATTNZERO_CPU_ISA``: AVX2, scalar), each of which runs test_cpu_kernel.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 from conftest import kernel_off
 
 import attnzero
+from attnzero import cpu_kernel
 
 SRC = str(Path(attnzero.__file__).resolve().parent.parent)
 
@@ -158,3 +160,31 @@ def test_eight_processes_build_once(tmp_path: Path) -> None:
         assert r["chosen"] == "cpu_kernel" and r["err"] < 1e-4 and r["warnings"] == []
     again, err = _run(env)
     assert again["chosen"] == "cpu_kernel" and "building" not in err and again["warnings"] == []
+
+
+@pytest.mark.parametrize("width", ["avx2", "default"])
+def test_narrower_builds_pass_the_kernel_tests(tmp_path: Path, width: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel built for a narrower vector width than this CPU's (``ATTNZERO_CPU_ISA``): AVX2's
+    register tiles are 4 rows × 24 columns instead of AVX-512's 6 × 64, and the scalar build
+    multiplies with sgemm. Each is built from scratch into a temporary cache and must pass
+    test_cpu_kernel.py (the golden, every argument, forward and backward) in a process of its own."""
+    if width not in cpu_kernel.cpu_widths():
+        pytest.skip(f"this CPU cannot run {width} code")
+    monkeypatch.setenv("ATTNZERO_CPU_ISA", width)
+    built = tmp_path / f"cpu_kernel-{cpu_kernel._key(cpu_kernel._build_flags())}"
+    env = _env(tmp_path, ATTNZERO_CPU_ISA=width, OMP_NUM_THREADS="2")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-x",
+         str(Path(__file__).with_name("test_cpu_kernel.py"))],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-500:]
+    assert (built / "built").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_width_this_cpu_lacks_is_refused(tmp_path: Path) -> None:
+    """``ATTNZERO_CPU_ISA`` naming no width of this CPU: no build, one warning, flash.py's results."""
+    result, err = _run(_env(tmp_path, ATTNZERO_CPU_ISA="avx1024"))
+    _falls_back(result, err, "ATTNZERO_CPU_ISA='avx1024' is not one of this CPU's widths")

@@ -74,22 +74,51 @@ def cache_dir() -> Path:
     return Path(base) / "attnzero"
 
 
-def _cpu_flags() -> list[str]:
-    """The vector width at::vec compiles for: AVX-512 where this CPU has it (the row math — scale, max,
-    exp, sums — runs 16 floats a step: BERT's forward 0.91 → 0.95× torch on the EPYC VM), else AVX2 +
-    FMA, else at::vec's scalar default. The flags are part of the build's key (``_key``)."""
+# The vector widths the kernel can be built for, widest first, and their flags. AVX-512: the row
+# math (scale, max, exp, sums) and the register tiles of the products run 16 floats a step (BERT's
+# forward 0.91 → 0.95× torch on the EPYC VM with the row math alone), and loops the compiler
+# vectorises at that width too (gcc's default for AVX-512 is 256 bits). AVX2 + FMA: 8 floats.
+# "default": at::vec's scalar code, and MKL's sgemm for the products.
+ISA_FLAGS = {
+    "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mfma", "-mf16c", "-mprefer-vector-width=512"],
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "default": ["-DCPU_CAPABILITY=DEFAULT"],
+}  # fmt: skip
+
+
+def cpu_widths() -> list[str]:
+    """The keys of ``ISA_FLAGS`` this CPU runs, widest first (``/proc/cpuinfo``'s flags)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
-    if all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
-        # (and loops the compiler vectorises at that width too: gcc's default for AVX-512 is 256 bits)
-        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                "-mavx512dq", "-mfma", "-mf16c", "-mprefer-vector-width=512"]
-    if "avx2" in flags and "fma" in flags:
-        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
-    return ["-DCPU_CAPABILITY=DEFAULT"]
+    widths = []
+    if all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")):
+        widths.append("avx512")
+    if all(f in flags for f in ("avx2", "fma", "f16c")):
+        widths.append("avx2")
+    return [*widths, "default"]
+
+
+def _isa() -> tuple[str, str | None]:
+    """The width to build for and, when ``$ATTNZERO_CPU_ISA`` asks for one this CPU cannot run (or
+    names none), why not: the widest this CPU runs unless the variable picks a narrower one (to test
+    or compare the narrower builds)."""
+    widths = cpu_widths()
+    asked = os.environ.get("ATTNZERO_CPU_ISA", "")
+    if asked == "":
+        return widths[0], None
+    if asked not in widths:
+        return widths[0], f"ATTNZERO_CPU_ISA={asked!r} is not one of this CPU's widths {widths} (unset it, or pick one)"
+    return asked, None
+
+
+def _cpu_flags() -> list[str]:
+    """The flags of the vector width the kernel (and cpu_mods' generated code) is built for; they are
+    part of the build's key (``_key``)."""
+    return ISA_FLAGS[_isa()[0]]
 
 
 def _build_flags() -> list[str]:
@@ -118,6 +147,9 @@ def _load() -> str | None:
     cxx = os.environ.get("CXX") or "c++"
     if shutil.which(cxx.split()[0]) is None:
         return f"no C++ compiler: {cxx!r} not found (install g++, or point $CXX at one)"
+    refused = _isa()[1]
+    if refused is not None:
+        return refused
     flags = _build_flags()
     key = _key(flags)
     name = f"attnzero_cpu_{key}"
