@@ -182,6 +182,12 @@ void product(const Product& x) {
 // panel: `panel` is D × PANEL row-major, panel_dc = X_{j0+c, d}.
 template <typename T>
 void to_panel(float* panel, const T* X, int64_t j0, int64_t n, int64_t D, int64_t sj, int64_t sd) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (sd == 1) {  // at::vec's transpose: 16 × 16 blocks in registers (AVX-512)
+      at::vec::transpose_mxn<float>(X + j0 * sj, sj, panel, PANEL, static_cast<int>(n), static_cast<int>(D));
+      return;
+    }
+  }
   for (int64_t c = 0; c < n; ++c) {
     const T* row = X + (j0 + c) * sj;
     for (int64_t d = 0; d < D; ++d) panel[d * PANEL + c] = static_cast<float>(row[d * sd]);
@@ -430,6 +436,24 @@ float exp_sum(float* x, int64_t n, float f, float shift) {
   return sum;
 }
 
+// Σ_d a_d · b_d for n floats a and n entries of b (any dtype, stride sb).
+template <typename T>
+float dot(const float* a, const T* b, int64_t n, int64_t sb) {
+  float sum = 0.f;
+  int64_t d = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    if (sb == 1) {
+      Vec acc(0.f);
+      for (; d + W <= n; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+      float lanes[W];
+      acc.store(lanes);
+      sum = std::accumulate(lanes, lanes + W, 0.f);
+    }
+  }
+  for (; d < n; ++d) sum += a[d] * static_cast<float>(b[d * sb]);
+  return sum;
+}
+
 // rows × cols of a (possibly strided, any-dtype) matrix into dense float32 (ld = cols).
 template <typename T>
 void load_rows(float* dst, const T* src, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
@@ -482,7 +506,10 @@ struct KPanels {
     if (c == call && h == head) return;
     call = c, head = h;
     const int64_t n = (Lk + PANEL - 1) / PANEL;
-    if (data.size() < static_cast<size_t>(n * PANEL * D)) data.resize(n * PANEL * D);
+    const size_t need = static_cast<size_t>(n * PANEL * D);
+    // grown as needed; given back when a call needs far less than an earlier long one left (a
+    // thread would otherwise hold a copy of the longest K it ever saw)
+    if (data.size() < need || data.size() > 4 * need + (size_t(1) << 18)) std::vector<float>(need).swap(data);
     ready.assign(n, 0);
   }
 
@@ -784,12 +811,10 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           load_rows(qf + row0 * D, qp + qo, ni, D, q.stride(2), q.stride(3));
           const int64_t go = b * dout.stride(0) + h * dout.stride(1) + i0 * dout.stride(2);
           load_rows(dof + row0 * Dv, dop + go, ni, Dv, dout.stride(2), dout.stride(3));
+          const int64_t os2 = out.stride(2), os3 = out.stride(3);
+          const T* o0 = outp + b * out.stride(0) + h * out.stride(1) + i0 * os2;
           for (int64_t ii = 0; ii < ni; ++ii) {  // D_i = Σ_d dO_id · O_id
-            const T* orow = outp + b * out.stride(0) + h * out.stride(1) + (i0 + ii) * out.stride(2);
-            const float* gr = dof + (row0 + ii) * Dv;
-            float sum = 0.f;
-            for (int64_t d = 0; d < Dv; ++d) sum += gr[d] * static_cast<float>(orow[d * out.stride(3)]);
-            Dr[row0 + ii] = sum;
+            Dr[row0 + ii] = dot(dof + (row0 + ii) * Dv, o0 + ii * os2, Dv, os3);
             lser[row0 + ii] = lp[b * lse.stride(0) + h * lse.stride(1) + (i0 + ii) * lse.stride(2)];
           }
         }
