@@ -167,6 +167,23 @@ def test_non_contiguous_inputs(layout: str, calls: dict[str, int]) -> None:
     golden(torch.bfloat16, q, k, v, calls, window=(30, 4))
 
 
+def test_output_and_gradients_in_the_inputs_memory_order(calls: dict[str, int]) -> None:
+    """O, dQ, dK, dV in the inputs' memory order. q, k, v split from one projection (B, L, 3, H, D)
+    give them in (B, L, H, ·) order, as torch's SDPA does — a model's merge of the heads and the
+    projection's gradient then need no transposing copy; (B, H, L, D) inputs give (B, H, L, ·)."""
+    x = torch.randn(2, 37, 3, 4, 16, requires_grad=True)
+    split = x.permute(2, 0, 3, 1, 4).unbind(0)  # q, k, v: (B, H, L, D) views of (B, L, 3, H, D)
+    layouts = []
+    for attend in (torch.nn.functional.scaled_dot_product_attention, az.scaled_dot_product_attention):
+        out = attend(*split, is_causal=True)
+        layouts.append([t.stride() for t in (out, *torch.autograd.grad(out.sum(), split))])
+    assert layouts[0] == layouts[1] == [(37 * 64, 16, 64, 1)] * 4
+    q, k, v = (t.detach().contiguous().requires_grad_(True) for t in split)
+    out = az.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert [t.stride() for t in (out, *torch.autograd.grad(out.sum(), (q, k, v)))] == [q.stride()] * 4
+    assert calls["forward"] == 2 and calls["backward"] == 2
+
+
 @pytest.mark.parametrize("shape", [(1, 4, 60, 90), (2, 1, 1, 90), (2, 4, 60, 1), (1, 1, 60, 90), (2, 4, 60, 90)],
                          ids=lambda s: "x".join(map(str, s)))  # fmt: skip
 def test_bias_and_its_gradient_over_broadcast_dims(shape: tuple[int, ...], calls: dict[str, int]) -> None:

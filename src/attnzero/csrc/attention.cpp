@@ -528,6 +528,16 @@ struct KPanels {
 };
 std::atomic<uint64_t> forward_calls{0};  // numbers the forward calls (KPanels.call)
 
+// A new (B, H, L, E) tensor laid out in x's memory order, as torch's CPU attention gives its output
+// and gradients: x laid out (B, L, H, ·) — one projection split into heads — gives (B, L, H, E), so
+// that merging the heads of O, or the projection's gradient from dQ, dK, dV, needs no transposing
+// copy; else (B, H, L, E).
+at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E) {
+  const int64_t B = x.size(0), H = x.size(1), L = x.size(2);
+  return x.stride(1) < x.stride(2) && H > 1 ? at::empty({B, L, H, E}, x.options()).transpose(1, 2)
+                                            : at::empty({B, H, L, E}, x.options());
+}
+
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left,
@@ -751,11 +761,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, 0, caps, std::nullopt, 0);
-  // O in q's memory order, as torch's CPU attention gives it: q laid out (B, Lq, Hq, D) — one projection
-  // split into heads — gives O laid out (B, Lq, Hq, Dv), whose merge of the heads is then a view.
-  at::Tensor out = q.stride(1) < q.stride(2) && P.Hq > 1
-                       ? at::empty({P.B, P.Lq, P.Hq, P.Dv}, q.options()).transpose(1, 2)
-                       : at::empty({P.B, P.Hq, P.Lq, P.Dv}, q.options());
+  at::Tensor out = empty_in_order_of(q, P.Dv);
   at::Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_forward", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
@@ -903,18 +909,22 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
             gemm(true, false, nc, D, R, P.scale, dp, bn, qi, D, 1.f, dkb, D);
           }
         }
-        T* dkr = dkp + ((b * P.Hkv + hkv) * P.Lk + jstart) * D;
-        T* dvr = dvp + ((b * P.Hkv + hkv) * P.Lk + jstart) * Dv;
-        for (int64_t x = 0; x < ncb * D; ++x) dkr[x] = static_cast<T>(any ? dka[x] : 0.f);
-        for (int64_t x = 0; x < ncb * Dv; ++x) dvr[x] = static_cast<T>(any ? dva[x] : 0.f);
+        for (int64_t c = 0; c < ncb; ++c) {  // the key block's dK, dV rows (rows of unit stride)
+          T* dkr = dkp + b * dk.stride(0) + hkv * dk.stride(1) + (jstart + c) * dk.stride(2);
+          T* dvr = dvp + b * dv.stride(0) + hkv * dv.stride(1) + (jstart + c) * dv.stride(2);
+          for (int64_t d = 0; d < D; ++d) dkr[d] = static_cast<T>(any ? dka[c * D + d] : 0.f);
+          for (int64_t d = 0; d < Dv; ++d) dvr[d] = static_cast<T>(any ? dva[c * Dv + d] : 0.f);
+        }
       }
       for (int64_t ib = 0; ib < P.nqb; ++ib) {  // dQ back to (B, Hq, Lq, D)
         const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = hkv * G + g, row0 = G * i0 + g * ni;
-          T* dst = dqp + ((b * P.Hq + h) * Lq + i0) * D;
-          const float* src = dqa + row0 * D;
-          for (int64_t x = 0; x < ni * D; ++x) dst[x] = static_cast<T>(src[x]);
+          for (int64_t ii = 0; ii < ni; ++ii) {
+            T* dst = dqp + b * dq.stride(0) + h * dq.stride(1) + (i0 + ii) * dq.stride(2);
+            const float* src = dqa + (row0 + ii) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d]);
+          }
         }
       }
     }
@@ -933,9 +943,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, mod_bwd, caps, mod_grad, mod_tmp);
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = empty_in_order_of(q, P.D), dk = empty_in_order_of(k_in, P.D), dv = empty_in_order_of(v_in, P.Dv);
   // dbias, float32, in the bias's own (broadcast) shape: written in place by the task that owns its
   // (batch, head) when the bias has every batch and query head, else summed from one copy per thread.
   at::Tensor dbias = at::empty({0}, q.options().dtype(at::kFloat));
