@@ -226,11 +226,16 @@ inline bool dropout_kept(uint64_t counter, uint64_t seed, uint64_t threshold) {
 }
 
 // MKL on one thread inside each task (the parallelism is the tasks'), restored afterwards: MKL
-// would otherwise start threads of its own in every product.
+// would otherwise start threads of its own in every product. Only where the tasks call sgemm (not
+// `tiled`): the register tiles never call MKL, and need not touch its settings.
 struct OneMklThread {
-  int before;
-  OneMklThread() : before(MKL_Set_Num_Threads_Local(1)) {}
-  ~OneMklThread() { MKL_Set_Num_Threads_Local(before); }
+  int before = -1;
+  explicit OneMklThread(bool needed) {
+    if (needed) before = MKL_Set_Num_Threads_Local(1);
+  }
+  ~OneMklThread() {
+    if (before >= 0) MKL_Set_Num_Threads_Local(before);
+  }
 };
 
 enum Kind : int { SKIP = 0, FULL = 1, PARTIAL = 2 };
@@ -670,7 +675,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   const bool tiled = TILED && R_max >= 16;
   const uint64_t call = ++forward_calls;
   run_tasks(tasks, grain(tasks, R_max * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
-    OneMklThread one;
+    OneMklThread one(!tiled);
     thread_local KPanels panels;
     // per-thread scratch: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l
     const bool wide = !std::is_same_v<T, float>;
@@ -793,7 +798,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   const bool tiled = TILED && R_max >= 16;  // as in the forward
   const int64_t npanel = tiled ? (bn + PANEL - 1) / PANEL * PANEL : 0;  // a key block's rows, whole panels
   run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
-    OneMklThread one;
+    OneMklThread one(!tiled);
     // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
     // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
     const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
