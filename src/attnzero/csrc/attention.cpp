@@ -11,8 +11,9 @@
 // whole group (GQA without copying K/V). The forward runs one parallel region (run_tasks) over
 // (batch, kv head, query block); the backward one over (batch, kv head), each task owning its
 // dK / dV rows and its query heads' dQ rows (no races). Scores, probabilities and accumulators are
-// float32 whatever the input dtype (float32, bfloat16, float16); the forward's products are tiles
-// in registers (`product`), the backward's MKL's sgemm, the row math at::vec (exp) and fast_math.h.
+// float32 whatever the input dtype (float32, bfloat16, float16); the products are tiles held in
+// vector registers (`product`; MKL's sgemm for tasks of a few rows and in the scalar build), the row
+// math at::vec (exp) and fast_math.h (tanh).
 //
 // What blocks are computed. Per (query block, key block) the kind is SKIP (nothing kept: not
 // computed), FULL (everything kept: no masking) or PARTIAL (masked element by element). It is the
