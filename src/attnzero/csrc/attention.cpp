@@ -394,6 +394,10 @@ struct Problem {
   // Whether a block's scores are just scale · x (no cap, no bias, nothing masked): then the scale
   // rides in the max and the exp (max_j scale·x_ij = scale · max_j x_ij for scale > 0) and the
   // scores are never written out.
+  // Whether the tasks multiply with the register tiles: rows enough to pay for transposing K (a
+  // decode step's few rows do not), and a build with vector registers; sgemm otherwise.
+  bool tiled() const { return TILED && G * bm >= 16; }
+
   bool plain(Kind k) const {
     return k == FULL && cap == 0.f && bias == nullptr && mod_fwd == nullptr && scale > 0.f;
   }
@@ -404,6 +408,13 @@ struct Problem {
     for (int64_t j = 0; j < nc; ++j) p[j] = dropout_kept(start + j, seed, threshold) ? p[j] * keep_scale : 0.f;
   }
 };
+
+// Σ of a vector's lanes.
+inline float sum_lanes(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  return std::accumulate(lanes, lanes + Vec::size(), 0.f);
+}
 
 float row_max(const float* x, int64_t n) {
   const int64_t step = Vec::size();
@@ -432,9 +443,7 @@ float exp_sum(float* x, int64_t n, float f, float shift) {
     e.store(x + j);
     acc = acc + e;
   }
-  float lanes[Vec::size()];
-  acc.store(lanes);
-  float sum = std::accumulate(lanes, lanes + Vec::size(), 0.f);
+  float sum = sum_lanes(acc);
   for (; j < n; ++j) {
     x[j] = std::exp(std::fma(x[j], f, -shift));
     sum += x[j];
@@ -451,9 +460,7 @@ float dot(const float* a, const T* b, int64_t n, int64_t sb) {
     if (sb == 1) {
       Vec acc(0.f);
       for (; d + W <= n; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
-      float lanes[W];
-      acc.store(lanes);
-      sum = std::accumulate(lanes, lanes + W, 0.f);
+      sum = sum_lanes(acc);
     }
   }
   for (; d < n; ++d) sum += a[d] * static_cast<float>(b[d * sb]);
@@ -671,9 +678,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
-  // The tiled products when a task has rows enough to pay for transposing K (a decode step's few
-  // rows do not): sgemm otherwise.
-  const bool tiled = TILED && R_max >= 16;
+  const bool tiled = P.tiled();
   const uint64_t call = ++forward_calls;
   run_tasks(tasks, grain(tasks, R_max * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one(!tiled);
@@ -795,8 +800,9 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   T* dqp = dq.data_ptr<T>();
   T* dkp = dk.data_ptr<T>();
   T* dvp = dv.data_ptr<T>();
+  const int64_t dqs[3] = {dq.stride(0), dq.stride(1), dq.stride(2)}, dks = dk.stride(2), dvs = dv.stride(2);
   const int64_t tasks = P.B * P.Hkv;
-  const bool tiled = TILED && R_max >= 16;  // as in the forward
+  const bool tiled = P.tiled();
   const int64_t npanel = tiled ? (bn + PANEL - 1) / PANEL * PANEL : 0;  // a key block's rows, whole panels
   run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
     OneMklThread one(!tiled);
@@ -815,6 +821,8 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
     double* mg = P.mod_grad == nullptr ? nullptr : P.mod_grad + thread_slot() * P.mod_grad_stride;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / P.Hkv, hkv = task % P.Hkv;
+      T* dk0 = dkp + b * dk.stride(0) + hkv * dk.stride(1);  // this head's dK, dV rows
+      T* dv0 = dvp + b * dv.stride(0) + hkv * dv.stride(1);
       for (int64_t ib = 0; ib < P.nqb; ++ib) {
         const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0);
         for (int64_t g = 0; g < G; ++g) {
@@ -916,8 +924,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           }
         }
         for (int64_t c = 0; c < ncb; ++c) {  // the key block's dK, dV rows (rows of unit stride)
-          T* dkr = dkp + b * dk.stride(0) + hkv * dk.stride(1) + (jstart + c) * dk.stride(2);
-          T* dvr = dvp + b * dv.stride(0) + hkv * dv.stride(1) + (jstart + c) * dv.stride(2);
+          T* dkr = dk0 + (jstart + c) * dks, *dvr = dv0 + (jstart + c) * dvs;
           for (int64_t d = 0; d < D; ++d) dkr[d] = static_cast<T>(any ? dka[c * D + d] : 0.f);
           for (int64_t d = 0; d < Dv; ++d) dvr[d] = static_cast<T>(any ? dva[c * Dv + d] : 0.f);
         }
@@ -927,7 +934,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = hkv * G + g, row0 = G * i0 + g * ni;
           for (int64_t ii = 0; ii < ni; ++ii) {
-            T* dst = dqp + b * dq.stride(0) + h * dq.stride(1) + (i0 + ii) * dq.stride(2);
+            T* dst = dqp + b * dqs[0] + h * dqs[1] + (i0 + ii) * dqs[2];
             const float* src = dqa + (row0 + ii) * D;
             for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d]);
           }
