@@ -25,13 +25,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/core/CPUAllocator.h>
 #include <omp.h>
 #include <torch/extension.h>
 
 #include "fast_math.h"  // azm::tanh: float32, vectorised by the compiler (softcap)
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -509,21 +509,17 @@ at::Tensor unit_rows(const at::Tensor& x) {
 // Kᵀ of one head in panels (to_panel), the B of S = Q Kᵀ in the forward. A thread keeps the panels
 // of the head it works on and transposes a panel the first time one of its blocks needs it, so K is
 // transposed about once per head and thread (sgemm packed it once per query block and key block).
+// `data` is n_panels · PANEL · D floats of the thread's work memory (run_tasks).
 struct KPanels {
-  std::vector<float> data;
-  std::vector<uint8_t> ready;  // panel p transposed yet
-  uint64_t call = 0;           // whose panels: the forward call (its number) and the head (b·Hkv + hkv)
+  float* data = nullptr;
+  std::vector<uint8_t> ready;  // panel p transposed yet, for `head` (b·Hkv + hkv)
   int64_t head = -1;
 
-  void start(uint64_t c, int64_t h, int64_t Lk, int64_t D) {
-    if (c == call && h == head) return;
-    call = c, head = h;
-    const int64_t n = (Lk + PANEL - 1) / PANEL;
-    const size_t need = static_cast<size_t>(n * PANEL * D);
-    // grown as needed; given back when a call needs far less than an earlier long one left (a
-    // thread would otherwise hold a copy of the longest K it ever saw)
-    if (data.size() < need || data.size() > 4 * need + (size_t(1) << 18)) std::vector<float>(need).swap(data);
-    ready.assign(n, 0);
+  explicit KPanels(int64_t n_panels) : ready(n_panels, 0) {}
+  void start(int64_t h) {
+    if (h == head) return;
+    head = h;
+    std::fill(ready.begin(), ready.end(), 0);
   }
 
   // S (m × nc, lds) = Q (m × D) · Kᵀ for keys [j0, j0 + nc) of the head whose K starts at `k`
@@ -533,13 +529,12 @@ struct KPanels {
               int64_t D, int64_t sj, int64_t sd) {
     for (int64_t p = j0 / PANEL; p * PANEL < j0 + nc; ++p)
       if (!ready[p]) {
-        to_panel(data.data() + p * PANEL * D, k, p * PANEL, std::min(PANEL, Lk - p * PANEL), D, sj, sd);
+        to_panel(data + p * PANEL * D, k, p * PANEL, std::min(PANEL, Lk - p * PANEL), D, sj, sd);
         ready[p] = 1;
       }
-    product_t(m, j0, nc, D, Q, D, data.data(), S, lds, 1.f);
+    product_t(m, j0, nc, D, Q, D, data, S, lds, 1.f);
   }
 };
-std::atomic<uint64_t> forward_calls{0};  // numbers the forward calls (KPanels.call)
 
 // A new (B, H, L, E) tensor laid out in x's memory order, as torch's CPU attention gives its output
 // and gradients: x laid out (B, L, H, ·) — one projection split into heads — gives (B, L, H, E), so
@@ -614,15 +609,9 @@ void set_mod(Problem& P, int64_t mod_fwd, int64_t mod_bwd, const std::optional<a
   P.mod_tmp = mod_tmp;
 }
 
-// A thread's scratch, kept from call to call (grown, never shrunk): no allocation and no zeroing per
-// call — a tiny call's cost was mostly malloc and memset. `take` hands out 64-byte aligned pieces.
+// Pieces of a thread's work memory (run_tasks), 64-byte aligned, handed out in order.
 struct Scratch {
   float* next;
-  explicit Scratch(size_t floats) {
-    thread_local std::vector<float> buf;
-    if (buf.size() < floats) buf.resize(floats);
-    next = buf.data();
-  }
   float* take(size_t n) {
     float* piece = next;
     next += (n + 15) / 16 * 16;
@@ -642,26 +631,37 @@ inline int64_t grain(int64_t tasks, int64_t work_per_task) {
   return std::max<int64_t>(1, std::min<int64_t>(tasks, MIN_PARALLEL_WORK / std::max<int64_t>(1, work_per_task)));
 }
 
-// The one parallel region of a call: fn(begin, end) over chunks of [0, tasks) on torch's OpenMP
-// threads, handed out as threads come free (a dynamic schedule, about 8 chunks a thread). With
-// at::parallel_for's equal contiguous ranges a thread that lost its core to another process made
-// the whole call wait for its share (sentence embeddings' forward fell to 0.72× torch with a
-// competing process); now the other thread takes what is left. Small problems (fewer tasks than
-// `grain`), one thread, or a call from inside a parallel region: on the calling thread.
+// The one parallel region of a call: fn(slot, scratch, begin, end) over chunks of [0, tasks) on
+// torch's OpenMP threads, handed out as threads come free (a dynamic schedule, about 8 chunks a
+// thread). With at::parallel_for's equal contiguous ranges a thread that lost its core to another
+// process made the whole call wait for its share (sentence embeddings' forward fell to 0.72× torch
+// with a competing process); now the other thread takes what is left. Small problems (fewer tasks
+// than `grain`), one thread, or a call from inside a parallel region: on the calling thread.
+//
+// `slot` numbers the thread (0 on the calling thread; < at::get_num_threads()) and `scratch` is its
+// `per_thread` floats of work memory: one block allocated here, on the calling thread, and freed
+// when the call returns, as torch's own CPU attention does. (Buffers each thread kept from call to
+// call left the heap and caches unlike torch's call: in ViT-Tiny the ops after attnzero's call ran
+// 5–15 % slower than after torch's — docs/benchmarks.md.)
 template <typename F>
-void run_tasks(int64_t tasks, int64_t grain, const F& fn) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tasks + grain - 1) / grain);
-  if (threads <= 1 || at::in_parallel_region() || omp_in_parallel()) {
-    if (tasks > 0) fn(0, tasks);
+void run_tasks(int64_t tasks, int64_t grain, size_t per_thread, const F& fn) {
+  if (tasks <= 0) return;
+  const bool here = at::in_parallel_region() || omp_in_parallel();
+  const int64_t threads = here ? 1 : std::min<int64_t>(at::get_num_threads(), (tasks + grain - 1) / grain);
+  per_thread = (per_thread + 15) / 16 * 16;
+  const at::DataPtr work = c10::GetCPUAllocator()->allocate(threads * per_thread * sizeof(float));  // 64-byte aligned
+  float* w = static_cast<float*>(work.get());
+  if (threads <= 1) {
+    fn(int64_t(0), w, int64_t(0), tasks);
     return;
   }
   const int64_t chunk = std::max<int64_t>(grain, tasks / (8 * threads)), chunks = (tasks + chunk - 1) / chunk;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(threads))
-  for (int64_t c = 0; c < chunks; ++c) fn(c * chunk, std::min(tasks, (c + 1) * chunk));
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t slot = omp_get_thread_num();
+    fn(slot, w + slot * per_thread, c * chunk, std::min(tasks, (c + 1) * chunk));
+  }
 }
-
-// The slot of this thread's copy of a per-thread accumulator (< at::get_num_threads()).
-inline int64_t thread_slot() { return omp_in_parallel() ? omp_get_thread_num() : 0; }
 
 // Query blocks in the order 0, n−1, 1, n−2, …: under causal the late blocks hold more keys, and
 // chunks are handed out in order, so heavy and light tasks alternate.
@@ -679,13 +679,17 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   const bool tiled = P.tiled();
-  const uint64_t call = ++forward_calls;
-  run_tasks(tasks, grain(tasks, R_max * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
+  // per thread: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l, and
+  // Kᵀ of a head in panels (the register tiles' B)
+  const bool wide = !std::is_same_v<T, float>;
+  const int64_t n_panels = tiled ? (P.Lk + PANEL - 1) / PANEL : 0;
+  const size_t per_thread = room({R_max * D, wide ? bn * D : 0, wide ? bn * Dv : 0, R_max * bn, R_max * Dv, R_max,
+                                  R_max, n_panels * PANEL * D});
+  std::vector<KPanels> panels(at::get_num_threads(), KPanels(n_panels));  // a thread's, by slot
+  run_tasks(tasks, grain(tasks, R_max * P.Lk * (D + Dv)), per_thread,
+            [&](int64_t slot, float* scratch, int64_t begin, int64_t end) {
     OneMklThread one(!tiled);
-    thread_local KPanels panels;
-    // per-thread scratch: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l
-    const bool wide = !std::is_same_v<T, float>;
-    Scratch pool(room({R_max * D, wide ? bn * D : 0, wide ? bn * Dv : 0, R_max * bn, R_max * Dv, R_max, R_max}));
+    Scratch pool{scratch};
     float* qs = pool.take(R_max * D);
     float* kb = pool.take(wide ? bn * D : 0);
     float* vb = pool.take(wide ? bn * Dv : 0);
@@ -693,12 +697,14 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
     float* acc = pool.take(R_max * Dv);
     float* m = pool.take(R_max);
     float* l = pool.take(R_max);
+    KPanels& kt = panels[slot];
+    kt.data = pool.take(n_panels * PANEL * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.nqb, ib = zigzag(task % P.nqb, P.nqb);
       const int64_t b = bh / P.Hkv, hkv = bh % P.Hkv;
       const int64_t i0 = ib * P.bm, ni = std::min(P.bm, P.Lq - i0), R = P.G * ni;
       const T* kh = k.data_ptr<T>() + b * k.stride(0) + hkv * k.stride(1);  // this head's K rows
-      if (tiled) panels.start(call, bh, P.Lk, D);
+      if (tiled) kt.start(bh);
       for (int64_t g = 0; g < P.G; ++g)  // q rows of the group's heads, stacked: (G·ni, D)
         load_rows(qs + g * ni * D, qp + b * q.stride(0) + (hkv * P.G + g) * q.stride(1) + i0 * q.stride(2), ni,
                   D, q.stride(2), q.stride(3));
@@ -712,7 +718,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         int64_t ldk, ldv;
         const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb, &ldv);
         if (tiled) {  // x_ij = q_i · k_j
-          panels.scores(R, j0, nc, qs, s, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
+          kt.scores(R, j0, nc, qs, s, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
         } else {
           const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb, &ldk);
           gemm(false, true, R, nc, D, 1.f, qs, D, kp, ldk, 0.f, s, bn);
@@ -804,21 +810,23 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   const int64_t tasks = P.B * P.Hkv;
   const bool tiled = P.tiled();
   const int64_t npanel = tiled ? (bn + PANEL - 1) / PANEL * PANEL : 0;  // a key block's rows, whole panels
-  run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), [&](int64_t begin, int64_t end) {
+  // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its row
+  // G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
+  const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
+  const int64_t nx = P.mod_bwd != nullptr ? RB : 0, nm = P.mod_bwd != nullptr ? P.mod_tmp * bn : 0;
+  const size_t per_thread = room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt,
+                                  nx, nm, npanel * D, npanel * Dv});
+  run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), per_thread,
+            [&](int64_t slot, float* scratch, int64_t begin, int64_t end) {
     OneMklThread one(!tiled);
-    // Rows of the task, query block by query block: block ib holds rows [G·i0, G·(i0 + ni)), its
-    // row G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
-    const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
-    const int64_t nx = P.mod_bwd != nullptr ? RB : 0, nm = P.mod_bwd != nullptr ? P.mod_tmp * bn : 0;
-    Scratch pool(room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt, nx, nm,
-                       npanel * D, npanel * Dv}));
+    Scratch pool{scratch};
     float *qf = pool.take(NR * D), *dof = pool.take(NR * Dv), *Dr = pool.take(NR), *lser = pool.take(NR);
     float *dqa = pool.take(NR * D), *kb = pool.take(bn * D), *vb = pool.take(bn * Dv);
     float *dka = pool.take(bn * D), *dva = pool.take(bn * Dv), *s = pool.take(RB), *dp = pool.take(RB);
     float *pd = pool.take(nd), *th = pool.take(nt), *xs = pool.take(nx), *mt = pool.take(nm);
     float *kt = pool.take(npanel * D), *vt = pool.take(npanel * Dv);  // the key block's Kᵀ, Vᵀ as panels
-    float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? thread_slot() * dbias_per_thread : 0);
-    double* mg = P.mod_grad == nullptr ? nullptr : P.mod_grad + thread_slot() * P.mod_grad_stride;
+    float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? slot * dbias_per_thread : 0);
+    double* mg = P.mod_grad == nullptr ? nullptr : P.mod_grad + slot * P.mod_grad_stride;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / P.Hkv, hkv = task % P.Hkv;
       T* dk0 = dkp + b * dk.stride(0) + hkv * dk.stride(1);  // this head's dK, dV rows
