@@ -258,21 +258,10 @@ def _forward(pb: _Problem) -> tuple[Tensor, Tensor]:
 
 @torch.no_grad()
 def forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | Mask | None,
-    bias: Tensor | None,
-    causal: bool,
-    window: tuple[int | None, int | None] | None,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: int,
-    softcap: float | None = None,
-    block: tuple[int, int] | None = None,
-    score_mod: mods.ScoreMod | None = None,
-) -> tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
+    window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, dropout_seed: int,
+    softcap: float | None = None, block: tuple[int, int] | None = None, score_mod: mods.ScoreMod | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))`` by an online softmax over key blocks.
     A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
     pb = _Problem(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
@@ -323,26 +312,11 @@ def _shifted_lse(pb: _Problem, lse: Tensor) -> Tensor:
 
 @torch.no_grad()
 def backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    *,
-    mask: Tensor | Mask | None,
-    bias: Tensor | None,
-    causal: bool,
-    window: tuple[int | None, int | None] | None,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: int,
-    bias_grad: bool = True,
-    softcap: float | None = None,
-    block: tuple[int, int] | None = None,
-    score_mod: mods.ScoreMod | None = None,
-    captured_grads: list[Tensor | None] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, mask: Tensor | Mask | None,
+    bias: Tensor | None, causal: bool, window: tuple[int | None, int | None] | None, scale: float, dropout_p: float,
+    dropout_seed: int, bias_grad: bool = True, softcap: float | None = None, block: tuple[int, int] | None = None,
+    score_mod: mods.ScoreMod | None = None, captured_grads: list[Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """``(dq, dk, dv, dbias)`` from the saved ``out`` and ``lse``, recomputing P block by block.
     dk / dv are summed over each GQA group; dbias has bias's (broadcast) shape, None without bias
     (or when ``bias_grad`` is False). With a ``score_mod``, the gradients of the tensors it captures
@@ -430,47 +404,21 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, bias, out, lse = ctx.saved_tensors
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             options = {key: value for key, value in ctx.options.items() if key != "block"}
-            return _graph_grads(dout, q, k, v, bias, ctx.needs_input_grad, options)
+            fn = options.get("score_mod")
+            inputs = mods.captured_tensors(fn) if fn is not None else []  # the score_mod's captured tensors
+            return reference.mod_backward_with_graph(dout, q, k, v, bias, ctx.needs_input_grad, options, inputs)
         captured: list[Tensor | None] = []
         dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3],
                                      captured_grads=captured, **ctx.options)  # fmt: skip
         return dq, dk, dv, dbias, None, *captured
 
 
-def _graph_grads(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...], options: dict[str, Any]
-) -> tuple[Tensor | None, ...]:
-    """The gradients as differentiable functions (``reference.backward_with_graph``), those of a
-    score_mod's captured tensors too: what ``_FlashAttention.backward`` returns for a graph."""
-    fn = options.get("score_mod")
-    captured = mods.captured_tensors(fn) if fn is not None else []
-    grads = reference.backward_with_graph(dout, q, k, v, bias, tuple(needs[:4]), **options)
-    if not captured:
-        return (*grads, None)
-    with torch.enable_grad():
-        out, _ = reference.attention(q, k, v, bias=bias, **options)
-    wrt = [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
-    got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True) if wrt else ())
-    return (*grads, None, *[next(got) if n and t.requires_grad else None for t, n in zip(captured, needs[5:])])
-
-
 def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | Mask | None = None,
-    bias: Tensor | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    scale: float,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    need_lse: bool = True,
-    softcap: float | None = None,
-    block: tuple[int, int] | None = None,
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None = None, bias: Tensor | None = None,
+    causal: bool = False, window: tuple[int | None, int | None] | None = None, scale: float, dropout_p: float = 0.0,
+    dropout_seed: int = 0, need_lse: bool = True, softcap: float | None = None, block: tuple[int, int] | None = None,
     score_mod: mods.ScoreMod | None = None,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The backend entry used by ``functional.py``: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``,
     differentiable in q, k, v, bias and the tensors a ``score_mod`` captures (lse is not). The lse
     is always computed (``need_lse`` is the backends' common signature)."""
