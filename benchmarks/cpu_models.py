@@ -7,8 +7,9 @@ the three variants interleaved step by step on one model (same weights, same opt
 * ViT-Tiny (``ViTTiny`` below, timm's ``vit_tiny_patch16_224`` configuration), batch 8 of
   224×224 images: the forward in inference (eval, no grad) and a training step (AdamW).
 
-The third variant, "no attention", replaces the attention call by its value input (same shape):
-the time of every op around attention. ``attention part`` = (attnzero − no attention) ÷ (torch − no
+The variants take turns step by step, each repeat starting one later (a step leaves the heap and
+the caches to the next). The third variant, "no attention", replaces the attention call by its
+value input (same shape): the time of every op around attention. ``attention part`` = (attnzero − no attention) ÷ (torch − no
 attention) is attention's own share of the step, ratio of the two; when it is clearly worse than
 the attention-only ratio at the same shape (``--only sdpa``), the ops around attention got slower
 with attnzero's call between them.
@@ -30,6 +31,11 @@ import attnzero as az
 from attnzero.bench import time_interleaved
 
 MODES = {"torch": "torch", "attnzero": "dropin", "no attention": "none"}  # label: the model's switch
+
+# A step's time here swings by a third with the heap's state (0 to ~19000 page faults per ViT
+# forward between identical steps, on this VM), which each step leaves to the next: whole models
+# take this many times the other tables' samples, and the variants' order rotates every repeat.
+MODEL_SAMPLES = 3
 
 
 class ViTAttention(nn.Module):
@@ -149,14 +155,15 @@ ROWS: list[Callable[[bool], Built]] = [nanogpt, lambda quick: vit(quick, False),
 
 
 def section(quick: bool, repeats: int) -> Iterator[str]:
-    yield "whole models, float32: attnzero's drop-in in place of torch's SDPA (attnzero ÷ torch: below 1 is faster)"
+    yield ("whole models, float32: attnzero's drop-in in place of torch's SDPA (attnzero ÷ torch: below 1 is faster); "
+           f"medians of {MODEL_SAMPLES * repeats} samples, the order rotated")  # fmt: skip
     yield ""
 
     def cells() -> Iterator[list[str]]:
         for build in ROWS:
             torch.manual_seed(0)
             label, model, step = build(quick)
-            t = time_interleaved(variants(model, step), repeats, warmups=2)
+            t = time_interleaved(variants(model, step), MODEL_SAMPLES * repeats, warmups=2, rotate=True)
             ours, theirs, none = t["attnzero"], t["torch"], t["no attention"]
             part = f"{(ours - none) / (theirs - none):.2f}" if theirs > none else "–"
             yield [label, ms(theirs), ms(ours), f"{ours / theirs:.2f}", ms(none), part]

@@ -234,3 +234,14 @@ def test_the_demo_model_keeps_its_old_import_path() -> None:
 
     for name in ("MiniLM", "Attentions", "Agreement", "model_path", "load", "run", "compare"):
         assert getattr(old, name) is getattr(new, name)
+
+
+def test_time_interleaved_rotates_the_order_only_when_asked() -> None:
+    order: list[str] = []
+    runs = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    bench.time_interleaved(runs, 3, warmups=0)
+    assert "".join(order) == "abcabcabc"
+    order.clear()
+    medians = bench.time_interleaved(runs, 3, warmups=0, rotate=True)
+    assert "".join(order) == "abcbcacab"  # each run first once, and never always after the same one
+    assert set(medians) == set("abc")

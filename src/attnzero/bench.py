@@ -115,11 +115,14 @@ def time_interleaved(
     warmups: int = 1,
     min_sample_s: float = 0.0,
     clock: Callable[[], float] = time.perf_counter,
+    rotate: bool = False,
 ) -> dict[str, float]:
     """Median seconds per call of each run, the runs interleaved repeat by repeat (ours, torch,
     ours, …) after ``warmups`` calls of each. With ``min_sample_s`` a sample is as many calls as
     take at least that long (measured once after the warm-up), so that a call of microseconds is
-    not timed alone; ``clock`` may be ``time.process_time`` (CPU time) instead of wall time."""
+    not timed alone; ``clock`` may be ``time.process_time`` (CPU time) instead of wall time. With
+    ``rotate`` each repeat starts one run later (a, b, c; b, c, a; …), so that no run always follows
+    the same one — for runs that leave state behind (the heap, the caches) that the next one pays."""
     for _ in range(warmups):
         for fn in runs.values():
             fn()
@@ -130,9 +133,11 @@ def time_interleaved(
             fn()
             calls[name] = max(1, int(min_sample_s / max(clock() - t0, 1e-7)))
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            n = calls[name]
+    names = list(runs)
+    for r in range(repeats):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            fn, n = runs[name], calls[name]
             t0 = clock()
             for _ in range(n):
                 fn()
