@@ -443,12 +443,13 @@ float exp_sum(float* x, int64_t n, float f, float shift) {
     e.store(x + j);
     acc = acc + e;
   }
-  float sum = sum_lanes(acc);
-  for (; j < n; ++j) {
-    x[j] = std::exp(std::fma(x[j], f, -shift));
-    sum += x[j];
+  if (j < n) {  // the last n − j < step entries (5 of ViT's 197 keys): one masked vector, not scalar exps
+    const int64_t rest = n - j;
+    const Vec e = at::vec::fmadd(Vec::loadu(x + j, rest), fv, sv).exp_u20();
+    e.store(x + j, rest);
+    acc = acc + Vec::set(Vec(0.f), e, rest);  // the lanes past n add nothing
   }
-  return sum;
+  return sum_lanes(acc);
 }
 
 // Σ_d a_d · b_d for n floats a and n entries of b (any dtype, stride sb).
@@ -522,17 +523,17 @@ struct KPanels {
     std::fill(ready.begin(), ready.end(), 0);
   }
 
-  // S (m × nc, lds) = Q (m × D) · Kᵀ for keys [j0, j0 + nc) of the head whose K starts at `k`
+  // S (m × nc, lds) = Q (m × D, ldq) · Kᵀ for keys [j0, j0 + nc) of the head whose K starts at `k`
   // (strides sj, sd; Lk keys), transposing the panels those keys need first.
   template <typename T>
-  void scores(int64_t m, int64_t j0, int64_t nc, const float* Q, float* S, int64_t lds, const T* k, int64_t Lk,
-              int64_t D, int64_t sj, int64_t sd) {
+  void scores(int64_t m, int64_t j0, int64_t nc, const float* Q, int64_t ldq, float* S, int64_t lds, const T* k,
+              int64_t Lk, int64_t D, int64_t sj, int64_t sd) {
     for (int64_t p = j0 / PANEL; p * PANEL < j0 + nc; ++p)
       if (!ready[p]) {
         to_panel(data + p * PANEL * D, k, p * PANEL, std::min(PANEL, Lk - p * PANEL), D, sj, sd);
         ready[p] = 1;
       }
-    product_t(m, j0, nc, D, Q, D, data, S, lds, 1.f);
+    product_t(m, j0, nc, D, Q, ldq, data, S, lds, 1.f);
   }
 };
 
@@ -679,18 +680,19 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   const bool tiled = P.tiled();
-  // per thread: the task's queries, one K and V block (16-bit inputs), the scores, acc, m, l, and
-  // Kᵀ of a head in panels (the register tiles' B)
+  const bool q_in_place = std::is_same_v<T, float> && tiled && P.G == 1 && q.stride(3) == 1;
+  // per thread: the task's queries (unless read in place), one K and V block (16-bit inputs), the
+  // scores, acc, m, l, and Kᵀ of a head in panels (the register tiles' B)
   const bool wide = !std::is_same_v<T, float>;
   const int64_t n_panels = tiled ? (P.Lk + PANEL - 1) / PANEL : 0;
-  const size_t per_thread = room({R_max * D, wide ? bn * D : 0, wide ? bn * Dv : 0, R_max * bn, R_max * Dv, R_max,
-                                  R_max, n_panels * PANEL * D});
+  const size_t per_thread = room({q_in_place ? 0 : R_max * D, wide ? bn * D : 0, wide ? bn * Dv : 0, R_max * bn,
+                                  R_max * Dv, R_max, R_max, n_panels * PANEL * D});
   std::vector<KPanels> panels(at::get_num_threads(), KPanels(n_panels));  // a thread's, by slot
   run_tasks(tasks, grain(tasks, R_max * P.Lk * (D + Dv)), per_thread,
             [&](int64_t slot, float* scratch, int64_t begin, int64_t end) {
     OneMklThread one(!tiled);
     Scratch pool{scratch};
-    float* qs = pool.take(R_max * D);
+    float* qs = pool.take(q_in_place ? 0 : R_max * D);
     float* kb = pool.take(wide ? bn * D : 0);
     float* vb = pool.take(wide ? bn * Dv : 0);
     float* s = pool.take(R_max * bn);
@@ -705,9 +707,18 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
       const int64_t i0 = ib * P.bm, ni = std::min(P.bm, P.Lq - i0), R = P.G * ni;
       const T* kh = k.data_ptr<T>() + b * k.stride(0) + hkv * k.stride(1);  // this head's K rows
       if (tiled) kt.start(bh);
-      for (int64_t g = 0; g < P.G; ++g)  // q rows of the group's heads, stacked: (G·ni, D)
-        load_rows(qs + g * ni * D, qp + b * q.stride(0) + (hkv * P.G + g) * q.stride(1) + i0 * q.stride(2), ni,
-                  D, q.stride(2), q.stride(3));
+      // q rows of the group's heads, stacked: (G·ni, D), row stride ldq. The tiles read them where
+      // they lie (float32, one head per group, unit-stride rows); else a dense float32 copy.
+      const float* qa = qs;
+      int64_t ldq = D;
+      if (q_in_place) {
+        qa = reinterpret_cast<const float*>(qp + b * q.stride(0) + hkv * q.stride(1) + i0 * q.stride(2));
+        ldq = q.stride(2);
+      } else {
+        for (int64_t g = 0; g < P.G; ++g)
+          load_rows(qs + g * ni * D, qp + b * q.stride(0) + (hkv * P.G + g) * q.stride(1) + i0 * q.stride(2), ni,
+                    D, q.stride(2), q.stride(3));
+      }
       std::fill(m, m + R, NEG_INF);  // m = −inf before the first kept key
       std::fill(l, l + R, 0.f);
       bool first = true;  // no block visited yet: acc is written (beta = 0), not rescaled
@@ -718,7 +729,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         int64_t ldk, ldv;
         const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb, &ldv);
         if (tiled) {  // x_ij = q_i · k_j
-          kt.scores(R, j0, nc, qs, s, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
+          kt.scores(R, j0, nc, qa, ldq, s, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
         } else {
           const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb, &ldk);
           gemm(false, true, R, nc, D, 1.f, qs, D, kp, ldk, 0.f, s, bn);
