@@ -9,10 +9,10 @@ the three variants interleaved step by step on one model (same weights, same opt
 
 The variants take turns step by step, each repeat starting one later (a step leaves the heap and
 the caches to the next). The third variant, "no attention", replaces the attention call by its
-value input (same shape): the time of every op around attention. ``attention part`` = (attnzero − no attention) ÷ (torch − no
-attention) is attention's own share of the step, ratio of the two; when it is clearly worse than
-the attention-only ratio at the same shape (``--only sdpa``), the ops around attention got slower
-with attnzero's call between them.
+value input (same shape): the time of every op around attention. ``attention part`` = (attnzero −
+no attention) ÷ (torch − no attention) is attention's own share of the step, ratio of the two;
+when it is clearly worse than the attention-only ratio at the same shape (``--only sdpa``), the
+ops around attention got slower with attnzero's call between them.
 
     .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick]
 """
