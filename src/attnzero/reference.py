@@ -168,9 +168,10 @@ def mod_backward_with_graph(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
     options: dict[str, Any], captured: list[Tensor],
 ) -> tuple[Tensor | None, ...]:
-    """:func:`backward_with_graph` for a kernel with a ``score_mod`` (in ``options``) whose autograd
-    Function takes ``(q, k, v, bias, options, *captured)``: the gradients of those, the captured
-    tensors' included (``needs`` lists all of them, the options' slot too)."""
+    """:func:`backward_with_graph` for a backend whose autograd Function takes ``(q, k, v, bias,
+    options, *captured)``, ``captured`` the tensors a ``score_mod`` (in ``options``) reads — none
+    without one: the gradients of those, the captured tensors' included (``needs`` lists all of
+    them, the options' slot too)."""
     inputs = [q, k, v, bias, *captured]
     wrt = [t for t, n in zip(inputs[:4], needs[:4]) if t is not None and n]
     wrt += [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]

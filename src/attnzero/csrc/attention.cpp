@@ -391,13 +391,13 @@ struct Problem {
     }
   }
 
-  // Whether a block's scores are just scale · x (no cap, no bias, nothing masked): then the scale
-  // rides in the max and the exp (max_j scale·x_ij = scale · max_j x_ij for scale > 0) and the
-  // scores are never written out.
   // Whether the tasks multiply with the register tiles: rows enough to pay for transposing K (a
   // decode step's few rows do not), and a build with vector registers; sgemm otherwise.
   bool tiled() const { return TILED && G * bm >= 16; }
 
+  // Whether a block's scores are just scale · x (no cap, no bias, nothing masked): then the scale
+  // rides in the max and the exp (max_j scale·x_ij = scale · max_j x_ij for scale > 0) and the
+  // scores are never written out.
   bool plain(Kind k) const {
     return k == FULL && cap == 0.f && bias == nullptr && mod_fwd == nullptr && scale > 0.f;
   }
@@ -712,7 +712,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
       const float* qa = qs;
       int64_t ldq = D;
       if (q_in_place) {
-        qa = reinterpret_cast<const float*>(qp + b * q.stride(0) + hkv * q.stride(1) + i0 * q.stride(2));
+        if constexpr (std::is_same_v<T, float>) qa = qp + b * q.stride(0) + hkv * q.stride(1) + i0 * q.stride(2);
         ldq = q.stride(2);
       } else {
         for (int64_t g = 0; g < P.G; ++g)
