@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import check_against_golden, need_kernel, qkv, randn
+from conftest import check_against_golden, need_kernel, qkv, randn, torch_threads
 
 import attnzero as az
 from attnzero import cpu_kernel, geometry
@@ -165,6 +165,17 @@ def test_non_contiguous_inputs(layout: str, calls: dict[str, int]) -> None:
     q, k, v = qkv(2, 4, 2, 77, 90, 40, layout=layout)
     golden(torch.float32, q, k, v, calls, causal=True)
     golden(torch.bfloat16, q, k, v, calls, window=(30, 4))
+
+
+@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_every_task_runs_once_whatever_the_threads(threads: int, calls: dict[str, int]) -> None:
+    """Each thread owns a range of the tasks and takes the others' once done (run_tasks): with more
+    threads than this machine's cores a thread loses its core mid-call and the others finish its
+    range; task counts that split unevenly (3·5·2 forward tasks, 15 backward) over 3 and 7 threads."""
+    q, k, v = qkv(3, 5, 5, 300, 300, 32)
+    with torch_threads(threads):
+        golden(torch.float32, q, k, v, calls, causal=True)
+        golden(torch.bfloat16, q, k, v, calls, window=(40, 0))
 
 
 def test_output_and_gradients_in_the_inputs_memory_order(calls: dict[str, int]) -> None:

@@ -32,6 +32,7 @@
 #include "fast_math.h"  // azm::tanh: float32, vectorised by the compiler (softcap)
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -632,12 +633,36 @@ inline int64_t grain(int64_t tasks, int64_t work_per_task) {
   return std::max<int64_t>(1, std::min<int64_t>(tasks, MIN_PARALLEL_WORK / std::max<int64_t>(1, work_per_task)));
 }
 
+// The tasks of a call as threads take them: chunk indices [front, back), packed in one atomic word
+// (front in the high half). The thread that owns the range takes chunks from its front; a thread
+// whose own range is done takes them from the back.
+struct Range {
+  std::atomic<uint64_t> ends{0};
+
+  void set(uint64_t front, uint64_t back) { ends.store(front << 32 | back, std::memory_order_relaxed); }
+  bool take(bool from_front, int64_t* c) {  // one chunk index into *c; false when the range is empty
+    uint64_t cur = ends.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t front = cur >> 32, back = cur & 0xffffffffu;
+      if (front >= back) return false;
+      const uint64_t next = from_front ? (front + 1) << 32 | back : front << 32 | (back - 1);
+      if (ends.compare_exchange_weak(cur, next, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+        *c = static_cast<int64_t>(from_front ? front : back - 1);
+        return true;
+      }
+    }
+  }
+};
+
 // The one parallel region of a call: fn(slot, scratch, begin, end) over chunks of [0, tasks) on
-// torch's OpenMP threads, handed out as threads come free (a dynamic schedule, about 8 chunks a
-// thread). With at::parallel_for's equal contiguous ranges a thread that lost its core to another
-// process made the whole call wait for its share (sentence embeddings' forward fell to 0.72× torch
-// with a competing process); now the other thread takes what is left. Small problems (fewer tasks
-// than `grain`), one thread, or a call from inside a parallel region: on the calling thread.
+// torch's OpenMP threads. Thread t owns the t-th of `threads` equal contiguous ranges of chunks, as
+// at::parallel_for deals them (and MKL its rows): it reads the q, k, v rows the projection before it
+// wrote on its own core and writes the rows the projection after it reads there (whole ViT-Tiny
+// forward 2–4 % faster than handing chunks out in order — docs/benchmarks.md). A thread done with its
+// range takes chunks from the back of the others': with equal ranges alone a thread that lost its
+// core to another process made the whole call wait for its share (sentence embeddings' forward fell
+// to 0.72× torch with a competing process). Small problems (fewer tasks than `grain`), one thread,
+// or a call from inside a parallel region: on the calling thread.
 //
 // `slot` numbers the thread (0 on the calling thread; < at::get_num_threads()) and `scratch` is its
 // `per_thread` floats of work memory: one block allocated here, on the calling thread, and freed
@@ -656,11 +681,18 @@ void run_tasks(int64_t tasks, int64_t grain, size_t per_thread, const F& fn) {
     fn(int64_t(0), w, int64_t(0), tasks);
     return;
   }
+  // about 8 chunks a thread, so that what is left of a slow thread's range can be shared out
   const int64_t chunk = std::max<int64_t>(grain, tasks / (8 * threads)), chunks = (tasks + chunk - 1) / chunk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(threads))
-  for (int64_t c = 0; c < chunks; ++c) {
+  std::vector<Range> ranges(threads);
+  for (int64_t t = 0; t < threads; ++t) ranges[t].set(chunks * t / threads, chunks * (t + 1) / threads);
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
     const int64_t slot = omp_get_thread_num();
-    fn(slot, w + slot * per_thread, c * chunk, std::min(tasks, (c + 1) * chunk));
+    int64_t c;
+    for (int64_t r = 0; r < threads; ++r) {  // its own range first, then the others' from the back
+      Range& range = ranges[(slot + r) % threads];
+      while (range.take(r == 0, &c)) fn(slot, w + slot * per_thread, c * chunk, std::min(tasks, (c + 1) * chunk));
+    }
   }
 }
 
