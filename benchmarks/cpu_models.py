@@ -1,25 +1,38 @@
 """Whole models on the CPU with attnzero's drop-in (``az.scaled_dot_product_attention``) in place of
-torch's ``F.scaled_dot_product_attention``: attnzero's step time ÷ torch's (below 1.0: faster),
-the three variants interleaved step by step on one model (same weights, same optimizer), medians.
+torch's ``F.scaled_dot_product_attention``: attnzero's step time ÷ torch's (below 1.0: faster), the
+three variants interleaved step by step on one model (same weights, same optimizer).
 
 * nanoGPT's training step: ``compile.py``'s GPT (nanoGPT's model) with 4 layers, n_embd 128,
   4 heads, block 256, batch 12, vocabulary 65, no dropout; zero_grad, forward, backward, AdamW.
 * ViT-Tiny (``ViTTiny`` below, timm's ``vit_tiny_patch16_224`` configuration), batch 8 of
   224×224 images: the forward in inference (eval, no grad) and a training step (AdamW).
 
-The variants take turns step by step, each repeat starting one later (a step leaves the heap and
+The variants take turns step by step, each round starting one later (a step leaves the heap and
 the caches to the next). The third variant, "no attention", replaces the attention call by its
 value input (same shape): the time of every op around attention. ``attention part`` = (attnzero −
 no attention) ÷ (torch − no attention) is attention's own share of the step, ratio of the two;
 when it is clearly worse than the attention-only ratio at the same shape (``--only sdpa``), the
 ops around attention got slower with attnzero's call between them.
 
+Each row runs in ``PROCESSES`` fresh processes (``python benchmarks/cpu_models.py ROW ROUNDS``
+prints one process's samples). A whole step here swings by a third with the state of glibc's heap,
+which the process's own history settles: glibc grows the heap and trims it back around the
+1.2–4.8 MB activations, and one process takes no page faults per ViT forward, another ~28000
+(~110 MB of fresh pages), step after step. The ratio is the median over every round of every
+process of attnzero's step ÷ torch's step in the same round (paired, so that the machine's slow
+drifts cancel); the range after it is the processes' own medians.
+
     .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick]
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +41,14 @@ from harness import ms, table
 from torch import Tensor, nn
 
 import attnzero as az
-from attnzero.bench import time_interleaved
+from attnzero.bench import interleaved_samples
 
 MODES = {"torch": "torch", "attnzero": "dropin", "no attention": "none"}  # label: the model's switch
 
-# A step's time here swings by a third with the heap's state (0 to ~19000 page faults per ViT
-# forward between identical steps, on this VM), which each step leaves to the next: whole models
-# take this many times the other tables' samples, and the variants' order rotates every repeat.
-MODEL_SAMPLES = 3
+# Each row in this many fresh processes (a process's heap settles which of its steps take page
+# faults), and per process this many rounds for each repeat of the other tables (14 at the default 7).
+PROCESSES = 3
+ROUNDS_PER_REPEAT = 2
 
 
 class ViTAttention(nn.Module):
@@ -154,19 +167,48 @@ def vit(quick: bool, train: bool) -> Built:
 ROWS: list[Callable[[bool], Built]] = [nanogpt, lambda quick: vit(quick, False), lambda quick: vit(quick, True)]
 
 
+def samples(row: int, quick: bool, rounds: int) -> tuple[str, dict[str, list[float]]]:
+    """Row ``row``'s label and, in this process, each variant's step times, one per round."""
+    torch.manual_seed(0)
+    label, model, step = ROWS[row](quick)
+    return label, interleaved_samples(variants(model, step), rounds, warmups=2, rotate=True)
+
+
+def in_fresh_process(row: int, quick: bool, rounds: int) -> tuple[str, dict[str, list[float]]]:
+    """``samples`` in a new Python process (this file run as a script)."""
+    command = [sys.executable, str(Path(__file__).resolve()), str(row), str(rounds)] + (["--quick"] if quick else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    label, times = json.loads(done.stdout.splitlines()[-1])
+    return label, times
+
+
+def paired(times: dict[str, list[float]], a: str, b: str) -> list[float]:
+    """a's time ÷ b's time, round by round."""
+    return [x / y for x, y in zip(times[a], times[b], strict=True)]
+
+
 def section(quick: bool, repeats: int) -> Iterator[str]:
+    rounds = ROUNDS_PER_REPEAT * repeats
     yield ("whole models, float32: attnzero's drop-in in place of torch's SDPA (attnzero ÷ torch: below 1 is faster); "
-           f"medians of {MODEL_SAMPLES * repeats} samples, the order rotated")  # fmt: skip
+           f"{PROCESSES} fresh processes × {rounds} rounds, the order rotated; the median of the rounds' ratios "
+           "[the processes' medians]")  # fmt: skip
     yield ""
 
     def cells() -> Iterator[list[str]]:
-        for build in ROWS:
-            torch.manual_seed(0)
-            label, model, step = build(quick)
-            t = time_interleaved(variants(model, step), MODEL_SAMPLES * repeats, warmups=2, rotate=True)
-            ours, theirs, none = t["attnzero"], t["torch"], t["no attention"]
+        for row in range(len(ROWS)):
+            runs = [in_fresh_process(row, quick, rounds) for _ in range(PROCESSES)]
+            label = runs[0][0]
+            pooled = {name: [t for _, times in runs for t in times[name]] for name in MODES}
+            ours, theirs, none = (statistics.median(pooled[name]) for name in ("attnzero", "torch", "no attention"))
+            ratio = statistics.median(paired(pooled, "attnzero", "torch"))
+            each = sorted(statistics.median(paired(times, "attnzero", "torch")) for _, times in runs)
             part = f"{(ours - none) / (theirs - none):.2f}" if theirs > none else "–"
-            yield [label, ms(theirs), ms(ours), f"{ours / theirs:.2f}", ms(none), part]
+            spread = f"{ratio:.2f} [{each[0]:.2f}–{each[-1]:.2f}]"
+            yield [label, ms(theirs), ms(ours), spread, ms(none), part]
 
     header = ["model; pass", "torch ms", "attnzero ms", "attnzero ÷ torch", "no attention ms", "attention part"]
     yield from table(header, cells())
+
+
+if __name__ == "__main__":  # one process's samples of one row: ROW ROUNDS [--quick], as JSON on the last line
+    print(json.dumps(samples(int(sys.argv[1]), "--quick" in sys.argv, int(sys.argv[2]))))

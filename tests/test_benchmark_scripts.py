@@ -119,3 +119,14 @@ def test_mods_benchmark_runs_its_tables_at_a_small_size() -> None:
             bm = create_block_mask(theirs["mask_mod"], None, None, L, L, device="cpu", BLOCK_SIZE=16)
             want = flex_attention(q, k, v, score_mod=theirs.get("score_mod"), block_mask=bm)
             torch.testing.assert_close(az.attention(q, k, v, **ours), want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_cpu_models_rows_run_in_a_fresh_process() -> None:
+    """The models table runs each row in fresh processes (cpu_models.py as a script): one process's
+    samples come back, one per round for each variant."""
+    import cpu_models
+
+    label, times = cpu_models.in_fresh_process(0, True, 2)
+    assert label.startswith("nanoGPT") and set(times) == set(cpu_models.MODES)
+    assert all(len(ts) == 2 and min(ts) > 0 for ts in times.values())
+    assert len(cpu_models.paired(times, "attnzero", "torch")) == 2

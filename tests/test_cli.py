@@ -245,3 +245,13 @@ def test_time_interleaved_rotates_the_order_only_when_asked() -> None:
     medians = bench.time_interleaved(runs, 3, warmups=0, rotate=True)
     assert "".join(order) == "abcbcacab"  # each run first once, and never always after the same one
     assert set(medians) == set("abc")
+
+
+def test_interleaved_samples_gives_every_round_of_every_run() -> None:
+    """One sample per repeat and run, in round order (round r of each run pairs with round r of the
+    others), each the run's own time: here a clock the runs themselves advance, by 1 and 2 units."""
+    now = [0.0]
+    runs = {"a": lambda: now.__setitem__(0, now[0] + 1), "b": lambda: now.__setitem__(0, now[0] + 2)}
+    samples = bench.interleaved_samples(runs, 4, warmups=1, clock=lambda: now[0], rotate=True)
+    assert samples == {"a": [1.0] * 4, "b": [2.0] * 4}
+    assert bench.time_interleaved(runs, 3, clock=lambda: now[0]) == {"a": 1.0, "b": 2.0}

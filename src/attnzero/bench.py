@@ -108,7 +108,7 @@ def runner(case: Case) -> Callable[[], None]:
     return run
 
 
-def time_interleaved(
+def interleaved_samples(
     runs: dict[str, Callable[[], None]],
     repeats: int,
     *,
@@ -116,13 +116,14 @@ def time_interleaved(
     min_sample_s: float = 0.0,
     clock: Callable[[], float] = time.perf_counter,
     rotate: bool = False,
-) -> dict[str, float]:
-    """Median seconds per call of each run, the runs interleaved repeat by repeat (ours, torch,
-    ours, …) after ``warmups`` calls of each. With ``min_sample_s`` a sample is as many calls as
-    take at least that long (measured once after the warm-up), so that a call of microseconds is
-    not timed alone; ``clock`` may be ``time.process_time`` (CPU time) instead of wall time. With
-    ``rotate`` each repeat starts one run later (a, b, c; b, c, a; …), so that no run always follows
-    the same one — for runs that leave state behind (the heap, the caches) that the next one pays."""
+) -> dict[str, list[float]]:
+    """Seconds per call of each run, one sample per repeat, the runs interleaved repeat by repeat
+    (ours, torch, ours, …) after ``warmups`` calls of each: sample r of every run comes from the same
+    round. With ``min_sample_s`` a sample is as many calls as take at least that long (measured once
+    after the warm-up), so that a call of microseconds is not timed alone; ``clock`` may be
+    ``time.process_time`` (CPU time) instead of wall time. With ``rotate`` each repeat starts one run
+    later (a, b, c; b, c, a; …), so that no run always follows the same one — for runs that leave
+    state behind (the heap, the caches) that the next one pays."""
     for _ in range(warmups):
         for fn in runs.values():
             fn()
@@ -142,6 +143,20 @@ def time_interleaved(
             for _ in range(n):
                 fn()
             times[name].append((clock() - t0) / n)
+    return times
+
+
+def time_interleaved(
+    runs: dict[str, Callable[[], None]],
+    repeats: int,
+    *,
+    warmups: int = 1,
+    min_sample_s: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+    rotate: bool = False,
+) -> dict[str, float]:
+    """Median seconds per call of each run over ``interleaved_samples`` (the same arguments)."""
+    times = interleaved_samples(runs, repeats, warmups=warmups, min_sample_s=min_sample_s, clock=clock, rotate=rotate)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
