@@ -857,14 +857,19 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   // G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
   const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
   const int64_t nx = P.mod_bwd != nullptr ? RB : 0, nm = P.mod_bwd != nullptr ? P.mod_tmp * bn : 0;
-  const size_t per_thread = room({NR * D, NR * Dv, NR, NR, NR * D, bn * D, bn * Dv, bn * D, bn * Dv, RB, RB, nd, nt,
+  // float32 q and dO rows of one head per group are read where they lie (as the forward's queries);
+  // else copied, the group's heads stacked, as dense float32. K and V blocks: converted unless float32.
+  const bool in_place = std::is_same_v<T, float> && tiled && G == 1 && q.stride(3) == 1 && dout.stride(3) == 1;
+  const int64_t nq = in_place ? 0 : NR, nkv = std::is_same_v<T, float> ? 0 : bn;
+  const int64_t ldq = in_place ? q.stride(2) : D, ldo = in_place ? dout.stride(2) : Dv;
+  const size_t per_thread = room({nq * D, nq * Dv, NR, NR, NR * D, nkv * D, nkv * Dv, bn * D, bn * Dv, RB, RB, nd, nt,
                                   nx, nm, npanel * D, npanel * Dv});
   run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), per_thread,
             [&](int64_t slot, float* scratch, int64_t begin, int64_t end) {
     OneMklThread one(!tiled);
     Scratch pool{scratch};
-    float *qf = pool.take(NR * D), *dof = pool.take(NR * Dv), *Dr = pool.take(NR), *lser = pool.take(NR);
-    float *dqa = pool.take(NR * D), *kb = pool.take(bn * D), *vb = pool.take(bn * Dv);
+    float *qs = pool.take(nq * D), *dos = pool.take(nq * Dv), *Dr = pool.take(NR), *lser = pool.take(NR);
+    float *dqa = pool.take(NR * D), *kb = pool.take(nkv * D), *vb = pool.take(nkv * Dv);
     float *dka = pool.take(bn * D), *dva = pool.take(bn * Dv), *s = pool.take(RB), *dp = pool.take(RB);
     float *pd = pool.take(nd), *th = pool.take(nt), *xs = pool.take(nx), *mt = pool.take(nm);
     float *kt = pool.take(npanel * D), *vt = pool.take(npanel * Dv);  // the key block's Kᵀ, Vᵀ as panels
@@ -874,18 +879,28 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
       const int64_t b = task / P.Hkv, hkv = task % P.Hkv;
       T* dk0 = dkp + b * dk.stride(0) + hkv * dk.stride(1);  // this head's dK, dV rows
       T* dv0 = dvp + b * dv.stride(0) + hkv * dv.stride(1);
+      const float* qf = qs;  // the task's q and dO rows: row r at qf + r·ldq, dof + r·ldo
+      const float* dof = dos;
+      if constexpr (std::is_same_v<T, float>) {
+        if (in_place) {
+          qf = qp + b * q.stride(0) + hkv * q.stride(1);
+          dof = dop + b * dout.stride(0) + hkv * dout.stride(1);
+        }
+      }
       for (int64_t ib = 0; ib < P.nqb; ++ib) {
         const int64_t i0 = ib * P.bm, ni = std::min(P.bm, Lq - i0);
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = hkv * G + g, row0 = G * i0 + g * ni;
-          const int64_t qo = b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2);
-          load_rows(qf + row0 * D, qp + qo, ni, D, q.stride(2), q.stride(3));
-          const int64_t go = b * dout.stride(0) + h * dout.stride(1) + i0 * dout.stride(2);
-          load_rows(dof + row0 * Dv, dop + go, ni, Dv, dout.stride(2), dout.stride(3));
+          if (!in_place) {
+            const int64_t qo = b * q.stride(0) + h * q.stride(1) + i0 * q.stride(2);
+            load_rows(qs + row0 * D, qp + qo, ni, D, q.stride(2), q.stride(3));
+            const int64_t go = b * dout.stride(0) + h * dout.stride(1) + i0 * dout.stride(2);
+            load_rows(dos + row0 * Dv, dop + go, ni, Dv, dout.stride(2), dout.stride(3));
+          }
           const int64_t os2 = out.stride(2), os3 = out.stride(3);
           const T* o0 = outp + b * out.stride(0) + h * out.stride(1) + i0 * os2;
           for (int64_t ii = 0; ii < ni; ++ii) {  // D_i = Σ_d dO_id · O_id
-            Dr[row0 + ii] = dot(dof + (row0 + ii) * Dv, o0 + ii * os2, Dv, os3);
+            Dr[row0 + ii] = dot(dof + (row0 + ii) * ldo, o0 + ii * os2, Dv, os3);
             lser[row0 + ii] = lp[b * lse.stride(0) + h * lse.stride(1) + (i0 + ii) * lse.stride(2)];
           }
         }
@@ -914,12 +929,12 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           const float* vp = vb0 + c0 * ldv;
           float* dkb = dka + c0 * D;
           float* dvb = dva + c0 * Dv;
-          const float* qi = qf + row0 * D;
-          const float* doi = dof + row0 * Dv;
+          const float* qi = qf + row0 * ldq;
+          const float* doi = dof + row0 * ldo;
           if (tiled)  // x_ij = q_i · k_j
-            product_t(R, c0, nc, D, qi, D, kt, s, bn, 1.f);
+            product_t(R, c0, nc, D, qi, ldq, kt, s, bn, 1.f);
           else
-            gemm(false, true, R, nc, D, 1.f, qi, D, kp, ldk, 0.f, s, bn);
+            gemm(false, true, R, nc, D, 1.f, qi, ldq, kp, ldk, 0.f, s, bn);
           const bool plain = P.plain(blk.kind);  // s_ij = scale · x_ij, folded into the exp
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
@@ -939,11 +954,11 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           }
           const float* pt = P.dropout ? pd : s;
           if (tiled) {
-            product({nc, Dv, R, pt, 1, bn, doi, Dv, dvb, Dv, 1.f, true});  // dV_j += Σ_i p̃_ij dO_i
-            product_t(R, c0, nc, Dv, doi, Dv, vt, dp, bn, 1.f);            // dp_ij = dO_i · v_j
+            product({nc, Dv, R, pt, 1, bn, doi, ldo, dvb, Dv, 1.f, true});  // dV_j += Σ_i p̃_ij dO_i
+            product_t(R, c0, nc, Dv, doi, ldo, vt, dp, bn, 1.f);            // dp_ij = dO_i · v_j
           } else {
-            gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, Dv, 1.f, dvb, Dv);
-            gemm(false, true, R, nc, Dv, 1.f, doi, Dv, vp, ldv, 0.f, dp, bn);
+            gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, ldo, 1.f, dvb, Dv);
+            gemm(false, true, R, nc, Dv, 1.f, doi, ldo, vp, ldv, 0.f, dp, bn);
           }
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
@@ -968,10 +983,10 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           }
           if (tiled) {
             product({R, D, nc, dp, bn, 1, kp, ldk, dqa + row0 * D, D, P.scale, true});  // dQ_i += scale · Σ_j ds_ij k_j
-            product({nc, D, R, dp, 1, bn, qi, D, dkb, D, P.scale, true});              // dK_j += scale · Σ_i ds_ij q_i
+            product({nc, D, R, dp, 1, bn, qi, ldq, dkb, D, P.scale, true});            // dK_j += scale · Σ_i ds_ij q_i
           } else {
             gemm(false, false, R, D, nc, P.scale, dp, bn, kp, ldk, 1.f, dqa + row0 * D, D);
-            gemm(true, false, nc, D, R, P.scale, dp, bn, qi, D, 1.f, dkb, D);
+            gemm(true, false, nc, D, R, P.scale, dp, bn, qi, ldq, 1.f, dkb, D);
           }
         }
         for (int64_t c = 0; c < ncb; ++c) {  // the key block's dK, dV rows (rows of unit stride)
