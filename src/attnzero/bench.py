@@ -146,18 +146,9 @@ def interleaved_samples(
     return times
 
 
-def time_interleaved(
-    runs: dict[str, Callable[[], None]],
-    repeats: int,
-    *,
-    warmups: int = 1,
-    min_sample_s: float = 0.0,
-    clock: Callable[[], float] = time.perf_counter,
-    rotate: bool = False,
-) -> dict[str, float]:
-    """Median seconds per call of each run over ``interleaved_samples`` (the same arguments)."""
-    times = interleaved_samples(runs, repeats, warmups=warmups, min_sample_s=min_sample_s, clock=clock, rotate=rotate)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def time_interleaved(runs: dict[str, Callable[[], None]], repeats: int, **options: Any) -> dict[str, float]:
+    """Median seconds per call of each run over ``interleaved_samples(runs, repeats, **options)``."""
+    return {name: statistics.median(ts) for name, ts in interleaved_samples(runs, repeats, **options).items()}
 
 
 # ---------------------------------------------------------------------------------------------
