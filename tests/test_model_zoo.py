@@ -29,6 +29,7 @@ well under 90 s on two CPU cores.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from collections.abc import Callable
@@ -157,6 +158,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "swin": {"depths": [1, 1], "num_heads": [4, 4], "window_size": 2, "patch_size": 4},
     "swinv2": {"depths": [1, 1], "num_heads": [4, 4], "window_size": 2, "patch_size": 4},
     "donut-swin": {"depths": [1, 1], "num_heads": [4, 4], "window_size": 2, "patch_size": 4},
+    # one sliding and one indexed (top-k key selecting) layer, each reading its own keys and values
+    "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention"], "num_hidden_layers": 2,
+                   "index_layers": [1], "kv_source_layers": [0, 1], "head_dim": 16, "index_num_heads": 1,
+                   "mlp_only_layers": []},
 }
 
 
@@ -326,6 +331,10 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "xlnet": _NO_CALL,
     "yoso": _NO_CALL,
 }
+# transformers 5.25 moved Falcon onto the AttentionInterface (its FALCON_ATTENTION_CLASSES table is
+# gone): from that version on it runs, and the sweep expects it to match eager.
+if not hasattr(importlib.import_module("transformers.models.falcon.modeling_falcon"), "FALCON_ATTENTION_CLASSES"):
+    del REFUSED_AT_LOAD["falcon"]
 
 #: Refused on the first forward, naming the keyword attnzero cannot compute yet (the keywords of
 #: ``hf.UNSUPPORTED_KEYWORDS``). Empty since softcap and s_aux / sinks are computed; the models that

@@ -53,7 +53,7 @@ cut by the layer's causal triangle and sliding window (it is compared, not assum
 ``ValueError`` saying why and what to use instead. Some transformers models (BLOOM, MPT, RoFormer,
 MPNet, ...) compute attention in their own layers yet build their mask through ``masking_utils``
 keyed by the implementation name: with attnzero's name they would receive its bool keep-mask where
-they expect eager's additive one (padding lost, or the mask inverted). Others (Falcon, GPT-Neo,
+they expect eager's additive one (padding lost, or the mask inverted). Others (GPT-Neo, Falcon before transformers 5.25,
 SAM, ...) pick their attention classes from their own table keyed by the name, which has no entry
 for attnzero. :func:`refusal` gives the reason for a model, or None when every attention it computes
 goes through the interface (see its docstring for the criterion).
