@@ -508,6 +508,14 @@ at::Tensor unit_rows(const at::Tensor& x) {
   return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
 }
 
+// Whether the register tiles read x's rows (q, or dO) where they lie, at their row stride: float32
+// rows of unit stride, one query head per group (so a task's rows are one head's, evenly spaced).
+// Else a task copies them, the group's heads stacked, into dense float32.
+template <typename T>
+bool rows_in_place(const Problem& P, const at::Tensor& x) {
+  return std::is_same_v<T, float> && P.tiled() && P.G == 1 && x.stride(3) == 1;
+}
+
 // Kᵀ of one head in panels (to_panel), the B of S = Q Kᵀ in the forward. A thread keeps the panels
 // of the head it works on and transposes a panel the first time one of its blocks needs it, so K is
 // transposed about once per head and thread (sgemm packed it once per query block and key block).
@@ -712,7 +720,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   const bool tiled = P.tiled();
-  const bool q_in_place = std::is_same_v<T, float> && tiled && P.G == 1 && q.stride(3) == 1;
+  const bool q_in_place = rows_in_place<T>(P, q);
   // per thread: the task's queries (unless read in place), one K and V block (16-bit inputs), the
   // scores, acc, m, l, and Kᵀ of a head in panels (the register tiles' B)
   const bool wide = !std::is_same_v<T, float>;
@@ -739,8 +747,8 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
       const int64_t i0 = ib * P.bm, ni = std::min(P.bm, P.Lq - i0), R = P.G * ni;
       const T* kh = k.data_ptr<T>() + b * k.stride(0) + hkv * k.stride(1);  // this head's K rows
       if (tiled) kt.start(bh);
-      // q rows of the group's heads, stacked: (G·ni, D), row stride ldq. The tiles read them where
-      // they lie (float32, one head per group, unit-stride rows); else a dense float32 copy.
+      // q rows of the group's heads, stacked: (G·ni, D), row stride ldq (rows_in_place: where they
+      // lie; else a dense float32 copy)
       const float* qa = qs;
       int64_t ldq = D;
       if (q_in_place) {
@@ -764,7 +772,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
           kt.scores(R, j0, nc, qa, ldq, s, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
         } else {
           const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb, &ldk);
-          gemm(false, true, R, nc, D, 1.f, qs, D, kp, ldk, 0.f, s, bn);
+          gemm(false, true, R, nc, D, 1.f, qa, ldq, kp, ldk, 0.f, s, bn);
         }
         const bool plain = P.plain(blk.kind);
         for (int64_t r = 0; r < R; ++r) {
@@ -857,9 +865,8 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   // G·i0 + g·ni + ii being query head hkv·G + g, query i0 + ii.
   const int64_t RB = R_max * bn, nd = P.dropout ? RB : 0, nt = P.cap > 0.f ? RB : 0;
   const int64_t nx = P.mod_bwd != nullptr ? RB : 0, nm = P.mod_bwd != nullptr ? P.mod_tmp * bn : 0;
-  // float32 q and dO rows of one head per group are read where they lie (as the forward's queries);
-  // else copied, the group's heads stacked, as dense float32. K and V blocks: converted unless float32.
-  const bool in_place = std::is_same_v<T, float> && tiled && G == 1 && q.stride(3) == 1 && dout.stride(3) == 1;
+  // q and dO rows read where they lie, or copied (rows_in_place); K and V blocks converted unless float32
+  const bool in_place = rows_in_place<T>(P, q) && rows_in_place<T>(P, dout);
   const int64_t nq = in_place ? 0 : NR, nkv = std::is_same_v<T, float> ? 0 : bn;
   const int64_t ldq = in_place ? q.stride(2) : D, ldo = in_place ? dout.stride(2) : Dv;
   const size_t per_thread = room({nq * D, nq * Dv, NR, NR, NR * D, nkv * D, nkv * Dv, bn * D, bn * Dv, RB, RB, nd, nt,
