@@ -108,6 +108,14 @@ def need(*modules: str) -> None:
         absent(f"not installed: {', '.join(missing)} (pip install -e '.[hf]')")
 
 
+def falcon_keeps_its_own_table() -> bool:
+    """Whether the installed transformers' Falcon still picks its attention class from its own
+    table keyed by the implementation name (so attnzero refuses it); 5.25 moved it onto the
+    AttentionInterface, and from then on it runs."""
+    modeling = importlib.import_module("transformers.models.falcon.modeling_falcon")
+    return hasattr(modeling, "FALCON_ATTENTION_CLASSES")
+
+
 # ---------------------------------------------------------------------------------------------
 # Inputs
 

@@ -29,7 +29,6 @@ well under 90 s on two CPU cores.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import need
+from conftest import falcon_keeps_its_own_table, need
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -331,9 +330,8 @@ REFUSED_AT_LOAD: dict[str, str] = {
     "xlnet": _NO_CALL,
     "yoso": _NO_CALL,
 }
-# transformers 5.25 moved Falcon onto the AttentionInterface (its FALCON_ATTENTION_CLASSES table is
-# gone): from that version on it runs, and the sweep expects it to match eager.
-if not hasattr(importlib.import_module("transformers.models.falcon.modeling_falcon"), "FALCON_ATTENTION_CLASSES"):
+# Falcon runs from transformers 5.25 on; the sweep then expects it to match eager.
+if not falcon_keeps_its_own_table():
     del REFUSED_AT_LOAD["falcon"]
 
 #: Refused on the first forward, naming the keyword attnzero cannot compute yet (the keywords of

@@ -8,14 +8,13 @@ key length), output_attentions. Nothing is downloaded: HF_HUB_OFFLINE=1.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import sys
 
 import pytest
 import torch
-from conftest import need
+from conftest import falcon_keeps_its_own_table, need
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -488,9 +487,8 @@ _WHY = {
     "falcon": "its own table FALCON_ATTENTION_CLASSES keyed by the implementation name",
     "gpt_neo": "its own table GPT_NEO_ATTENTION_CLASSES keyed by the implementation name",
 }
-# transformers 5.25 moved Falcon onto the AttentionInterface: from then on it loads and runs (the
-# sweep in test_model_zoo.py matches it against eager).
-if not hasattr(importlib.import_module("transformers.models.falcon.modeling_falcon"), "FALCON_ATTENTION_CLASSES"):
+# Falcon runs from transformers 5.25 on (the sweep in test_model_zoo.py matches it against eager).
+if not falcon_keeps_its_own_table():
     del _WHY["falcon"]
 
 
