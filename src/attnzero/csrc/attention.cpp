@@ -113,6 +113,11 @@ inline Vec load_part(const float* p, int64_t n) {
 
 // One tile of x: rows [i, i + M), columns [j, j + (N − 1)·W + last), 0 < last <= W (FULL: last = W).
 // C_rc = alpha · Σ_k A_rk B_kc, the M × N vectors of sums kept in registers over the whole k loop.
+// A narrow last vector (not FULL) is read whole from B's rows but the last: what lies past a row's
+// end is the next row's memory when rows are at least a vector apart, and its lanes are never
+// stored. (Masked loads inside the k loop made GCC 12 store every sum to the stack on every k: the
+// 5-key edge of S = Q Kᵀ at L = 197 ran at half speed.) The last row, or every row when rows are
+// closer than a vector, is read masked.
 template <int M, int N, bool FULL>
 void tile(const Product& x, int64_t i, int64_t j, int64_t last) {
   const float* A = x.A + i * x.ar;
@@ -121,15 +126,18 @@ void tile(const Product& x, int64_t i, int64_t j, int64_t last) {
   Vec c[M][N];
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < N; ++v) c[r][v] = Vec(0.f);
-  for (int64_t k = 0; k < x.K; ++k) {
+  const auto step = [&](int64_t k, bool masked) {  // c_r· += A_rk B_k·
     const float* bk = B + k * ldb;  // B_k·, the tile's columns
     Vec b[N];
-    for (int v = 0; v < N; ++v) b[v] = FULL || v + 1 < N ? Vec::loadu(bk + v * W) : load_part(bk + v * W, last);
+    for (int v = 0; v < N; ++v) b[v] = FULL || v + 1 < N || !masked ? Vec::loadu(bk + v * W) : load_part(bk + v * W, last);
     for (int r = 0; r < M; ++r) {
       const Vec a(A[r * ar + k * ak]);  // A_rk in every lane
       for (int v = 0; v < N; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
     }
-  }
+  };
+  const int64_t k_masked = FULL ? x.K : std::max<int64_t>(0, x.K - (ldb >= W ? 1 : x.K));  // rows from here: masked
+  for (int64_t k = 0; k < k_masked; ++k) step(k, false);
+  for (int64_t k = k_masked; k < x.K; ++k) step(k, true);
   const Vec alpha(x.alpha);
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < N; ++v) {
