@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--busy", action="store_true", help="measure under a competing 2-thread matmul loop")
     parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, 1 repeat")
     parser.add_argument("--repeats", type=int, default=None, help="timed samples per row (default 7; --quick 1)")
+    parser.add_argument("--processes", type=int, default=cpu_models.PROCESSES,
+                        help="fresh processes per row of the models table (more: a steadier median under --busy)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="the sdpa table's shapes")
     args = parser.parse_args(argv)
     assert cpu_kernel.available(), cpu_kernel.why()
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         "flex": lambda: flex_table.section(args.quick, repeats),
         "peak": lambda: cpu_peak.section(args.quick, repeats),
         "memory": lambda: cpu_memory.section(args.quick),
-        "models": lambda: cpu_models.section(args.quick, repeats),
+        "models": lambda: cpu_models.section(args.quick, repeats, args.processes),
     }
     with busy_load(args.busy):
         for name in TABLES:

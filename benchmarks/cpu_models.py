@@ -14,13 +14,13 @@ no attention) ÷ (torch − no attention) is attention's own share of the step, 
 when it is clearly worse than the attention-only ratio at the same shape (``--only sdpa``), the
 ops around attention got slower with attnzero's call between them.
 
-Each row runs in ``PROCESSES`` fresh processes (``python benchmarks/cpu_models.py ROW ROUNDS``
-prints one process's samples). A whole step here swings by a third with the state of glibc's heap,
-which the process's own history settles: glibc grows the heap and trims it back around the
-1.2–4.8 MB activations, and one process takes no page faults per ViT forward, another ~28000
-(~110 MB of fresh pages), step after step. The ratio is the median over every round of every
-process of attnzero's step ÷ torch's step in the same round (paired, so that the machine's slow
-drifts cancel); the range after it is the processes' own medians.
+Each row runs in ``PROCESSES`` fresh processes, or as many as ``--processes`` says (``python
+benchmarks/cpu_models.py ROW ROUNDS`` prints one process's samples). A whole step here swings by a
+third with the state of glibc's heap, which the process's own history settles: glibc grows the heap
+and trims it back around the 1.2–4.8 MB activations, and one process takes no page faults per ViT
+forward, another ~28000 (~110 MB of fresh pages), step after step. The ratio is the median over
+every round of every process of attnzero's step ÷ torch's step in the same round (paired, so that
+the machine's slow drifts cancel); the range after it is the processes' own medians.
 
     .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick]
 """
@@ -187,16 +187,16 @@ def paired(times: dict[str, list[float]], a: str, b: str) -> list[float]:
     return [x / y for x, y in zip(times[a], times[b], strict=True)]
 
 
-def section(quick: bool, repeats: int) -> Iterator[str]:
+def section(quick: bool, repeats: int, processes: int = PROCESSES) -> Iterator[str]:
     rounds = ROUNDS_PER_REPEAT * repeats
     yield ("whole models, float32: attnzero's drop-in in place of torch's SDPA (attnzero ÷ torch: below 1 is faster); "
-           f"{PROCESSES} fresh processes × {rounds} rounds, the order rotated; the median of the rounds' ratios "
+           f"{processes} fresh processes × {rounds} rounds, the order rotated; the median of the rounds' ratios "
            "[the processes' medians]")  # fmt: skip
     yield ""
 
     def cells() -> Iterator[list[str]]:
         for row in range(len(ROWS)):
-            runs = [in_fresh_process(row, quick, rounds) for _ in range(PROCESSES)]
+            runs = [in_fresh_process(row, quick, rounds) for _ in range(processes)]
             label = runs[0][0]
             pooled = {name: [t for _, times in runs for t in times[name]] for name in MODES}
             ours, theirs, none = (statistics.median(pooled[name]) for name in ("attnzero", "torch", "no attention"))
