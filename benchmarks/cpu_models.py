@@ -22,7 +22,7 @@ forward, another ~28000 (~110 MB of fresh pages), step after step. The ratio is 
 every round of every process of attnzero's step ÷ torch's step in the same round (paired, so that
 the machine's slow drifts cancel); the range after it is the processes' own medians.
 
-    .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick]
+    .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick] [--processes N]
 """
 
 from __future__ import annotations
