@@ -13,8 +13,8 @@ docs/benchmarks.md:
   (``cpu_peak.py``).
 * ``memory``: the extra peak memory of a forward at L=16384 against torch SDPA's (``cpu_memory.py``).
 * ``models``: whole models, nanoGPT's training step and ViT-Tiny's, with attnzero's drop-in in
-  place of torch's SDPA (``cpu_models.py``): attnzero's time ÷ torch's, each row in 3 fresh
-  processes, the median of the rounds' paired ratios.
+  place of torch's SDPA (``cpu_models.py``): attnzero's time ÷ torch's, each row in fresh
+  processes (3, or ``--processes``), the median of the rounds' paired ratios.
 
 ``--busy`` runs all of it under a competing process (2-thread float32 matmuls); ``--quick`` is a
 smoke run at small sizes (its numbers mean nothing).

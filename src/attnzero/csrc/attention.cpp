@@ -135,7 +135,8 @@ void tile(const Product& x, int64_t i, int64_t j, int64_t last) {
       for (int v = 0; v < N; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
     }
   };
-  const int64_t k_masked = FULL ? x.K : std::max<int64_t>(0, x.K - (ldb >= W ? 1 : x.K));  // rows from here: masked
+  const int64_t masked_rows = FULL ? 0 : ldb >= W ? 1 : x.K;  // B's last rows, read masked
+  const int64_t k_masked = std::max<int64_t>(0, x.K - masked_rows);
   for (int64_t k = 0; k < k_masked; ++k) step(k, false);
   for (int64_t k = k_masked; k < x.K; ++k) step(k, true);
   const Vec alpha(x.alpha);
