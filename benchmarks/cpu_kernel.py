@@ -20,7 +20,7 @@ docs/benchmarks.md:
 smoke run at small sizes (its numbers mean nothing).
 
     .venv/bin/python benchmarks/cpu_kernel.py [--only sdpa flex peak memory models] [--busy]
-        [--repeats 7] [--cases nanogpt tiny] [--quick]
+        [--repeats 7] [--cases nanogpt tiny] [--models vit vit-train] [--processes N] [--quick]
 """
 
 from __future__ import annotations
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--processes", type=int, default=cpu_models.PROCESSES,
                         help="fresh processes per row of the models table (more: a steadier median under --busy)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="the sdpa table's shapes")
+    parser.add_argument("--models", nargs="+", choices=list(cpu_models.ROWS), default=None,
+                        help="the models table's rows (default: all)")
     args = parser.parse_args(argv)
     assert cpu_kernel.available(), cpu_kernel.why()
     repeats = args.repeats or (1 if args.quick else 7)
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         "flex": lambda: flex_table.section(args.quick, repeats),
         "peak": lambda: cpu_peak.section(args.quick, repeats),
         "memory": lambda: cpu_memory.section(args.quick),
-        "models": lambda: cpu_models.section(args.quick, repeats, args.processes),
+        "models": lambda: cpu_models.section(args.quick, repeats, args.processes, args.models),
     }
     with busy_load(args.busy):
         for name in TABLES:

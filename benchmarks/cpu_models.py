@@ -20,14 +20,18 @@ third with the state of glibc's heap, which the process's own history settles: g
 and trims it back around the 1.2–4.8 MB activations, and one process takes no page faults per ViT
 forward, another ~28000 (~110 MB of fresh pages), step after step. The ratio is the median over
 every round of every process of attnzero's step ÷ torch's step in the same round (paired, so that
-the machine's slow drifts cancel); the range after it is the processes' own medians.
+the machine's slow drifts cancel); the range after it is the processes' own medians, and the 95 %
+interval resamples whole processes (under load their medians spread ±10 %: the interval says
+whether a row's ratio is below 1.0 beyond that spread).
 
     .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick] [--processes N]
+        [--models nanogpt vit vit-train]
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -164,19 +168,23 @@ def vit(quick: bool, train: bool) -> Built:
     return label + "forward, inference", model, forward
 
 
-ROWS: list[Callable[[bool], Built]] = [nanogpt, lambda quick: vit(quick, False), lambda quick: vit(quick, True)]
+ROWS: dict[str, Callable[[bool], Built]] = {
+    "nanogpt": nanogpt,
+    "vit": lambda quick: vit(quick, False),
+    "vit-train": lambda quick: vit(quick, True),
+}
 
 
-def samples(row: int, quick: bool, rounds: int) -> tuple[str, dict[str, list[float]]]:
+def samples(row: str, quick: bool, rounds: int) -> tuple[str, dict[str, list[float]]]:
     """Row ``row``'s label and, in this process, each variant's step times, one per round."""
     torch.manual_seed(0)
     label, model, step = ROWS[row](quick)
     return label, interleaved_samples(variants(model, step), rounds, warmups=2, rotate=True)
 
 
-def in_fresh_process(row: int, quick: bool, rounds: int) -> tuple[str, dict[str, list[float]]]:
+def in_fresh_process(row: str, quick: bool, rounds: int) -> tuple[str, dict[str, list[float]]]:
     """``samples`` in a new Python process (this file run as a script)."""
-    command = [sys.executable, str(Path(__file__).resolve()), str(row), str(rounds)] + (["--quick"] if quick else [])
+    command = [sys.executable, str(Path(__file__).resolve()), row, str(rounds)] + (["--quick"] if quick else [])
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     label, times = json.loads(done.stdout.splitlines()[-1])
     return label, times
@@ -187,28 +195,41 @@ def paired(times: dict[str, list[float]], a: str, b: str) -> list[float]:
     return [x / y for x, y in zip(times[a], times[b], strict=True)]
 
 
-def section(quick: bool, repeats: int, processes: int = PROCESSES) -> Iterator[str]:
+def interval(ratios: list[list[float]], draws: int = 2000) -> tuple[float, float]:
+    """A 95 % interval of the pooled median of ``ratios`` (a list of rounds' ratios per process), by
+    resampling whole processes: a process's own state moves all its rounds together."""
+    pick = random.Random(0)
+    n = len(ratios)
+    resampled = ([r for i in pick.choices(range(n), k=n) for r in ratios[i]] for _ in range(draws))
+    medians = sorted(statistics.median(rounds) for rounds in resampled)
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def section(quick: bool, repeats: int, processes: int = PROCESSES, rows: list[str] | None = None) -> Iterator[str]:
     rounds = ROUNDS_PER_REPEAT * repeats
     yield ("whole models, float32: attnzero's drop-in in place of torch's SDPA (attnzero ÷ torch: below 1 is faster); "
            f"{processes} fresh processes × {rounds} rounds, the order rotated; the median of the rounds' ratios "
-           "[the processes' medians]")  # fmt: skip
+           "[the processes' medians], and its 95 % interval over processes (bootstrap)")  # fmt: skip
     yield ""
 
     def cells() -> Iterator[list[str]]:
-        for row in range(len(ROWS)):
+        for row in rows or list(ROWS):
             runs = [in_fresh_process(row, quick, rounds) for _ in range(processes)]
             label = runs[0][0]
             pooled = {name: [t for _, times in runs for t in times[name]] for name in MODES}
             ours, theirs, none = (statistics.median(pooled[name]) for name in ("attnzero", "torch", "no attention"))
-            ratio = statistics.median(paired(pooled, "attnzero", "torch"))
-            each = sorted(statistics.median(paired(times, "attnzero", "torch")) for _, times in runs)
+            ratios = [paired(times, "attnzero", "torch") for _, times in runs]
+            ratio = statistics.median(r for each in ratios for r in each)
+            each = sorted(statistics.median(r) for r in ratios)
+            low, high = interval(ratios)
             part = f"{(ours - none) / (theirs - none):.2f}" if theirs > none else "–"
             spread = f"{ratio:.2f} [{each[0]:.2f}–{each[-1]:.2f}]"
-            yield [label, ms(theirs), ms(ours), spread, ms(none), part]
+            yield [label, ms(theirs), ms(ours), spread, f"{low:.2f}–{high:.2f}", ms(none), part]
 
-    header = ["model; pass", "torch ms", "attnzero ms", "attnzero ÷ torch", "no attention ms", "attention part"]
+    header = ["model; pass", "torch ms", "attnzero ms", "attnzero ÷ torch", "95 % interval", "no attention ms",
+              "attention part"]  # fmt: skip
     yield from table(header, cells())
 
 
 if __name__ == "__main__":  # one process's samples of one row: ROW ROUNDS [--quick], as JSON on the last line
-    print(json.dumps(samples(int(sys.argv[1]), "--quick" in sys.argv, int(sys.argv[2]))))
+    print(json.dumps(samples(sys.argv[1], "--quick" in sys.argv, int(sys.argv[2]))))

@@ -78,7 +78,7 @@ def test_cpu_models_run_each_attention_variant() -> None:
     import cpu_models
 
     assert round(sum(p.numel() for p in cpu_models.ViTTiny().parameters()) / 1e6, 1) == 5.7
-    for build in cpu_models.ROWS:
+    for build in cpu_models.ROWS.values():
         _, model, step = build(True)
         for fn in cpu_models.variants(model, step).values():
             fn()
@@ -126,7 +126,18 @@ def test_cpu_models_rows_run_in_a_fresh_process() -> None:
     samples come back, one per round for each variant."""
     import cpu_models
 
-    label, times = cpu_models.in_fresh_process(0, True, 2)
+    label, times = cpu_models.in_fresh_process("nanogpt", True, 2)
     assert label.startswith("nanoGPT") and set(times) == set(cpu_models.MODES)
     assert all(len(ts) == 2 and min(ts) > 0 for ts in times.values())
     assert len(cpu_models.paired(times, "attnzero", "torch")) == 2
+
+
+def test_cpu_models_interval_resamples_whole_processes() -> None:
+    """The models table's 95 % interval: processes that agree give a point; one process in ten far
+    from the others barely moves it, four in ten stretch it to them."""
+    import cpu_models
+
+    assert cpu_models.interval([[0.9, 0.9]] * 5) == (0.9, 0.9)
+    assert cpu_models.interval([[0.9, 0.91]] * 9 + [[1.3, 1.4]]) == (0.905, 0.91)
+    low, high = cpu_models.interval([[0.9, 0.91]] * 6 + [[1.3, 1.4]] * 4)
+    assert low <= 0.91 and high >= 1.3
