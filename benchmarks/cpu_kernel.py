@@ -20,7 +20,8 @@ docs/benchmarks.md:
 smoke run at small sizes (its numbers mean nothing).
 
     .venv/bin/python benchmarks/cpu_kernel.py [--only sdpa flex peak memory models] [--busy]
-        [--repeats 7] [--cases nanogpt tiny] [--models vit vit-train] [--processes N] [--quick]
+        [--repeats 7] [--cases nanogpt tiny] [--models vit vit-train] [--processes N] [--heap fixed]
+        [--quick]
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="the sdpa table's shapes")
     parser.add_argument("--models", nargs="+", choices=list(cpu_models.ROWS), default=None,
                         help="the models table's rows (default: all)")
+    parser.add_argument("--heap", choices=["default", "fixed"], default="default",
+                        help="the models table's processes: glibc's heap as it comes, or fixed (cpu_models.FIXED_HEAP)")
     args = parser.parse_args(argv)
     assert cpu_kernel.available(), cpu_kernel.why()
     repeats = args.repeats or (1 if args.quick else 7)
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         "flex": lambda: flex_table.section(args.quick, repeats),
         "peak": lambda: cpu_peak.section(args.quick, repeats),
         "memory": lambda: cpu_memory.section(args.quick),
-        "models": lambda: cpu_models.section(args.quick, repeats, args.processes, args.models),
+        "models": lambda: cpu_models.section(args.quick, repeats, args.processes, args.models, args.heap),
     }
     with busy_load(args.busy):
         for name in TABLES:

@@ -25,12 +25,13 @@ interval resamples whole processes (under load their medians spread ±10 %: the 
 whether a row's ratio is below 1.0 beyond that spread).
 
     .venv/bin/python benchmarks/cpu_kernel.py --only models [--busy] [--quick] [--processes N]
-        [--models nanogpt vit vit-train]
+        [--models nanogpt vit vit-train] [--heap fixed]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -53,6 +54,14 @@ MODES = {"torch": "torch", "attnzero": "dropin", "no attention": "none"}  # labe
 # faults), and per process this many rounds for each repeat of the other tables (14 at the default 7).
 PROCESSES = 3
 ROUNDS_PER_REPEAT = 2
+
+# glibc's heap with no trimming and no per-size switch to mmap (``--heap fixed``): the activations
+# then reuse the same pages step after step, in every process. As it comes, glibc hands the heap's
+# top back to the system whenever more than twice the largest freed block lies free there, and the
+# next step faults those pages in again; whether that happens depends on where the process's small
+# long-lived allocations landed: ViT-Tiny's MLP, 2364 page faults and ~30 % longer in one process,
+# none in the next, for every variant alike (docs/benchmarks.md).
+FIXED_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
 class ViTAttention(nn.Module):
@@ -182,10 +191,12 @@ def samples(row: str, quick: bool, rounds: int) -> tuple[str, dict[str, list[flo
     return label, interleaved_samples(variants(model, step), rounds, warmups=2, rotate=True)
 
 
-def in_fresh_process(row: str, quick: bool, rounds: int) -> tuple[str, dict[str, list[float]]]:
-    """``samples`` in a new Python process (this file run as a script)."""
+def in_fresh_process(row: str, quick: bool, rounds: int, heap: str = "default") -> tuple[str, dict[str, list[float]]]:
+    """``samples`` in a new Python process (this file run as a script), with glibc's heap as it comes
+    or (``heap="fixed"``) with FIXED_HEAP."""
     command = [sys.executable, str(Path(__file__).resolve()), row, str(rounds)] + (["--quick"] if quick else [])
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    env = os.environ | FIXED_HEAP if heap == "fixed" else None
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     label, times = json.loads(done.stdout.splitlines()[-1])
     return label, times
 
@@ -205,16 +216,18 @@ def interval(ratios: list[list[float]], draws: int = 2000) -> tuple[float, float
     return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
-def section(quick: bool, repeats: int, processes: int = PROCESSES, rows: list[str] | None = None) -> Iterator[str]:
+def section(quick: bool, repeats: int, processes: int = PROCESSES, rows: list[str] | None = None,
+            heap: str = "default") -> Iterator[str]:  # fmt: skip
     rounds = ROUNDS_PER_REPEAT * repeats
     yield ("whole models, float32: attnzero's drop-in in place of torch's SDPA (attnzero ÷ torch: below 1 is faster); "
            f"{processes} fresh processes × {rounds} rounds, the order rotated; the median of the rounds' ratios "
-           "[the processes' medians], and its 95 % interval over processes (bootstrap)")  # fmt: skip
+           "[the processes' medians], and its 95 % interval over processes (bootstrap)"
+           + ("; glibc's heap fixed (no trimming)" if heap == "fixed" else ""))  # fmt: skip
     yield ""
 
     def cells() -> Iterator[list[str]]:
         for row in rows or list(ROWS):
-            runs = [in_fresh_process(row, quick, rounds) for _ in range(processes)]
+            runs = [in_fresh_process(row, quick, rounds, heap) for _ in range(processes)]
             label = runs[0][0]
             pooled = {name: [t for _, times in runs for t in times[name]] for name in MODES}
             ours, theirs, none = (statistics.median(pooled[name]) for name in ("attnzero", "torch", "no attention"))

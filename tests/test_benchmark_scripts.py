@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +132,25 @@ def test_cpu_models_rows_run_in_a_fresh_process() -> None:
     assert label.startswith("nanoGPT") and set(times) == set(cpu_models.MODES)
     assert all(len(ts) == 2 and min(ts) > 0 for ts in times.values())
     assert len(cpu_models.paired(times, "attnzero", "torch")) == 2
+
+
+def test_cpu_models_fixed_heap_reaches_the_row_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--heap fixed: the row's process gets glibc's fixed-heap variables on top of this environment;
+    as it comes, this environment alone."""
+    import cpu_models
+
+    envs = []
+
+    def run(command: list[str], **kw: Any) -> SimpleNamespace:
+        envs.append(kw["env"])
+        return SimpleNamespace(stdout='["label", {}]')
+
+    monkeypatch.setattr(cpu_models.subprocess, "run", run)
+    monkeypatch.setenv("ATTNZERO_SEEN", "1")
+    cpu_models.in_fresh_process("vit", True, 1, "fixed")
+    cpu_models.in_fresh_process("vit", True, 1)
+    assert envs[0]["ATTNZERO_SEEN"] == "1" and envs[0]["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30)
+    assert envs[1] is None
 
 
 def test_cpu_models_interval_resamples_whole_processes() -> None:
