@@ -60,7 +60,7 @@ ROUNDS_PER_REPEAT = 2
 # top back to the system whenever more than twice the largest freed block lies free there, and the
 # next step faults those pages in again; whether that happens depends on where the process's small
 # long-lived allocations landed: ViT-Tiny's MLP, 2364 page faults and ~30 % longer in one process,
-# none in the next, for every variant alike (docs/benchmarks.md).
+# none in the next (docs/benchmarks.md, sixth session).
 FIXED_HEAP = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
