@@ -116,8 +116,9 @@ inline Vec load_part(const float* p, int64_t n) {
 // A narrow last vector (not FULL) is read whole from B's rows but the last: what lies past a row's
 // end is the next row's memory when rows are at least a vector apart, and its lanes are never
 // stored. (Masked loads inside the k loop made GCC 12 store every sum to the stack on every k: the
-// 5-key edge of S = Q Kᵀ at L = 197 ran at half speed.) The last row, or every row when rows are
-// closer than a vector, is read masked.
+// 5-key edge of S = Q Kᵀ at L = 197 ran at half speed.) Only the last rows, whose whole vector would
+// reach past the last row's end, are read masked: one row when rows are a vector apart or more,
+// ⌈(W − last) / ldb⌉ when they are closer (a head dim below 16 in P V).
 template <int M, int N, bool FULL>
 void tile(const Product& x, int64_t i, int64_t j, int64_t last) {
   const float* A = x.A + i * x.ar;
@@ -135,7 +136,7 @@ void tile(const Product& x, int64_t i, int64_t j, int64_t last) {
       for (int v = 0; v < N; ++v) c[r][v] = at::vec::fmadd(a, b[v], c[r][v]);
     }
   };
-  const int64_t masked_rows = FULL ? 0 : ldb >= W ? 1 : x.K;  // B's last rows, read masked
+  const int64_t masked_rows = FULL ? 0 : std::min<int64_t>(x.K, (W - last + ldb - 1) / ldb);  // B's last rows, read masked
   const int64_t k_masked = std::max<int64_t>(0, x.K - masked_rows);
   for (int64_t k = 0; k < k_masked; ++k) step(k, false);
   for (int64_t k = k_masked; k < x.K; ++k) step(k, true);
