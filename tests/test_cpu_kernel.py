@@ -8,6 +8,9 @@ same seed), and the block table built from a Mask's structure. The build itself:
 
 from __future__ import annotations
 
+import ctypes
+import math
+import mmap
 from collections.abc import Iterator
 from typing import Any
 
@@ -372,3 +375,37 @@ def test_a_backward_that_gets_no_gradient_gives_zeros(calls: dict[str, int]) -> 
     assert q.grad is not None and k.grad is not None and v.grad is not None
     torch.testing.assert_close(q.grad, torch.ones_like(q))  # from q.sum() alone
     assert not k.grad.any() and not v.grad.any()
+
+
+def _ending_at_a_guard_page(*shape: int) -> torch.Tensor:
+    """A float32 tensor of ``shape`` (contiguous, random values) whose last element is the last one
+    before a page that cannot be read: reading one float past it faults."""
+    nbytes, page = math.prod(shape) * 4, mmap.PAGESIZE
+    size = -(-nbytes // page) * page
+    region = mmap.mmap(-1, size + page)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(start + size), ctypes.c_size_t(page), 0) == 0, "mprotect failed"
+    t = torch.frombuffer(region, dtype=torch.float32, count=math.prod(shape), offset=size - nbytes).view(shape)
+    return t.copy_(torch.randn(shape))
+
+
+@pytest.mark.parametrize(("D", "Dv"), [(1, 17), (3, 5), (8, 12), (12, 8), (15, 1), (20, 33)])
+def test_no_read_past_an_inputs_last_element(D: int, Dv: int, calls: dict[str, int]) -> None:
+    """The register tiles read a row's narrow last vector whole, past the row's end, where the next
+    row's memory lies, and mask only the last rows (all but one when rows are closer than a vector:
+    head dims below 16). q, k, v and the output's gradient each end right before a page that cannot
+    be read, so one float read too far crashes the call; forward and backward, full and causal,
+    against the same call on ordinary copies."""
+    q, k, v = _ending_at_a_guard_page(1, 2, 37, D), _ending_at_a_guard_page(1, 2, 70, D), _ending_at_a_guard_page(1, 2, 70, Dv)
+    dout = _ending_at_a_guard_page(1, 2, 37, Dv)
+    for causal in (False, True):
+        results = []
+        for inputs in ((q, k, v, dout), tuple(t.clone() for t in (q, k, v, dout))):
+            x = [t.requires_grad_() for t in inputs[:3]]
+            out = az.attention(*x, causal=causal, backend="flash")
+            assert isinstance(out, torch.Tensor)
+            results.append((out, *torch.autograd.grad(out, x, inputs[3])))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert calls == {"forward": 4, "backward": 4}
