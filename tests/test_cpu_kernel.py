@@ -397,8 +397,8 @@ def test_no_read_past_an_inputs_last_element(D: int, Dv: int, calls: dict[str, i
     head dims below 16). q, k, v and the output's gradient each end right before a page that cannot
     be read, so one float read too far crashes the call; forward and backward, full and causal,
     against the same call on ordinary copies."""
-    q, k, v = _ending_at_a_guard_page(1, 2, 37, D), _ending_at_a_guard_page(1, 2, 70, D), _ending_at_a_guard_page(1, 2, 70, Dv)
-    dout = _ending_at_a_guard_page(1, 2, 37, Dv)
+    q, k = _ending_at_a_guard_page(1, 2, 37, D), _ending_at_a_guard_page(1, 2, 70, D)
+    v, dout = _ending_at_a_guard_page(1, 2, 70, Dv), _ending_at_a_guard_page(1, 2, 37, Dv)
     for causal in (False, True):
         results = []
         for inputs in ((q, k, v, dout), tuple(t.clone() for t in (q, k, v, dout))):
