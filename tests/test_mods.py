@@ -14,7 +14,7 @@ import torch
 from conftest import absent, check_against_golden, qkv
 
 import attnzero as az
-from attnzero import mods
+from attnzero import mods, reference
 
 Tensor = torch.Tensor
 
@@ -359,3 +359,36 @@ def test_score_mod_and_a_mask_from_a_mod_trace_under_torch_compile_fullgraph() -
     torch.testing.assert_close(got, fn(q, k, v))
     got.sum().backward()
     assert q.grad is not None
+
+
+def test_a_disabled_call_keeps_the_eager_path_inside_a_compiled_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: under torch.compile a score_mod call is traced as the reference's formula; through
+    ``torch.compiler.disable(az.attention)`` it runs eagerly (one graph break) — on CPU the compiled
+    kernel with the mod as C++ where it is built, else flash.py — with the same result and gradients."""
+    q, k, v = (t.float().requires_grad_() for t in qkv(1, 2, 2, 40, 40, 16))
+    rel = torch.randn(2, 79, requires_grad=True)
+    traced: list[str] = []
+    real = reference.attention
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        traced.append("reference")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(reference, "attention", spy)
+    eager_attention = torch.compiler.disable(az.attention)
+
+    def fn(attend: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attend(q * 2.0, k, v, causal=True, score_mod=lambda s, b, h, i, j: s + rel[h, i - j + 39]) + 1.0
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda *x: fn(eager_attention, *x), backend="eager")(q, k, v)
+    assert traced == []  # not the formula: the eager path ran
+    want = fn(az.attention, q, k, v)
+    torch.testing.assert_close(got, want)
+    g_got = torch.autograd.grad(got.sum(), (q, rel))
+    g_want = torch.autograd.grad(want.sum(), (q, rel))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+    torch.compile(lambda *x: fn(az.attention, *x), backend="eager")(q, k, v)
+    assert traced  # without disable: the formula, traced
