@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -420,6 +421,41 @@ def test_fingerprint_sees_a_config_objects_field() -> None:
     key = mods.fingerprint(mod)[0]
     cfg.cap = 20.0  # traced in as a constant: a new key, so a new trace
     assert mods.fingerprint(mod)[0] != key
+
+
+class _Cfg:  # a config class: its attributes are read by the mod below as Cfg.alpha
+    alpha = 0.5
+
+
+_cfg_module = types.ModuleType("attnzero_test_config")  # a config module: cfg.alpha
+_cfg_module.alpha = 0.5
+_cfg_array = np.array([0.5])
+
+
+@pytest.mark.parametrize(
+    ("mod", "set_alpha"),
+    [
+        (lambda s, b, h, i, j: s * _Cfg.alpha, lambda x: setattr(_Cfg, "alpha", x)),
+        (lambda s, b, h, i, j: s * _cfg_module.alpha, lambda x: setattr(_cfg_module, "alpha", x)),
+        (lambda s, b, h, i, j: s * float(_cfg_array[0]), lambda x: _cfg_array.__setitem__(0, x)),
+    ],
+    ids=["class", "module", "numpy"],
+)
+def test_a_number_read_through_a_class_a_module_or_an_array_is_read_now(
+    mod: mods.ScoreMod, set_alpha: Callable[[float], None], traces: list[int], ran: list[bool]
+) -> None:
+    """A number the mod reads as a class's or a module's attribute, or from a numpy array, is traced
+    in as a constant: changed, it makes a new key (a new trace), never the old code's answer."""
+    q, k, v = (t.to(F32) for t in qkv(1, 4, 2, 8, 8, 8))
+    try:
+        for alpha in (0.5, 3.0, 0.5):
+            set_alpha(alpha)
+            got = az.attention(q, k, v, score_mod=mod)
+            want = az.attention(q, k, v, scale=alpha / math.sqrt(8))  # s · alpha: the scale times alpha
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        set_alpha(0.5)
+    assert len(traces) == 2 and ran == [True] * 3  # 0.5 met again: its code is kept
 
 
 def test_a_tensor_in_a_config_object_is_read_now(traces: list[int], ran: list[bool]) -> None:

@@ -214,6 +214,42 @@ def test_auto_runs_the_score_mod_never_without_it() -> None:
     torch.testing.assert_close(got, v.mean(dim=2, keepdim=True).expand_as(got))
 
 
+class _Tables:  # a class holding a table the mod reads as _Tables.rel
+    rel = torch.randn(2, 15)
+
+
+def test_a_tensor_reached_by_a_default_argument_an_object_or_a_class_gets_its_gradient() -> None:
+    """Besides closures and globals a mod reaches its tensors through default arguments (the
+    ``t=t`` idiom), a plain object's attribute and a class's: every backend gives them the
+    reference's gradient (the CPU kernel's generated code, flash.py's backward, autograd)."""
+    from attnzero import flash
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    rel = torch.randn(2, 15, requires_grad=True)  # float32: the score's dtype in the float32 calls
+    holder.rel = torch.randn(2, 15, requires_grad=True)
+    _Tables.rel.requires_grad_(True)
+    ways = {
+        "default": (lambda s, b, h, i, j, t=rel: s + t[h, i - j + 7], rel),
+        "object": (lambda s, b, h, i, j: s + holder.rel[h, i - j + 7], holder.rel),
+        "class": (lambda s, b, h, i, j: s + _Tables.rel[h, i - j + 7], _Tables.rel),
+    }
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 8, 8, 4))
+    for name, (mod, table) in ways.items():
+        assert [id(t) for t in mods.captured_tensors(mod)] == [id(table)], name
+        grads = {}
+        for dtype, backend in ((torch.float64, "reference"), (torch.float32, "flash"), (torch.float64, "flash")):
+            x = [t.to(dtype) for t in (q, k, v)]
+            with flash.block_sizes(rows=4, cols=4):
+                out = az.attention(*x, score_mod=mod, backend=backend)  # float32: the CPU kernel where built
+            grads[(dtype, backend)] = torch.autograd.grad(out.square().sum(), (table,))[0]
+        want = grads[(torch.float64, "reference")]
+        torch.testing.assert_close(grads[(torch.float64, "flash")], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grads[(torch.float32, "flash")], want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_captured_tensor_it_does_not_use_gets_none() -> None:
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, 1, 3, 3, 4))
     unused = torch.ones(2, dtype=torch.float64, requires_grad=True)

@@ -182,24 +182,26 @@ def score_block_backward(
 def captured_tensors(fn: Any) -> list[Tensor]:
     """The tensors a mod reads besides its arguments, for a backend that must give them gradients
     outside autograd's graph (its own backward, ``score_block_backward``): closure cells, the
-    globals its code names, an ``nn.Module``'s parameters and buffers (a mod that is a module, or a
-    bound method of one), a ``functools.partial``'s arguments — followed into the functions they
-    hold, each tensor once, in the order found."""
+    globals its code names, default arguments, an ``nn.Module``'s parameters and buffers (a mod that
+    is a module, or a bound method of one), a ``functools.partial``'s arguments, a plain object's
+    attributes and the attributes its code names on a Python module or class — followed into the
+    functions they hold, each tensor once, in the order found (``fingerprint``'s tensors)."""
     return [obj for obj in _reachable(fn) if isinstance(obj, Tensor)]
 
 
 def fingerprint(fn: Any) -> tuple[tuple[Any, ...], list[Tensor]]:
     """What a mod's traced graph depends on besides its arguments, as a hashable key: the code of
     every function it reaches (a lambda made anew with the same code has the same key), the Python
-    numbers, strings and flags it reads (closures, globals, defaults, the attributes of a module or
-    of any other object it reaches — traced in as constants), each captured tensor's shape, dtype,
-    device and requires_grad (their values are read when the generated code runs, not traced in),
-    and the identity of anything else. Two calls with equal keys trace to the same graph
-    (``cpu_mods.py`` keeps generated code by it). Returns ``(key, tensors)``: the tensors in the
-    key's order (those ``captured_tensors`` finds, and those in a plain object's attributes)."""
+    numbers, strings and flags it reads (closures, globals, defaults, the attributes of any object
+    it reaches, and those its code names on a Python module or class — traced in as constants),
+    a numpy array's values (traced in too), each captured tensor's shape, dtype, device and
+    requires_grad (their values are read when the generated code runs, not traced in), and the
+    identity of anything else. Two calls with equal keys trace to the same graph (``cpu_mods.py``
+    keeps generated code by it). Returns ``(key, tensors)``: the tensors in the key's order (those
+    ``captured_tensors`` finds)."""
     key: list[Any] = []
     tensors: list[Tensor] = []
-    for obj in _reachable(fn, deep=True):
+    for obj in _reachable(fn, values=True):
         if isinstance(obj, Tensor):
             tensors.append(obj)
             key.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
@@ -212,15 +214,19 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...], list[Tensor]]:
             key.append(("N", type(obj), tuple(sorted(plain.items()))))
         elif isinstance(obj, (list, tuple, dict)) or inspect.ismethod(obj) or isinstance(obj, functools.partial):
             key.append(("C", type(obj), len(obj) if isinstance(obj, (list, tuple, dict)) else 0))
+        elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
+            key.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
         else:
             key.append(("O", type(obj), id(obj)))
     return tuple(key), tensors
 
 
-def _reachable(fn: Any, *, deep: bool = False) -> list[Any]:
+def _reachable(fn: Any, *, values: bool = False) -> list[Any]:
     """Everything a mod reads besides its arguments, each object once, in the order found (see
-    ``captured_tensors``); with ``deep``, also functions' default arguments, the attributes of
-    plain objects (not Python modules or classes), and the numbers and strings reached."""
+    ``captured_tensors``): closures, the globals its code names, default arguments, modules'
+    parameters and buffers, partials' arguments, plain objects' attributes, and the attributes its
+    code names on a Python module or class; with ``values``, also the numbers and strings reached
+    (``fingerprint``)."""
     found: list[Any] = []
     seen: set[int] = set()
 
@@ -229,47 +235,58 @@ def _reachable(fn: Any, *, deep: bool = False) -> list[Any]:
             seen.add(id(obj))
             found.append(obj)
 
-    def visit(obj: Any, depth: int) -> None:
+    def visit(obj: Any, depth: int, names: list[str]) -> None:
+        """``names``: what the code that reached ``obj`` names (its attributes that may be read)."""
         if id(obj) in seen or depth > 8:
             return
         if isinstance(obj, Tensor):
             add(obj)
             return
-        if deep or not (obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))):
+        if values or not (obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))):
             add(obj)
         if isinstance(obj, torch.nn.Module):
             for t in (*obj.parameters(), *obj.buffers()):
                 add(t)
         elif isinstance(obj, functools.partial):
             for x in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(x, depth + 1)
+                visit(x, depth + 1, names)
         elif isinstance(obj, (list, tuple)):
             for x in obj:
-                visit(x, depth + 1)
+                visit(x, depth + 1, names)
         elif isinstance(obj, dict):
             for x in obj.values():
-                visit(x, depth + 1)
+                visit(x, depth + 1, names)
         elif inspect.ismethod(obj):
-            visit(obj.__self__, depth + 1)
-            visit(obj.__func__, depth + 1)
+            visit(obj.__self__, depth + 1, names)
+            visit(obj.__func__, depth + 1, names)
         elif inspect.isfunction(obj):
+            own = _names(obj.__code__)
             for cell in obj.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
-                    visit(cell.cell_contents, depth + 1)
-            if deep:
-                for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
-                    visit(x, depth + 1)
-            for name in _names(obj.__code__):
+                    visit(cell.cell_contents, depth + 1, own)
+            for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+                visit(x, depth + 1, own)
+            for name in own:
                 if name in obj.__globals__:
-                    visit(obj.__globals__[name], depth + 1)
-        elif callable(obj) and not isinstance(obj, type):  # an instance with a __call__ of its class
-            visit(vars(type(obj)).get("__call__"), depth + 1)
-            visit(vars(obj) if hasattr(obj, "__dict__") else None, depth + 1)
-        elif deep and hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
-            visit(vars(obj), depth + 1)  # a config object's fields, read by the mod and traced in
+                    visit(obj.__globals__[name], depth + 1, own)
+        elif isinstance(obj, (type, types.ModuleType)):
+            # a config class or module: the attributes the code names (``Cfg.alpha``, ``cfg.alpha``),
+            # as stored (a property is not run) — not every attribute (``torch``'s thousands)
+            for name in names:
+                x = inspect.getattr_static(obj, name, _MISSING)
+                if x is not _MISSING:
+                    visit(x, depth + 1, names)
+        elif callable(obj):  # an instance with a __call__ of its class
+            visit(vars(type(obj)).get("__call__"), depth + 1, names)
+            visit(vars(obj) if hasattr(obj, "__dict__") else None, depth + 1, names)
+        elif hasattr(obj, "__dict__"):
+            visit(vars(obj), depth + 1, names)  # a config object's fields, read by the mod
 
-    visit(fn, 0)
+    visit(fn, 0, [])
     return found
+
+
+_MISSING = object()
 
 
 def _names(code: Any) -> list[str]:
