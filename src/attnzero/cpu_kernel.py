@@ -9,7 +9,8 @@ without a copy, causal / window (bottom-right), dense bool masks through their s
 ``az.masks.Mask`` through a table of its blocks (skip / full / partial, ``_mask_table``), a float
 bias and its gradient, softcap, dropout with ``dropout.py``'s hash. Sinks are folded outside, as
 for every backend (``ops._WithSinks``). ``functional.choose`` decides when it runs
-(``unsupported``: float64, a bias whose rows sit far from 0, ... stay on flash.py).
+(``unsupported``: float64 and other devices stay on flash.py; a backward whose rows need a shifted
+lse runs there too, ``backward``).
 
 The build. On first use ``torch.utils.cpp_extension.load`` compiles the source into
 ``$ATTNZERO_CACHE/cpu_kernel-<key>`` (else ``$XDG_CACHE_HOME/attnzero``, else ``~/.cache/attnzero``;
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import geometry, reference
+from . import flash, geometry, reference
 from .masks import Mask
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
@@ -56,9 +57,6 @@ BLOCK_ROWS_BAND, BLOCK_ROWS_FULL, BLOCK_KEYS = 64, 256, 512
 MASK_BLOCK = 128
 UNBOUNDED = -(2**63)  # a side of the band without a bound (the C++ side's UNBOUNDED)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# flash.bias_row_shift's bound: a row whose bias is everywhere farther from 0 than this (an additive
-# mask's −1e9) needs the shifted lse that flash.py keeps; the kernel does not do that (yet).
-ROW_SHIFT_MIN = 32.0
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ok": bool once tried; "why": the reason when not
@@ -236,16 +234,13 @@ def why() -> str:
 
 def unsupported(q: Tensor, bias: Tensor | None = None) -> str | None:
     """Why the kernel does not take these inputs (None: it does), before asking whether it is built:
-    the device, the dtype, and a bias row that sits far from 0 everywhere (see ``ROW_SHIFT_MIN``)."""
+    the device and the dtype. (``bias``: every bias is taken; a backward whose rows need a shifted lse
+    runs on flash.py — ``backward``.)"""
+    del bias
     if q.device.type != "cpu":
         return f"the kernel runs on CPU, not {q.device.type}"
     if q.dtype not in DTYPES:
         return f"the kernel takes float32, bfloat16 and float16, not {q.dtype} (flash.py computes it)"
-    if bias is not None and bias.numel() > 0:
-        c = bias.detach().amax(dim=-1)  # (B|1, H|1, Lq|1)
-        c = torch.where(torch.isfinite(c), c, 0.0)
-        if float(c.abs().amax()) > ROW_SHIFT_MIN:
-            return "a bias row far from 0 everywhere (an additive mask): flash.py keeps its shifted lse"
     return None
 
 
@@ -395,7 +390,15 @@ def backward(
     """``(dq, dk, dv, dbias)`` from ``out`` and ``lse`` (also those of the same queries over more
     keys: the ring's), recomputing P block by block; dbias in bias's shape and dtype, None
     without a bias or when ``bias_grad`` is False. ``mod``: a score_mod built by ``cpu_mods.py``;
-    its captured tensors' gradients are added into ``mod_grad`` (float64, a flat copy per thread)."""
+    its captured tensors' gradients are added into ``mod_grad`` (float64, a flat copy per thread).
+    Rows whose lse needs a shift (``flash.row_shift``: a huge bias on every key a row keeps) are not
+    the kernel's: without a mod the whole backward runs on flash.py (``cpu_mods`` sends a mod's there
+    itself)."""
+    if mod is None and flash.row_shift(lse, bias, None) is not None:
+        return flash.backward(
+            dout, q, k, v, out, lse, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
+            dropout_p=dropout_p, dropout_seed=dropout_seed, bias_grad=bias_grad, softcap=softcap,
+        )  # fmt: skip
     args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     want = bias is not None and bias_grad
     lse32 = lse if lse.dtype == torch.float32 else lse.to(torch.float32)  # (a .to that changes nothing: ~1 µs)

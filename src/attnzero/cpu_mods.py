@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from . import cpu_kernel, geometry, mods, reference
+from . import cpu_kernel, flash, geometry, mods, reference
 from .kernels import codegen
 from .masks import Mask
 
@@ -426,9 +426,17 @@ class _ModKernel(torch.autograd.Function):
         bound, captured = options["mod"], options["captured"]
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             return reference.mod_backward_with_graph(dout, q, k, v, bias, needs, options["reference"], captured)
+        bias_grad = bias is not None and needs[3]
+        if flash.row_shift(lse, bias, options["reference"]["score_mod"]) is not None:
+            # rows whose lse needs a shift (a huge score on every key they keep): flash.py's backward
+            flash_grads: list[Tensor | None] = []
+            dq, dk, dv, dbias = flash.backward(
+                dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, **options["reference"],
+                captured_grads=flash_grads,
+            )  # fmt: skip
+            return dq, dk, dv, dbias, None, *(g if needs[5 + j] else None for j, g in enumerate(flash_grads))
         src = bound.built.source
         grad = torch.zeros(torch.get_num_threads(), src.total, dtype=torch.float64) if src.total else None
-        bias_grad = bias is not None and needs[3]
         dq, dk, dv, dbias = cpu_kernel.backward(
             dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, **options["kernel"], mod=bound, mod_grad=grad
         )

@@ -55,9 +55,9 @@ _BLOCK: ContextVar[tuple[int, int]] = ContextVar("attnzero_flash_block", default
 # Blocks visited by the forward and the backward (read by tests and the ladder).
 COUNTS: dict[str, int] = {"forward": 0, "backward": 0}
 
-# A row whose bias lies farther than this from 0 everywhere is computed less its bias's row max
-# (``_Problem.shift``): an additive mask's fully masked row, −1e9 or ``finfo.min``.
-_ROW_SHIFT_MIN = 32.0
+# A row whose lse lies farther than this from 0 has its backward's scores computed less that lse
+# (``row_shift``): an additive mask's (or a mod's) −1e9 or ``finfo.min`` on every key the row keeps.
+ROW_SHIFT_MIN = 32.0
 
 
 @contextmanager
@@ -88,6 +88,7 @@ class _Problem:
         self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
         window: tuple[int | None, int | None] | None, scale: float, softcap: float | None, dropout_p: float,
         dropout_seed: int, block: tuple[int, int] | None, score_mod: mods.ScoreMod | None = None,
+        shift: Tensor | None = None,
     ) -> None:  # fmt: skip
         self.q, self.k, self.v = q, k, v
         self.B, self.Hq, self.Lq, self.D = q.shape
@@ -101,14 +102,8 @@ class _Problem:
         self.dcaptured: list[Tensor | None] = [None] * len(self.captured)
         self.dropout_p, self.dropout_seed = dropout_p, dropout_seed
         self.rows, self.cols = block or _BLOCK.get()
-        # A bias far from 0 along a whole row: s − c with c the row's largest finite bias, so that
-        # the scores keep q·k's bits (the lse is c larger). (B|1, Hq|1, Lq|1, 1), or None.
-        self.shift: Tensor | None = None
-        if bias is not None:
-            c = bias.amax(dim=-1, keepdim=True).to(self.acc)
-            c = torch.where(torch.isfinite(c), c, 0.0)
-            if float(c.abs().max()) > _ROW_SHIFT_MIN:
-                self.shift = c
+        # The backward's row shift c (``row_shift``): scores s − c, (B, Hq, Lq, 1), or None.
+        self.shift = shift
 
     def chunks(self) -> list[tuple[int, int]]:
         """Runs of batches computed together: all of them, or one each where a Mask's documents or
@@ -266,8 +261,23 @@ def forward(
     A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
     pb = _Problem(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
                   dropout_p=dropout_p, dropout_seed=dropout_seed, block=block, score_mod=score_mod)  # fmt: skip
-    out, lse = _forward(pb)
-    return out, lse if pb.shift is None else lse + pb.shift.squeeze(-1)  # the row shift given back
+    return _forward(pb)
+
+
+def row_shift(lse: Tensor, bias: Tensor | None, score_mod: mods.ScoreMod | None) -> Tensor | None:
+    """The backward's row shift: ``c`` (B, Hq, Lq, 1) — the lse itself in rows whose finite lse lies
+    farther than ``ROW_SHIFT_MIN`` from 0, 0 elsewhere — or None when no row needs one. Such a row
+    kept only keys with a huge bias (an additive mask's −1e9 or ``finfo.min`` on every key it keeps,
+    a fully masked row of a float mask, or the same from a mod): its float32 lse (≈ finfo.min + log n)
+    keeps none of log n's bits, and P = exp(s − lse) taken from it would be off by a factor of n. The
+    backward computes s − c and that row's lse less c again (``_shifted_lse``). Without a bias or a
+    mod no score is that far from 0 (scale · q·k, capped), and the lse is used as it is."""
+    if bias is None and score_mod is None:
+        return None
+    far = torch.isfinite(lse) & (lse.abs() > ROW_SHIFT_MIN)  # (B, Hq, Lq)
+    if not bool(far.any()):
+        return None
+    return torch.where(far, lse, 0.0).unsqueeze(-1)  # (B, Hq, Lq, 1)
 
 
 def _backward_block(
@@ -321,8 +331,10 @@ def backward(
     dk / dv are summed over each GQA group; dbias has bias's (broadcast) shape, None without bias
     (or when ``bias_grad`` is False). With a ``score_mod``, the gradients of the tensors it captures
     (``mods.captured_tensors``) are written into ``captured_grads`` (None where it does not use one)."""
+    shift = row_shift(lse, bias, score_mod)
     pb = _Problem(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
-                  dropout_p=dropout_p, dropout_seed=dropout_seed, block=block, score_mod=score_mod)  # fmt: skip
+                  dropout_p=dropout_p, dropout_seed=dropout_seed, block=block, score_mod=score_mod,
+                  shift=None if shift is None else shift.to(accum_dtype(q.dtype)))  # fmt: skip
     if pb.shift is not None:
         lse = _shifted_lse(pb, lse)
     dq = torch.empty_like(q)

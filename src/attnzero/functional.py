@@ -117,15 +117,12 @@ _kernel_built._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 def _takes_kernel(q: Tensor, bias: Tensor | None) -> bool:
     """Whether "flash" runs as the compiled CPU kernel (``cpu_kernel.py``): CPU, float32 / bfloat16 /
-    float16, a bias it takes (``cpu_kernel.unsupported``; when compiling, none: its values cannot be
-    read there), and the kernel built (else flash.py, after one warning that says why)."""
+    float16 (``cpu_kernel.unsupported``: any bias is taken), and the kernel built (else flash.py,
+    after one warning that says why)."""
+    del bias
     if q.device.type != "cpu" or q.dtype not in cpu_kernel.DTYPES:
         return False
-    if bias is None:  # (device and dtype checked above: all that ``unsupported`` asks without a bias)
-        return _kernel_built()
-    if torch.compiler.is_compiling():
-        return False
-    return cpu_kernel.unsupported(q, bias) is None and _kernel_built()
+    return _kernel_built()
 
 
 def choose(
