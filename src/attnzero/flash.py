@@ -265,13 +265,11 @@ def forward(
 
 
 def row_shift(lse: Tensor, bias: Tensor | None, score_mod: mods.ScoreMod | None) -> Tensor | None:
-    """The backward's row shift: ``c`` (B, Hq, Lq, 1) — the lse itself in rows whose finite lse lies
-    farther than ``ROW_SHIFT_MIN`` from 0, 0 elsewhere — or None when no row needs one. Such a row
-    kept only keys with a huge bias (an additive mask's −1e9 or ``finfo.min`` on every key it keeps,
-    a fully masked row of a float mask, or the same from a mod): its float32 lse (≈ finfo.min + log n)
-    keeps none of log n's bits, and P = exp(s − lse) taken from it would be off by a factor of n. The
-    backward computes s − c and that row's lse less c again (``_shifted_lse``). Without a bias or a
-    mod no score is that far from 0 (scale · q·k, capped), and the lse is used as it is."""
+    """The backward's row shift ``c`` (B, Hq, Lq, 1): the lse itself in rows whose finite lse lies
+    farther than ``ROW_SHIFT_MIN`` from 0, else 0; None when no row needs it. Such a row kept only
+    huge scores (an additive mask's −1e9 or finfo.min on every key it keeps): its float32 lse keeps
+    none of log n's bits, and P = exp(s − lse) would be n times off. Without a bias or a mod no
+    score is that far (MATH.md, section 2)."""
     if bias is None and score_mod is None:
         return None
     far = torch.isfinite(lse) & (lse.abs() > ROW_SHIFT_MIN)  # (B, Hq, Lq)
