@@ -128,12 +128,8 @@ def test_choose_names_what_runs_on_cpu() -> None:
     assert functional.choose("auto", big.double(), big.double(), needs_grad=True) == "flash"  # float64: flash.py
     assert functional.choose("flash", big, big, needs_grad=True) == FLASH_CPU
     assert functional.choose("reference", big, big, needs_grad=True) == "reference"
-    # a bias row far from 0 everywhere (an additive mask's -1e9) runs on the kernel too (only a backward
-    # whose rows need a shifted lse runs on flash.py: cpu_kernel.backward)
-    far = torch.zeros(1, 1, 200, 200)
-    far[..., 3, :] = -1e9
-    assert functional.choose("flash", big, big, needs_grad=True, bias=far) == FLASH_CPU
-    assert functional.choose("flash", big, big, needs_grad=True, bias=torch.zeros(1, 1, 200, 200)) == FLASH_CPU
+    # (any bias runs on the kernel, an additive mask's -1e9 rows too: only a backward whose rows need a
+    # shifted lse runs on flash.py, cpu_kernel.backward — test_flash.py)
     assert set(ops.NAMES) == set(ops.BACKENDS)
 
 

@@ -232,11 +232,10 @@ def why() -> str:
     return "" if available() else str(_state["why"])
 
 
-def unsupported(q: Tensor, bias: Tensor | None = None) -> str | None:
+def unsupported(q: Tensor) -> str | None:
     """Why the kernel does not take these inputs (None: it does), before asking whether it is built:
-    the device and the dtype. (``bias``: every bias is taken; a backward whose rows need a shifted lse
-    runs on flash.py — ``backward``.)"""
-    del bias
+    the device and the dtype. (Every bias is taken; a backward whose rows need a shifted lse runs on
+    flash.py — ``backward``.)"""
     if q.device.type != "cpu":
         return f"the kernel runs on CPU, not {q.device.type}"
     if q.dtype not in DTYPES:

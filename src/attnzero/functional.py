@@ -115,19 +115,14 @@ def _kernel_built() -> bool:
 _kernel_built._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _takes_kernel(q: Tensor, bias: Tensor | None) -> bool:
+def _takes_kernel(q: Tensor) -> bool:
     """Whether "flash" runs as the compiled CPU kernel (``cpu_kernel.py``): CPU, float32 / bfloat16 /
-    float16 (``cpu_kernel.unsupported``: any bias is taken), and the kernel built (else flash.py,
-    after one warning that says why)."""
-    del bias
-    if q.device.type != "cpu" or q.dtype not in cpu_kernel.DTYPES:
-        return False
-    return _kernel_built()
+    float16 (``cpu_kernel.unsupported``), with any bias, and the kernel built (else flash.py, after
+    one warning that says why)."""
+    return cpu_kernel.unsupported(q) is None and _kernel_built()
 
 
-def choose(
-    name: str, q: Tensor, k: Tensor, *, needs_grad: bool, v: Tensor | None = None, bias: Tensor | None = None
-) -> str:
+def choose(name: str, q: Tensor, k: Tensor, *, needs_grad: bool, v: Tensor | None = None) -> str:
     """The implementation that runs (one of ``ops.NAMES``) for backend ``name`` — the one place where
     it is decided, for ``attention`` and the ring alike:
 
@@ -154,7 +149,7 @@ def choose(
             name = "flash"
         elif not needs_grad and _takes_decode(q, k):
             name = "triton_decode"
-    if name == "flash" and _takes_kernel(q, bias):
+    if name == "flash" and _takes_kernel(q):
         name = "cpu_kernel"
     return name
 
@@ -362,7 +357,7 @@ def _attention(
             if got is not None:
                 return got if want_lse else got[0]
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
-        if name in ("auto", "flash") and not special and _takes_kernel(q, add):
+        if name in ("auto", "flash") and not special and _takes_kernel(q):
             # The compiled CPU kernel with the mod as C++ generated from it (cpu_mods.py); None: it
             # cannot be generated or built, and flash.py runs it below.
             from . import cpu_mods
@@ -384,7 +379,7 @@ def _attention(
         )  # fmt: skip
         return (out, lse) if want_lse else out
 
-    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v, bias=add)
+    name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
     compiling = torch.compiler.is_compiling()
     transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
     if transformed and batching.forward_mode():
