@@ -81,7 +81,7 @@ CASES = {
 def flash_py() -> Any:
     """backend="flash" on flash.py itself (the kernel turned off in ``functional.choose``)."""
     real = functional._takes_kernel
-    functional._takes_kernel = lambda q, bias: False  # type: ignore[assignment]
+    functional._takes_kernel = lambda q: False  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -60,7 +60,7 @@ def _on_flash(fn: Run) -> Run:
 
     def run() -> Any:
         real = functional._takes_kernel
-        functional._takes_kernel = lambda q, bias: False  # type: ignore[assignment]
+        functional._takes_kernel = lambda q: False  # type: ignore[assignment]
         try:
             return fn()
         finally:

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import batching, checks, cpu_kernel, dropout, geometry, mods, ops, reference
+from . import batching, checks, cpu_kernel, dropout, geometry, lse_grad, mods, ops, reference
 from .checks import ArgumentError, ArgumentTypeError
 from .masks import Mask
 from .masks import causal as causal_mask
@@ -254,7 +254,9 @@ def attention(
         dropout_p: drop probabilities with this chance (and rescale by 1 / (1 - p)); the dropped
             entries follow torch's RNG state.
         backend: "reference", "flash", "triton" or "auto".
-        return_lse: also return the natural-log log-sum-exp of the scores, (B, Hq, Lq).
+        return_lse: also return the natural-log log-sum-exp of the scores, (B, Hq, Lq); differentiable
+            in q, k, bias, sinks and a score_mod's tensors on every backend (``lse_grad.py``) — under
+            ``torch.compile`` and ``torch.func`` only the reference's.
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
             each scaled score ``scale · q · k`` before ``softcap`` and ``bias`` (a kept pair's score
             is ``bias + cap(score_mod(scale · q · k, ...))``); ``h`` is the query head, ``q_idx`` /
@@ -323,6 +325,11 @@ def _attention(
         fn = None  # no pair to modify: every row is blocked, as without it (ops.py answers it)
     keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
 
+    def with_grad(lse: Tensor) -> Tensor:
+        """A backend's lse, differentiable as the reference's is (``lse_grad.py``): eager calls."""
+        return lse_grad.attach(lse, q, k, bias=add, sinks=sink, mask=keep, causal=is_causal, window=win, scale=sc,
+                               softcap=cap, score_mod=fn)  # fmt: skip
+
     lse: Tensor | None
     if fn is not None:
         # A score_mod runs as Triton code generated from it (kernels/codegen.py) on backend="triton", and
@@ -351,11 +358,11 @@ def _attention(
                 )
             ran = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=True)
             assert ran is not None  # (strict: raises instead)
-            return ran if want_lse else ran[0]
+            return (ran[0], with_grad(ran[1])) if want_lse else ran[0]
         if name == "auto" and not special and _auto(q, v) == "triton":
             got = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=False)
             if got is not None:
-                return got if want_lse else got[0]
+                return (got[0], with_grad(got[1])) if want_lse else got[0]
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
         if name in ("auto", "flash") and not special and _takes_kernel(q):
             # The compiled CPU kernel with the mod as C++ generated from it (cpu_mods.py); None: it
@@ -367,7 +374,7 @@ def _attention(
                 dropout_p=p, dropout_seed=seed,
             )  # fmt: skip
             if got is not None:
-                return got if want_lse else got[0]
+                return (got[0], with_grad(got[1])) if want_lse else got[0]
         if name == "triton":
             name = "reference" if empty else "flash"  # float64 (as without a mod: flash computes it) or empty
         if name in ("auto", "flash"):
@@ -377,7 +384,7 @@ def _attention(
             q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed, score_mod=fn,
         )  # fmt: skip
-        return (out, lse) if want_lse else out
+        return (out, lse if name == "reference" else with_grad(lse)) if want_lse else out
 
     name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
     compiling = torch.compiler.is_compiling()
@@ -407,6 +414,8 @@ def _attention(
             q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed, need_lse=want_lse,
         )  # fmt: skip
+        if want_lse and name != "reference" and lse is not None:
+            lse = with_grad(lse)
     if want_lse:
         assert lse is not None  # asked for: every backend gives it
         return out, lse

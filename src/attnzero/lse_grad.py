@@ -1,0 +1,76 @@
+"""The gradient of the log-sum-exp that ``return_lse=True`` gives, for the backends whose kernels
+return it as a plain value (flash.py, the compiled CPU kernel, Triton).
+
+``lse_i = log Σ_j exp(s_ij)`` (with a sink, ``exp(sink_i)`` joins the sum), so
+
+* ``∂lse_i / ∂s_ij = p_ij`` — the backward of an attention whose values are one column of ones,
+  whose output's gradient is ``dlse`` and whose output is taken as 0 (so that ``D_i = rowsum(dO ∘ O)``
+  is 0): ``ds_ij = p_ij · (dlse_i · 1 − 0)``. flash.py's backward computes it, on any device, with
+  the call's mask, bias, softcap and score_mod, and no dropout (the lse does not depend on it): dq,
+  dk, dbias and the gradients of the tensors a score_mod captures;
+* ``∂lse_i / ∂sink_i = exp(sink_i − lse_i)``.
+
+``attach`` gives the lse those gradients on top of whatever the output's own Function gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import flash, mods
+from . import sinks as sinks_
+
+
+class _Lse(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, lse: Tensor, q: Tensor, k: Tensor, bias: Tensor | None, sinks: Tensor | None,
+        options: dict[str, Any], *captured: Tensor,
+    ) -> Tensor:  # fmt: skip
+        del captured  # inputs only so that they get gradients (the score_mod reads them itself)
+        ctx.save_for_backward(q, k, bias, sinks, lse)
+        ctx.options = options
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx: Any, dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, bias, sinks, lse = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        B, Hq, Lq, _ = q.shape
+        ones = q.new_ones(k.shape[0], k.shape[1], k.shape[2], 1)  # V: one column of ones (B, Hkv, Lk, 1)
+        zeros = q.new_zeros(B, Hq, Lq, 1)  # O taken as 0: D = 0
+        dout = dlse.unsqueeze(-1).to(q.dtype)  # dO = dlse: (B, Hq, Lq, 1)
+        grads: list[Tensor | None] = []
+        dq, dk, _, dbias = flash.backward(
+            dout, q, k, ones, zeros, lse, bias=bias, bias_grad=bias is not None and needs[3], dropout_p=0.0,
+            dropout_seed=0, captured_grads=grads, **ctx.options,
+        )  # fmt: skip
+        dsinks = None
+        if sinks is not None and needs[4]:
+            sink = sinks_.expand(sinks, lse.dtype)  # (1, Hq, 1) or (B, Hq, Lq)
+            p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp(sink - lse))  # ∂lse / ∂sink
+            d = dlse.to(lse.dtype) * p_sink  # (B, Hq, Lq)
+            dsinks = (d.sum(dim=(0, 2)) if sinks.ndim == 1 else d).to(sinks.dtype)
+        rest = [g if needs[6 + i] else None for i, g in enumerate(grads)]
+        return None, dq if needs[1] else None, dk if needs[2] else None, dbias, dsinks, None, *rest
+
+
+def attach(
+    lse: Tensor, q: Tensor, k: Tensor, *, bias: Tensor | None, sinks: Tensor | None, **options: Any
+) -> Tensor:
+    """``lse`` (B, Hq, Lq), as computed, differentiable in q, k, bias, sinks and the tensors the
+    ``score_mod`` in ``options`` captures, where one of them requires grad (else as it is).
+    ``options``: the call's ``mask``, ``causal``, ``window``, ``scale``, ``softcap``, ``score_mod``."""
+    fn = options.get("score_mod")
+    captured = mods.captured_tensors(fn) if fn is not None else []
+    inputs = (q, k, bias, sinks, *captured)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
+        return lse
+    out: Tensor = _Lse.apply(lse.detach(), q, k, bias, sinks, options, *captured)
+    return out
+
+
+__all__ = ["attach"]
