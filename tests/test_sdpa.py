@@ -174,6 +174,22 @@ def test_dropout_zero_is_deterministic_and_default() -> None:
     )
 
 
+
+def test_dropout_one_and_a_tensor_scale_are_taken_as_torch_takes_them() -> None:
+    """torch's SDPA takes dropout_p=1.0 (every weight dropped: the output 0, zero gradients) and a
+    0-d tensor as ``scale`` (its argument parser reads the float): so does the drop-in."""
+    q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+    for attend in (F.scaled_dot_product_attention, az.scaled_dot_product_attention):
+        out = attend(q, k, v, dropout_p=1.0)
+        assert torch.equal(out, torch.zeros(2, 3, 5, 8))
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(not g.any() for g in grads)
+    torch.testing.assert_close(
+        az.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3)),
+        F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3)),  # type: ignore[arg-type]
+    )
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),

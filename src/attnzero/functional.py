@@ -674,6 +674,9 @@ def _sdpa(
     name this function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias) and carry
     torch's own phrase after "torch:", so that code matching torch's text keeps working."""
     name, x = "query", query  # the argument checked, for torch's words when a check fails
+    if isinstance(scale, Tensor) and scale.ndim == 0:
+        scale = float(scale)  # torch's argument parser takes a 0-d tensor as the float
+    drop_all = dropout_p == 1.0 and not isinstance(dropout_p, bool)  # torch: every entry dropped, the output 0
     try:
         for name, x in (("query", query), ("key", key), ("value", value)):
             checks.tensor(name, x, empty_ok=True)
@@ -682,7 +685,7 @@ def _sdpa(
         name, x = "enable_gqa", enable_gqa
         gqa = checks.flag(name, x)
         name, x = "dropout_p", dropout_p
-        checks.dropout_p(x)
+        checks.dropout_p(0.0 if drop_all else x)
         name, x = "scale", scale
         checks.scale(x, query.shape[-1])
     except (ArgumentTypeError, ArgumentError) as e:
@@ -828,9 +831,11 @@ def _sdpa(
 
     out = _attention(
         four(query, Hq), four(key, Hkv), four(value, Hkv), mask=mask_arg, bias=bias_arg, causal=causal_arg,
-        scale=scale, dropout_p=dropout_p,
+        scale=scale, dropout_p=0.0 if drop_all else dropout_p,
     )  # fmt: skip
     assert isinstance(out, Tensor)
+    if drop_all:
+        out = out * 0.0  # every weight dropped: 0, with zero gradients (attnzero's outputs are never NaN)
     if plain:
         return out  # (B, H, Lq, Ev): _attention's shape
     lead_out = full[:-2] if nq > 2 or nk > 2 or nv > 2 else ()
