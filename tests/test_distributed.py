@@ -324,9 +324,9 @@ def test_ring_runs_the_backend_of_the_one_choice(tmp_path: Path, monkeypatch: py
     used: list[str] = []
     real_choose = functional.choose
 
-    def choose(name: str, q: torch.Tensor, k: torch.Tensor, *, needs_grad: bool, v: Any = None, bias: Any = None) -> str:  # noqa: E501
+    def choose(name: str, q: torch.Tensor, k: torch.Tensor, *, needs_grad: bool, v: Any = None) -> str:
         assert v is not None, "the ring should pass v, as attention does (Dv takes part in the choice)"
-        chosen.append(real_choose(name, q, k, needs_grad=needs_grad, v=v, bias=bias))
+        chosen.append(real_choose(name, q, k, needs_grad=needs_grad, v=v))
         return chosen[-1]
 
     def spy(name: str, fn: Any) -> Any:
