@@ -409,3 +409,27 @@ def test_no_read_past_an_inputs_last_element(D: int, Dv: int, calls: dict[str, i
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert calls == {"forward": 4, "backward": 4}
+
+
+def test_only_rows_with_a_huge_bias_send_the_backward_to_flash_py(
+    monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]
+) -> None:
+    """flash.row_shift: large scores of q·k with a bias near 0 keep the kernel's backward (they round
+    as the reference's do); a left-padded additive mask with causal, whose first rows keep only
+    finfo.min keys, sends it to flash.py (their lse keeps none of log n's bits)."""
+    from attnzero import flash
+
+    sent: list[int] = []
+    real = flash.backward
+    monkeypatch.setattr(flash, "backward", lambda *a, **kw: sent.append(1) or real(*a, **kw))
+    q, k, v = (randn(1, 2, 12, 8, dtype=torch.float32).requires_grad_() for _ in range(3))
+    small = torch.randn(1, 1, 12, 12) * 0.1
+    out = az.attention(q, k, v, bias=small, scale=40.0, backend="flash")  # scores of ±100: lse far from 0
+    assert isinstance(out, torch.Tensor)
+    out.sum().backward()
+    assert sent == []
+    padding = torch.where(torch.arange(12) >= 5, 0.0, torch.finfo(torch.float32).min).view(1, 1, 1, 12)
+    out = az.attention(q, k, v, bias=padding.expand(1, 1, 12, 12), causal=True, backend="flash")
+    assert isinstance(out, torch.Tensor)
+    out.sum().backward()
+    assert sent == [1] and calls == {"forward": 2, "backward": 2}

@@ -265,16 +265,17 @@ def forward(
 
 
 def row_shift(lse: Tensor, bias: Tensor | None, score_mod: mods.ScoreMod | None) -> Tensor | None:
-    """The backward's row shift ``c`` (B, Hq, Lq, 1): the lse itself in rows whose finite lse lies
-    farther than ``ROW_SHIFT_MIN`` from 0, else 0; None when no row needs it. Such a row kept only
-    huge scores (an additive mask's −1e9 or finfo.min on every key it keeps): its float32 lse keeps
-    none of log n's bits, and P = exp(s − lse) would be n times off. Without a bias or a mod no
-    score is that far (MATH.md, section 2)."""
+    """The backward's row shift ``c`` (B, Hq, Lq, 1), or None: the lse in rows whose finite lse lies
+    beyond ±``ROW_SHIFT_MIN``, with a mod or a bias that has such finite entries (an additive mask's
+    −1e9 on every key a row keeps: its float32 lse keeps none of log n's bits — MATH.md section 2)."""
     if bias is None and score_mod is None:
         return None
     far = torch.isfinite(lse) & (lse.abs() > ROW_SHIFT_MIN)  # (B, Hq, Lq)
     if not bool(far.any()):
         return None
+    if score_mod is None and bias is not None:  # a bias near 0 everywhere: q·k alone made the lse large
+        if float(torch.where(torch.isfinite(bias), bias, 0.0).abs().amax()) <= ROW_SHIFT_MIN:
+            return None
     return torch.where(far, lse, 0.0).unsqueeze(-1)  # (B, Hq, Lq, 1)
 
 
