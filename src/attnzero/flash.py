@@ -55,9 +55,9 @@ _BLOCK: ContextVar[tuple[int, int]] = ContextVar("attnzero_flash_block", default
 # Blocks visited by the forward and the backward (read by tests and the ladder).
 COUNTS: dict[str, int] = {"forward": 0, "backward": 0}
 
-# A row whose lse lies farther than this from 0 has its backward's scores computed less that lse
-# (``row_shift``): an additive mask's (or a mod's) −1e9 or ``finfo.min`` on every key the row keeps.
-ROW_SHIFT_MIN = 32.0
+# An lse beyond ± this (float32 ulp 2⁻¹³ or coarser) is taken out of its row's scores in the backward
+# (``row_shift``): an additive mask's −1e4 … finfo.min on every key kept; natural scores stay below.
+ROW_SHIFT_MIN = 1024.0
 
 
 @contextmanager
