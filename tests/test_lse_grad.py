@@ -83,3 +83,31 @@ def test_a_loss_of_the_lse_gets_the_references_gradients(case: str, path: str) -
     for g, w in zip(got, want):
         assert not torch.isnan(g).any()
         torch.testing.assert_close(g.double(), w.double(), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("how", ["compile", "func"])
+def test_the_lse_keeps_its_gradient_under_compile_and_torch_func(how: str) -> None:
+    """Under torch.compile and torch.func a call whose lse may take a gradient runs the reference's
+    formula (traced), so a loss of the lse gets its gradient there too (before: dropped silently)."""
+    q, k, v = (t.float() for t in qkv(1, 4, 2, 9, 11, 8))
+    bias = torch.randn(1, 1, 9, 11)
+
+    def loss(q: Tensor) -> Tensor:
+        out, lse = az.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+        return out.sum() + (lse**2).sum()
+
+    x = q.clone().requires_grad_()
+    want = torch.autograd.grad(
+        (lambda o: o[0].sum() + (o[1] ** 2).sum())(
+            az.attention(x, k, v, bias=bias, causal=True, return_lse=True, backend="reference")
+        ),
+        x,
+    )[0]
+    if how == "compile":
+        torch._dynamo.reset()
+        y = q.clone().requires_grad_()
+        got = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(y), y)[0]
+        torch._dynamo.reset()
+    else:
+        got = torch.func.grad(loss)(q)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

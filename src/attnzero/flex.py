@@ -280,9 +280,9 @@ def flex_attention(
             mask = _dense_mask(block_mask, B, Hq, Lq, Lk, query.device)
         else:
             mask = to_mask(block_mask, B, Hq, Lq, Lk)
-    res = attention(query, key, value, mask=mask, scale=sc, score_mod=score_mod, return_lse=True)
-    assert isinstance(res, tuple)
-    out, lse = res
+    lse_asked = return_lse or (return_aux is not None and bool(return_aux.lse))
+    res = attention(query, key, value, mask=mask, scale=sc, score_mod=score_mod, return_lse=lse_asked)
+    out, lse = res if isinstance(res, tuple) else (res, None)
     if return_aux is not None:
         max_scores = _max_scores(query, key, mask, sc, score_mod) if return_aux.max_scores else None
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)

@@ -255,8 +255,8 @@ def attention(
             entries follow torch's RNG state.
         backend: "reference", "flash", "triton" or "auto".
         return_lse: also return the natural-log log-sum-exp of the scores, (B, Hq, Lq); differentiable
-            in q, k, bias, sinks and a score_mod's tensors on every backend (``lse_grad.py``) — under
-            ``torch.compile`` and ``torch.func`` only the reference's.
+            in q, k, bias, sinks and a score_mod's tensors on every backend (``lse_grad.py``); under
+            ``torch.compile`` and ``torch.func`` a call whose lse may take a gradient runs the reference.
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
             each scaled score ``scale · q · k`` before ``softcap`` and ``bias`` (a kept pair's score
             is ``bias + cap(score_mod(scale · q · k, ...))``); ``h`` is the query head, ``q_idx`` /
@@ -391,7 +391,16 @@ def _attention(
     transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
     if transformed and batching.forward_mode():
         name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
-    if transformed and name != "reference":
+    if want_lse and (compiling or transformed) and name != "reference" and _needs_grad(q, k, v, add, sink):
+        name = "reference"  # an lse that may take a gradient there: the formula's (lse_grad.py serves eager calls)
+    if compiling and name == "reference" and want_lse:
+        # traced as the formula's ops (as a score_mod's call is), so that its lse keeps its gradient
+        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        out, lse = reference.attention(
+            q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
+            dropout_p=p, dropout_seed=seed,
+        )  # fmt: skip
+    elif transformed and name != "reference":
         # Under torch.func (vmap, grad, ...): the backend through a Function that functorch can batch
         # and differentiate (batching.py); the reference's formula is taken as it is.
         seed = batching.draw_seed(q.device) if p > 0.0 else 0
