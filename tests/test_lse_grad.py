@@ -111,3 +111,16 @@ def test_the_lse_keeps_its_gradient_under_compile_and_torch_func(how: str) -> No
     else:
         got = torch.func.grad(loss)(q)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes", [((2, 2, 0, 4), (2, 2, 5, 4)), ((2, 2, 3, 4), (2, 2, 0, 4))], ids=["Lq0", "Lk0"])
+def test_zero_sizes_with_an_lse_under_compile(shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    """A compiled call with zero queries or keys that returns its lse still goes through the op that
+    answers zero sizes (the reference's traced formula serves the others): out 0-sized or 0, lse −inf."""
+    q = torch.randn(*shapes[0], requires_grad=True)
+    k, v = torch.randn(*shapes[1]), torch.randn(*shapes[1])
+    torch._dynamo.reset()
+    out, lse = torch.compile(lambda x: az.attention(x, k, v, return_lse=True), backend="aot_eager")(q)
+    torch._dynamo.reset()
+    assert out.shape == (*shapes[0][:3], 4) and lse.shape == shapes[0][:3]
+    assert not out.any() and bool((lse == float("-inf")).all())

@@ -393,7 +393,7 @@ def _attention(
         name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
     if want_lse and (compiling or transformed) and name != "reference" and _needs_grad(q, k, v, add, sink):
         name = "reference"  # an lse that may take a gradient there: the formula's (lse_grad.py serves eager calls)
-    if compiling and name == "reference" and want_lse:
+    if compiling and name == "reference" and want_lse and 0 not in (q.numel(), k.numel(), v.numel()):
         # traced as the formula's ops (as a score_mod's call is), so that its lse keeps its gradient
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
         out, lse = reference.attention(
