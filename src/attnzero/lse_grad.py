@@ -48,12 +48,7 @@ class _Lse(torch.autograd.Function):
             dout, q, k, ones, zeros, lse, bias=bias, bias_grad=bias is not None and needs[3], dropout_p=0.0,
             dropout_seed=0, captured_grads=grads, **ctx.options,
         )  # fmt: skip
-        dsinks = None
-        if sinks is not None and needs[4]:
-            sink = sinks_.expand(sinks, lse.dtype)  # (1, Hq, 1) or (B, Hq, Lq)
-            p_sink = torch.where(lse == float("-inf"), 0.0, torch.exp(sink - lse))  # ∂lse / ∂sink
-            d = dlse.to(lse.dtype) * p_sink  # (B, Hq, Lq)
-            dsinks = (d.sum(dim=(0, 2)) if sinks.ndim == 1 else d).to(sinks.dtype)
+        dsinks = sinks_.grad_of_rows(-dlse, lse, sinks) if sinks is not None and needs[4] else None  # Σ p_sink·dlse
         rest = [g if needs[6 + i] else None for i, g in enumerate(grads)]
         return None, dq if needs[1] else None, dk if needs[2] else None, dbias, dsinks, None, *rest
 

@@ -52,13 +52,20 @@ def grad(dout: Tensor, out2: Tensor, lse2: Tensor, sinks: Tensor) -> Tensor:
     """``dsinks`` (sinks' shape and dtype) from the sink-folded ``out2`` and ``lse2``:
     ``−Σ exp(sink − lse₂) · rowsum(dO ∘ O₂)`` over the rows each sink serves."""
     acc = lse2.dtype
-    sink = expand(sinks, acc)  # (1, Hq, 1) or (B, Hq, Lq)
     delta = (dout.to(acc) * out2.to(acc)).sum(dim=-1)  # Δ = rowsum(dO ∘ O₂): (B, Hq, Lq)
+    return grad_of_rows(delta, lse2, sinks)
+
+
+def grad_of_rows(delta: Tensor, lse2: Tensor, sinks: Tensor) -> Tensor:
+    """``−Σ exp(sink − lse₂) · Δ`` over the rows each sink serves, in sinks' shape and dtype, for a
+    row term ``Δ`` (B, Hq, Lq): rowsum(dO ∘ O₂) (``grad``), or −dlse for the lse's own gradient
+    (∂lse₂/∂sink = exp(sink − lse₂), ``lse_grad.py``)."""
+    sink = expand(sinks, lse2.dtype)  # (1, Hq, 1) or (B, Hq, Lq)
     p_sink = torch.where(lse2 == NEG_INF, 0.0, torch.exp(sink - lse2))  # the sink's probability: (B, Hq, Lq)
-    d = -(p_sink * delta)  # (B, Hq, Lq)
+    d = -(p_sink * delta.to(lse2.dtype))  # (B, Hq, Lq)
     if sinks.ndim == 1:
         d = d.sum(dim=(0, 2))  # (Hq,)
     return d.to(sinks.dtype)
 
 
-__all__ = ["expand", "fold", "grad"]
+__all__ = ["expand", "fold", "grad", "grad_of_rows"]
