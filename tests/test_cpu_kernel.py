@@ -424,7 +424,7 @@ def test_only_rows_with_a_huge_bias_send_the_backward_to_flash_py(
     monkeypatch.setattr(flash, "backward", lambda *a, **kw: sent.append(1) or real(*a, **kw))
     q, k, v = (randn(1, 2, 12, 8, dtype=torch.float32).requires_grad_() for _ in range(3))
     small = torch.randn(1, 1, 12, 12) * 0.1
-    out = az.attention(q, k, v, bias=small, scale=40.0, backend="flash")  # scores of ±100: lse far from 0
+    out = az.attention(q, k, v, bias=small, scale=600.0, backend="flash")  # scores in the thousands: lse too
     assert isinstance(out, torch.Tensor)
     out.sum().backward()
     assert sent == []
