@@ -515,14 +515,18 @@ FINFO32_MIN = torch.finfo(torch.float32).min
 
 @pytest.mark.parametrize("how", ["padding_bias_causal", "mask_hides_the_max", "mask_hides_the_max_1e9", "mod"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_rows_that_keep_only_huge_negative_scores_get_the_references_gradients(how: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("backend", ["flash", "triton"])
+def test_rows_that_keep_only_huge_negative_scores_get_the_references_gradients(
+    how: str, dtype: torch.dtype, backend: str
+) -> None:
     """A left-padded batch's additive mask (finfo.min on the padded keys, 0 on the others) with
     causal: the first rows keep only padded keys, while their bias's largest entry, 0, sits on a key
     that causal blocks. So does a −1e9 bias whose 0s are where a mask blocks, and a mod that writes
     finfo.min. Such a row's lse (≈ finfo.min + log n) keeps none of log n's bits; a backward that
     took P from it gave every gradient of those rows n times too large (found by an adversarial
     sweep). Against the golden: the kernel where it is built (its backward sends these rows to
-    flash.py), flash.py with ATTNZERO_NO_BUILD=1."""
+    flash.py), flash.py with ATTNZERO_NO_BUILD=1; and the Triton kernels (their backward sends them
+    to flash.py too; their forward once multiplied finfo.min by log2 e, overflowing to −inf: out 0)."""
     from conftest import check_against_golden, randn
 
     B, H, L, D, pad = 2, 2, 12, 8, 5
@@ -530,7 +534,7 @@ def test_rows_that_keep_only_huge_negative_scores_get_the_references_gradients(h
     real = torch.arange(L) >= pad  # keys 0..4 are padding (left padding)
     if how == "padding_bias_causal":
         bias = torch.where(real, 0.0, FINFO32_MIN).to(F64).view(1, 1, 1, L).expand(B, 1, L, L)
-        check_against_golden("flash", dtype, q, k, v, bias=bias, causal=True)
+        check_against_golden(backend, dtype, q, k, v, bias=bias, causal=True)
     elif how in ("mask_hides_the_max", "mask_hides_the_max_1e9"):
         mask = torch.ones(1, 1, L, L, dtype=torch.bool)
         mask[..., -1] = False  # the last key blocked: the only one whose bias is 0
@@ -538,13 +542,13 @@ def test_rows_that_keep_only_huge_negative_scores_get_the_references_gradients(h
         bias[..., -1] = 0.0
         bias[..., 4:, :3] = 0.0  # rows 4.. keep some keys near 0 as well
         if how == "mask_hides_the_max":
-            check_against_golden("flash", dtype, q, k, v, bias=bias, mask=mask)
+            check_against_golden(backend, dtype, q, k, v, bias=bias, mask=mask)
         else:  # q·k + −1e9 rounds q·k away in float32 (an ulp of 64), not in the golden: as the reference rounds
             from conftest import run_attention
 
             dout = randn(B, H, L, D)
             ref = run_attention("reference", dtype, q, k, v, dout, bias=bias, mask=mask)
-            got = run_attention("flash", dtype, q, k, v, dout, bias=bias, mask=mask)
+            got = run_attention(backend, dtype, q, k, v, dout, bias=bias, mask=mask)
             tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
             torch.testing.assert_close(got.out, ref.out, **tol)
             for name in ("q", "k", "v", "bias"):
@@ -553,4 +557,4 @@ def test_rows_that_keep_only_huge_negative_scores_get_the_references_gradients(h
         def padded(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             return torch.where(j < pad, FINFO32_MIN, s)
 
-        check_against_golden("flash", dtype, q, k, v, score_mod=padded, causal=True)
+        check_against_golden(backend, dtype, q, k, v, score_mod=padded, causal=True)

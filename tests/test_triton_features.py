@@ -568,31 +568,34 @@ def test_varlen_packed_documents(monkeypatch: pytest.MonkeyPatch) -> None:
     judge(got, ref, gold, F32, {"ds": float(dout.abs().max()) * float(v.abs().max())})
 
 
-@pytest.mark.parametrize("value", [-1e9, -1e6])
-def test_rows_whose_whole_bias_is_huge_get_the_goldens_gradients(value: float) -> None:
-    """A fully masked row written additively (−1e6, −1e9): its lse ≈ the bias keeps no bits of
-    log Lk in float32, so the kernels run on the bias less its row max and the backward gets that lse.
-    The float32 reference itself rounds q·k away in such a row (s = q·k + bias has an ulp of 64 at
-    −1e9), so the kernels are held to the float64 golden directly: within float32 roundings."""
-    from conftest import run_attention
+@pytest.mark.parametrize("value", [-1e9, -1e6, float(torch.finfo(torch.float32).min)], ids=["1e9", "1e6", "finfo"])
+def test_rows_whose_whole_bias_is_huge_get_the_references_results(value: float) -> None:
+    """A fully masked row written additively (−1e6, −1e9, finfo.min): its lse ≈ the bias keeps no
+    bits of log Lk in float32, so its backward runs on flash.py (which shifts the row by its lse);
+    the forward rounds q·k away as the float32 reference does (an ulp of 64 at −1e9: the golden keeps
+    it, so those rows are held to the float32 reference; at finfo.min the golden rounds it away too,
+    and the tolerance rule applies). Forward and backward, the bias's gradient included."""
+    from conftest import check_against_golden, run_attention
 
-    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    q, k, v, dout = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(4))
     bias = torch.zeros(1, 1, 9, 9, dtype=torch.float64)
     bias[..., 3, :] = value
     bias[..., 5, 4:] = value
-    qr, kr, vr = (t.float().double() for t in (q, k, v))
-    dout = torch.randn(1, 2, 9, 8, dtype=torch.float64).float().double()
-    gold = run_attention("reference", torch.float64, qr, kr, vr, dout, bias=bias)
-    got = run_attention("triton", torch.float32, qr, kr, vr, dout, bias=bias)
-    torch.testing.assert_close(got.out.double(), gold.out, rtol=1e-5, atol=1e-5)
-    for name in ("q", "k", "v"):
-        torch.testing.assert_close(got.grads[name].double(), gold.grads[name], rtol=1e-4, atol=1e-5)
+    if value == torch.finfo(torch.float32).min:
+        check_against_golden("triton", torch.float32, q, k, v, bias=bias)
+        return
+    ref = run_attention("reference", torch.float32, q, k, v, dout, bias=bias)
+    got = run_attention("triton", torch.float32, q, k, v, dout, bias=bias)
+    torch.testing.assert_close(got.out, ref.out, rtol=1e-4, atol=1e-4)
+    for name in ("q", "k", "v", "bias"):
+        torch.testing.assert_close(got.grads[name], ref.grads[name], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("value", [-1e9, float(torch.finfo(torch.float32).min)], ids=["1e9", "finfo"])
-def test_the_plain_backward_recovers_the_shifted_lse(value: float) -> None:
-    """The backend interface's backward gets only (out, lse) — here with a sink folded in — and
-    recomputes the lse of the shifted bias (plus what the given lse adds: the sink)."""
+def test_the_plain_backward_of_rows_whose_whole_bias_is_huge(value: float) -> None:
+    """The backend interface's backward gets only (out, lse) — here with a sink folded in — and sends
+    rows whose lse needs a shift to flash.py, which recomputes the shifted lse (plus what the given
+    lse adds: the sink)."""
     from conftest import check_against_golden
 
     q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64) for _ in range(3))

@@ -12,7 +12,8 @@
 
 Everything is computed "transposed" in dkdv (rows = keys, columns = queries), so that
 ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` are plain products. In base 2: ``P = exp2(s₂ - lse₂)`` with
-``s₂ = (scale·q·k + bias)·log2 e``, ``lse₂ = lse·log2 e``; ``dS = P ∘ (dP - Δ)`` is the gradient
+``s₂ = scale·q·k·log2 e``, ``lse₂ = lse·log2 e``; with a bias or a score_mod the scores stay natural
+and ``P = exp2((s - lse)·log2 e)`` (forward.py's ``base2``); ``dS = P ∘ (dP - Δ)`` is the gradient
 with respect to the natural-scale score, so ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q`` and a
 bias receives ``dS``. Dropout (mask Z, keep 1-p): ``dV`` uses ``P∘Z/(1-p)``, ``dS = P(Z∘dP/(1-p) - Δ)``.
 Softcap: the score is ``softcap·t`` with ``t = tanh(scale·q·k / softcap)`` (recomputed in each
@@ -34,13 +35,14 @@ from .forward import (
     NO_QUERY_ID,
     NUM_PARTS,
     POS_INF,
-    TO_BASE2,
+    base2,
     clip_blocks,
     dropout_keep,
     key_blocks,
     mm,
     mod_scores,
     part_range,
+    score_unit,
     scores_mod,
     segment_rows,
 )
@@ -63,21 +65,22 @@ def delta_kernel(O, dO, Delta, soh, som, sdh, sdm, Lq, Dv, BLOCK_M: tl.constexpr
 
 @triton.jit
 def probs_and_dscores(
-    s, lse2, delta, dp, pos, rows_ok, cols, Lk, left, right,
+    s, lse_s, delta, dp, pos, rows_ok, cols, Lk, left, right,
     mask_rows, smn, bias_rows, sbn, load_ok, drop_rows, seed_lo, seed_hi, threshold, keep_scale, q_ids, k_ids,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_DROPOUT: tl.constexpr, NATURAL: tl.constexpr,
 ):
-    """From base-2 (capped) scores ``s`` and ``dP = dO·Vᵀ`` of one block (either orientation: the
-    query quantities ``lse2``, ``delta``, ``pos``, ``rows_ok``, ``*_rows``, ``q_ids`` and the key
-    indices ``cols`` and ``k_ids`` are already broadcastable to it), return ``(P as it multiplied V,
-    dS)``, dS with respect to the (capped) score."""
+    """From (capped) scores ``s`` and ``dP = dO·Vᵀ`` of one block (either orientation: the query
+    quantities ``lse_s`` — the lse in the scores' unit, ``score_unit`` —, ``delta``, ``pos``,
+    ``rows_ok``, ``*_rows``, ``q_ids`` and the key indices ``cols`` and ``k_ids`` are already
+    broadcastable to it), return ``(P as it multiplied V, dS)``, dS with respect to the (capped)
+    score. NATURAL: the scores are natural-log (``base2``)."""
     s = scores_mod(
         s, pos, rows_ok, cols, Lk, left, right, mask_rows, smn, bias_rows, sbn, load_ok, q_ids, k_ids,
         MASKED, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS,
     )
     # p = exp2(s₂ - lse₂); a fully blocked row (lse = -inf) gets +inf here so that p = 0
-    p = tl.exp2(s - tl.where(lse2 == NEG_INF, POS_INF, lse2))
+    p = tl.exp2(base2(s - tl.where(lse_s == NEG_INF, POS_INF, lse_s), NATURAL))
     if HAS_DROPOUT:
         z = dropout_keep(drop_rows, cols, Lk, seed_lo, seed_hi, threshold)
         p_used = tl.where(z, p, 0.0) * keep_scale
@@ -223,7 +226,7 @@ def dkdv_queries(
                         other=0.0)
             do = tl.load(do_head + offs_m[:, None] * sdom + offs_dv[None, :], mask=m_ok[:, None] & dv_ok[None, :],
                          other=0.0)
-            lse2 = tl.load(lse_head + offs_m, mask=m_ok, other=0.0) * TO_BASE2  # (BLOCK_M,) base 2
+            lse_s = score_unit(tl.load(lse_head + offs_m, mask=m_ok, other=0.0), HAS_BIAS or HAS_MOD)  # (BLOCK_M,)
             delta = tl.load(delta_head + offs_m, mask=m_ok, other=0.0)
             # sᵀ = k qᵀ · scale · log2 e (capped: tT the tanh) and dPᵀ = v dOᵀ  (BLOCK_N, BLOCK_M)
             sT, tT, xT = mod_scores(
@@ -237,11 +240,12 @@ def dkdv_queries(
             else:
                 q_ids = tl.zeros([BLOCK_M], tl.int32)  # not read
             pT, dsT = probs_and_dscores(
-                sT, lse2[None, :], delta[None, :], dpT, (offs_m + Lk - Lq)[None, :], m_ok[None, :], offs_n[:, None],
+                sT, lse_s[None, :], delta[None, :], dpT, (offs_m + Lk - Lq)[None, :], m_ok[None, :], offs_n[:, None],
                 Lk, left, right, (mask_head + offs_m * smm)[None, :], smn, (bias_head + offs_m * sbm)[None, :], sbn,
                 load_ok, (drop_head + offs_m)[None, :], seed_lo, seed_hi, threshold, keep_scale,
                 q_ids[None, :], k_ids[:, None],
                 part != INTERIOR, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_DROPOUT,
+                HAS_BIAS or HAS_MOD,
             )
             if BIAS_GRAD:  # the bias is added after the cap: it receives dS itself
                 tl.store(dbias_head + offs_m.to(tl.int64)[None, :] * Lk + offs_n[:, None], dsT, mask=load_ok)
@@ -291,12 +295,12 @@ def dq_kernel(
                 other=0.0)
     do = tl.load(dO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
                  mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
-    lse2 = tl.load(Lse + pid_bh * Lq + offs_m, mask=m_ok, other=0.0) * TO_BASE2
+    lse_s = score_unit(tl.load(Lse + pid_bh * Lq + offs_m, mask=m_ok, other=0.0), HAS_BIAS or HAS_MOD)
     delta = tl.load(Delta + pid_bh * Lq + offs_m, mask=m_ok, other=0.0)
     q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, m_ok, Ranges + (b * num_m + pid_m) * 2,
                                          HAS_SEGMENTS, BLOCK_M)
     dq = dq_keys(
-        q, do, lse2, delta, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk,
+        q, do, lse_s, delta, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk,
         offs_d, offs_dv, d_ok, dv_ok, left, right, Mask + b * smb + h * smh + offs_m * smm, smn,
         Bias + b * sbb + h * sbh + offs_m * sbm, sbn, pid_bh * Lq + offs_m, seed_lo, seed_hi, threshold, keep_scale,
         qk_scale, cap_in, cap_out, q_ids, KIds + b * Lk, seg_lo, seg_hi, b.to(tl.int32), h.to(tl.int32), CAP, CAP_GRAD,
@@ -310,7 +314,7 @@ def dq_kernel(
 
 @triton.jit
 def dq_keys(
-    q, do, lse2, delta, k_rows, v_rows, skn, svn, m0, Lq, Lk, offs_d, offs_dv, d_ok, dv_ok,
+    q, do, lse_s, delta, k_rows, v_rows, skn, svn, m0, Lq, Lk, offs_d, offs_dv, d_ok, dv_ok,
     left, right, mask_rows, smn, bias_rows, sbn, drop_rows, seed_lo, seed_hi, threshold, keep_scale, qk_scale,
     cap_in, cap_out, q_ids, kid_rows, seg_lo, seg_hi, b_idx, h_idx, CAP, CAP_GRAD, MCAP,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -347,10 +351,10 @@ def dq_keys(
             else:
                 k_ids = tl.zeros([BLOCK_N], tl.int32)  # not read
             _, ds = probs_and_dscores(
-                s, lse2[:, None], delta[:, None], dp, pos[:, None], m_ok[:, None], offs_n[None, :], Lk, left, right,
+                s, lse_s[:, None], delta[:, None], dp, pos[:, None], m_ok[:, None], offs_n[None, :], Lk, left, right,
                 mask_rows[:, None], smn, bias_rows[:, None], sbn, m_ok[:, None] & n_ok[None, :], drop_rows[:, None],
                 seed_lo, seed_hi, threshold, keep_scale, q_ids[:, None], k_ids[None, :], part != INTERIOR, HAS_LEFT,
-                HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_DROPOUT,
+                HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_DROPOUT, HAS_BIAS or HAS_MOD,
             )
             ds = uncap(ds, t, HAS_SOFTCAP)  # with respect to the raw score (the mod's output)
             if HAS_MOD:  # through the mod (its captured tensors' gradients come from dkdv_kernel)

@@ -76,7 +76,7 @@ def split_kernel(
         BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
         PRECISION, TRACE, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD,
     )
-    out, lse = finish_rows(acc, m_i, l_i, keep_scale)
+    out, lse = finish_rows(acc, m_i, l_i, keep_scale, HAS_BIAS or HAS_MOD)
     part = ((b * Hq + h) * S + pid_s) * Lq + i  # (BLOCK_M,) row index into (B, Hq, S, Lq)
     tl.store(Opart + part[:, None] * Dv + offs_dv[None, :], out, mask=rows_ok[:, None] & dv_ok[None, :])
     tl.store(Lpart + part, lse, mask=rows_ok)

@@ -1,8 +1,10 @@
 """Triton forward kernel (FlashAttention-2): one program per (query block, batch·query head).
 
 The program keeps its block of Q in registers and streams the key/value blocks that its queries can
-see, with the online softmax of docs/MATH.md in base 2 (``qk_scale = scale · log2 e``; a bias is
-multiplied by ``log2 e`` too; the stored lse is converted back to natural log).
+see, with the online softmax of docs/MATH.md in base 2 (``qk_scale = scale · log2 e``; the stored lse
+is converted back to natural log). With a bias or a score_mod the scores stay in natural log and a
+difference ``s − m`` is taken to base 2 only inside ``exp2`` (``base2``): an additive mask's
+``finfo.min`` times ``log2 e`` would overflow to −inf and block a key the row keeps.
 
 Which key blocks are visited, for query rows ``[m0, m0 + BLOCK_M)`` at positions ``p = i + Lk - Lq``
 with the (causal-folded) window ``p - left <= j <= p + right``::
@@ -90,6 +92,24 @@ def mm(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def base2(x, NATURAL: tl.constexpr):
+    """A difference of scores (``s − m``, ``s − lse``) in base 2, for ``exp2``: natural-log scores
+    (NATURAL: with a bias or a score_mod) are multiplied by log2 e here, after the subtraction that
+    keeps ``finfo.min``-sized ones finite; base-2 scores already are."""
+    if NATURAL:
+        x = x * TO_BASE2
+    return x
+
+
+@triton.jit
+def score_unit(x, NATURAL: tl.constexpr):
+    """A natural-log quantity (the saved lse) in the scores' unit: as it is when NATURAL, else base 2."""
+    if not NATURAL:
+        x = x * TO_BASE2
+    return x
+
+
+@triton.jit
 def mix32(x):
     """lowbias32 (dropout.py's ``_mix32``) on uint32 values: products wrap at 32 bits."""
     x = x ^ (x >> MIX_SHIFT_1)
@@ -163,7 +183,8 @@ def mod_scores(
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    """Raw products ``q·k`` of a block → ``(s, t, x)``: base-2 scores ``s``, the tanh ``t`` of the
+    """Raw products ``q·k`` of a block → ``(s, t, x)``: scores ``s`` (natural log with a score_mod,
+    else in ``qk_scale``'s and ``cap_out``'s unit: base 2, or natural with a bias), the tanh ``t`` of the
     softcap (the backward's ``1 - t²``) and ``x = scale·q·k``, the score_mod's argument (its
     backward's). Without a score_mod: ``cap_scores`` (x not used). With one (``HAS_MOD``; the
     host then passes ``qk_scale = scale``, ``cap_in = 1 / softcap``): ``x = scale·q·k``,
@@ -181,7 +202,7 @@ def mod_scores(
             s = t * cap_out
         else:
             t = y
-            s = y * TO_BASE2
+            s = y
     else:
         s, t = cap_scores(qk, qk_scale, cap_in, cap_out, HAS_SOFTCAP)
         x = t
@@ -209,12 +230,12 @@ def scores_mod(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
 ):
-    """Base-2 (already capped) scores of one block → add the bias (· log2 e), set blocked pairs to
-    -inf. ``mask_rows`` / ``bias_rows`` are pointers to each row's start, ``q_ids`` / ``k_ids`` the
-    segment ids of the block's queries and keys (all broadcastable to the block)."""
+    """(Already capped) scores of one block → add the bias (the scores are then natural-log:
+    ``base2``), set blocked pairs to -inf. ``mask_rows`` / ``bias_rows`` are pointers to each row's
+    start, ``q_ids`` / ``k_ids`` the segment ids of the block's queries and keys (all broadcastable to the block)."""
     if HAS_BIAS:
         b = tl.load(bias_rows + cols * sbn, mask=load_ok, other=0.0).to(tl.float32)
-        s = s + b * TO_BASE2
+        s = s + b
     if HAS_SEGMENTS:
         s = tl.where(q_ids == k_ids, s, NEG_INF)
     if HAS_MASK:
@@ -293,12 +314,12 @@ def attend_keys(
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
-    """The online softmax of query rows ``[m0, m0 + BLOCK_M)`` over every key block of
-    ``[k_lo, k_hi)`` they can see; returns (acc, m, l) in base 2. ``k_rows`` / ``v_rows`` point at
-    key/value row 0 of this head (d strides are 1); ``Lk`` is the full key length (dropout counters);
-    ``pos`` / ``rows_ok`` are the rows' key positions and validity (BLOCK_M,). With segments:
-    ``q_ids`` (BLOCK_M,) the rows' ids, ``kid_rows`` the keys' ids of this batch, and only the
-    blocks meeting ``[seg_lo, seg_hi)`` are visited. With TRACE (instrumentation, compiled out
+    """The online softmax of query rows ``[m0, m0 + BLOCK_M)`` over every key block of ``[k_lo, k_hi)``
+    they can see; returns (acc, m, l), m in the scores' unit (``base2``). ``k_rows`` / ``v_rows``
+    point at key/value row 0 of this head (d strides are 1); ``Lk`` is the full key length (dropout
+    counters); ``pos`` / ``rows_ok`` are the rows' key positions and validity (BLOCK_M,). With
+    segments: ``q_ids`` (BLOCK_M,) the rows' ids, ``kid_rows`` the keys' ids of this batch, and only
+    the blocks meeting ``[seg_lo, seg_hi)`` are visited. With TRACE (instrumentation, compiled out
     otherwise): ``trace_row[nb]`` = the part (LEADING / INTERIOR / TRAILING) in which key block
     ``nb`` was visited; blocks not visited are left as they were. The mods (``mod_scores``) see
     batch ``b_idx``, query head ``h_idx`` (one, or one per row as (BLOCK_M, 1)) and query positions
@@ -320,7 +341,7 @@ def attend_keys(
             # K block, transposed: (BLOCK_D, BLOCK_N)
             kT = tl.load(k_rows + offs_n[None, :] * skn + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None],
                          other=0.0)
-            # s = q kᵀ · scale · log2 e (capped: softcap · tanh(q kᵀ · scale / softcap) · log2 e)
+            # s = q kᵀ · scale (· log2 e without bias or mod; capped: softcap · tanh(q kᵀ · scale / softcap))
             s, _, _ = mod_scores(
                 mm(q, kT, PRECISION), qk_scale, cap_in, cap_out, b_idx, h_idx, q_pos[:, None], offs_n[None, :], CAP,
                 MCAP, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD, HAS_SOFTCAP,
@@ -338,8 +359,8 @@ def attend_keys(
             # m_new = max(m, rowmax s); the -inf of an all-blocked row becomes 0 only inside exp2
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated so far
-            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(base2(m_i - m_safe, HAS_BIAS or HAS_MOD))  # rescales what was accumulated so far
+            p = tl.exp2(base2(s - m_safe[:, None], HAS_BIAS or HAS_MOD))
             l_i = l_i * alpha + tl.sum(p, 1)
             if HAS_DROPOUT:
                 # the softmax sum l counts every probability; only the kept ones reach P·V (÷ (1 - p) at the end)
@@ -354,12 +375,15 @@ def attend_keys(
 
 
 @triton.jit
-def finish_rows(acc, m_i, l_i, keep_scale):
-    """O = acc / l (· 1/(1 - p) under dropout), natural-log lse = (m + log2 l) · ln 2;
-    rows that saw no key: O = 0, lse = -inf."""
+def finish_rows(acc, m_i, l_i, keep_scale, NATURAL: tl.constexpr):
+    """O = acc / l (· 1/(1 - p) under dropout), natural-log lse = (m + log2 l) · ln 2 (NATURAL: m is
+    natural already, lse = m + log2 l · ln 2); rows that saw no key: O = 0, lse = -inf."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (keep_scale / l_safe)[:, None]
-    lse = tl.where(l_i == 0.0, NEG_INF, (m_i + tl.log2(l_safe)) * TO_NATURAL)
+    if NATURAL:
+        lse = tl.where(l_i == 0.0, NEG_INF, m_i + tl.log2(l_safe) * TO_NATURAL)
+    else:
+        lse = tl.where(l_i == 0.0, NEG_INF, (m_i + tl.log2(l_safe)) * TO_NATURAL)
     return out, lse
 
 
@@ -451,7 +475,7 @@ def fwd_kernel(
         BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
         PRECISION, TRACE, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD,
     )
-    out, lse = finish_rows(acc, m_i, l_i, keep_scale)
+    out, lse = finish_rows(acc, m_i, l_i, keep_scale, HAS_BIAS or HAS_MOD)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=rows_ok[:, None] & dv_ok[None, :])
     tl.store(Lse + pid_bh * Lq + offs_m, lse, mask=rows_ok)

@@ -99,7 +99,7 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
         "(on a CUDA machine it comes with torch; for CPU tests install it and set TRITON_INTERPRET=1)"
     ) from e
 
-from .. import geometry, ops, reference, trace
+from .. import flash, geometry, ops, reference, trace
 from ..blocks import FULL as BLOCK_FULL
 from ..blocks import PARTIAL as BLOCK_PARTIAL
 from ..masks import Mask, Segments
@@ -301,8 +301,9 @@ def _common(
         "HAS_BIAS": bias is not None, "HAS_SEGMENTS": q_ids is not None, "HAS_SOFTCAP": softcap > 0.0,
         "HAS_DROPOUT": dropout_p > 0.0, "PRECISION": _precision(q.dtype),
     }
-    # softcap: t = tanh(q·k · scale / softcap), base-2 score t · softcap · log2 e
-    cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap > 0.0 else (0.0, 0.0)
+    # softcap: t = tanh(q·k · scale / softcap), score t · softcap (· log2 e in base 2: _natural)
+    to_unit = 1.0 if _natural(bias, score_gen) else LOG2E
+    cap_in, cap_out = (scale / softcap, softcap * to_unit) if softcap > 0.0 else (0.0, 0.0)
     if score_gen is not None and softcap > 0.0:
         cap_in = 1.0 / softcap  # t = tanh(score_mod(scale·q·k) / softcap)
     sides = [0 if wl is None else wl, 0 if wr is None else wr]  # read only where HAS_LEFT / HAS_RIGHT
@@ -312,10 +313,16 @@ def _common(
     return flags, scalars, mask_t, bias_t
 
 
-def _qk_scale(scale: float, score_gen: Generated | None) -> float:
-    """The kernels' ``qk_scale``: ``scale · log2 e`` (base-2 scores), or ``scale`` when a generated
-    score_mod must see the natural-scale score (``forward.mod_scores``)."""
-    return scale if score_gen is not None else scale * LOG2E
+def _natural(bias: Tensor | None, score_gen: Generated | None) -> bool:
+    """Whether the kernels keep their scores in natural log (``forward.base2``): with a bias (an
+    additive mask's ``finfo.min`` · log2 e overflows) or a generated score_mod (it must see the
+    natural-scale score, and may write such values too); else base 2."""
+    return bias is not None or score_gen is not None
+
+
+def _qk_scale(scale: float, bias: Tensor | None, score_gen: Generated | None) -> float:
+    """The kernels' ``qk_scale``: ``scale`` for natural-log scores (``_natural``), else ``scale · log2 e``."""
+    return scale if _natural(bias, score_gen) else scale * LOG2E
 
 
 def _mod_args(
@@ -378,7 +385,7 @@ def _forward(
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *_strides4(mask), *_strides4(bias),
-        Hq, Hq // Hkv, Lq, Lk, D, Dv, _qk_scale(scale, score_gen), *scalars,
+        Hq, Hq // Hkv, Lq, Lk, D, Dv, _qk_scale(scale, bias, score_gen), *scalars,
     )
     if not trace.active():
         fwd_k.fwd_kernel[grid](*args, Trace=lse, **_launch_opts(cfg), **flags, STORE_F32=keep_f32, TRACE=False)
@@ -441,7 +448,7 @@ def _decode(
         q, k, v, opart, lpart, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *_strides4(mask), *_strides4(bias),
-        Hq, G, Lq, Lk, D, Dv, S, chunk, _qk_scale(scale, score_gen), *scalars,
+        Hq, G, Lq, Lk, D, Dv, S, chunk, _qk_scale(scale, bias, score_gen), *scalars,
     )
     opts = {**_launch_opts(cfg), "BLOCK_M": fwd_k.next_pow2(G * Lq)}
     tracing = trace.active()
@@ -486,7 +493,7 @@ def _backward(
     flags, scalars, mask_t, bias_t = _common(q, k, mask, bias, q_ids, causal, left, right, scale, softcap, dropout_p,
                                              seed, score_gen)
     flags.update(_mod_args(q, score_gen, mask_gen, backward=True, cap_grads=cap_grads))
-    qk_scale = _qk_scale(scale, score_gen)
+    qk_scale = _qk_scale(scale, bias, score_gen)
     lse = lse.contiguous()
 
     # 1. Δ_i = Σ_d dO_id O_id                                                  (B, Hq, Lq) float32
@@ -592,11 +599,32 @@ def triton_bwd(
     bias: Tensor | None, q_ids: Tensor | None, k_ids: Tensor | None, causal: bool, left: int, right: int,
     scale: float, softcap: float, dropout_p: float, seed: int, bias_grad: bool, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backward kernels: (dq, dk, dv, dbias); dbias has bias's shape, or is empty when not asked for."""
+    """Backward kernels: (dq, dk, dv, dbias); dbias has bias's shape, or is empty when not asked for.
+    Rows whose lse needs a shift (``flash.row_shift``) run on flash.py (``_shifted_backward``)."""
+    if flash.row_shift(lse, bias, None) is not None:
+        wl, wr = _side(left), _side(right)
+        dq, dk, dv, dbias = _shifted_backward(
+            dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, mask=_dense_keep(mask, q_ids, k_ids),
+            causal=causal, window=None if wl is None and wr is None else (wl, wr), scale=scale,
+            softcap=softcap if softcap > 0.0 else None, dropout_p=dropout_p, dropout_seed=seed,
+        )  # fmt: skip
+        return dq, dk, dv, (dbias if dbias is not None else q.new_empty(0))
     return _backward(
         dout, q, k, v, out, lse, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed,
         bias_grad, deterministic,
     )
+
+
+def _shifted_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, **options: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """flash.py's backward, for a call with rows whose lse needs a shift (``flash.row_shift``: a huge
+    bias or mod value on every key a row keeps — an additive mask's −1e9 or ``finfo.min``, where the
+    float32 lse keeps none of log n's bits; MATH.md section 2). The kernels take no per-row shift, and
+    a row's largest bias may sit on a key causal or the mask blocks, so none can be made from the bias
+    alone; flash.py derives it from the lse. Rare (left padding with a float mask, in training), and
+    O(L) memory; slower than the kernels."""
+    return flash.backward(dout, q, k, v, out, lse, **options)
 
 
 @triton_bwd.register_fake
@@ -731,62 +759,37 @@ def attention(
             softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed, mask_gen=mask_gen,
         )  # fmt: skip
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    bias, shift = _shifted_bias(bias)
     args = _args(
         q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=dropout_seed,
     )
     # 16-bit outputs: keep the float32 output for the backward's Δ = rowsum(dO·O) when training
     keep_f32 = needs_grad and q.dtype != torch.float32
-    out, lse, _ = triton_fwd(q, k, v, *args, keep_f32)  # the op's backward sees this lse, before the shift
-    return out, (lse if shift is None else lse + shift)
-
-
-# A row whose bias lies farther than this from 0 everywhere (an additive mask's fully masked row,
-# −1e9 or ``finfo.min``) is computed less its bias's row max (``_shifted_bias``).
-_ROW_SHIFT_MIN = 32.0
-
-
-def _shifted_bias(bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """``(bias − c, c)`` with ``c`` the bias's finite row max (B|1, H|1, Lq|1) in the rows whose bias
-    is far from 0 everywhere (``|c| > _ROW_SHIFT_MIN``, 0 in the others), else ``(bias, None)``.
-    The softmax does not change; the lse of the shifted bias is ``c`` smaller, and keeps the bits
-    that ``lse ≈ c`` (−1e9, say) cannot: the backward's P = exp(s − lse) needs them. One read-back
-    per call with a bias."""
-    if bias is None:
-        return bias, None
-    c = bias.amax(dim=-1).to(torch.float32)  # (B|1, H|1, Lq|1)
-    c = torch.where(torch.isfinite(c), c, 0.0)
-    if float(c.abs().max()) <= _ROW_SHIFT_MIN:
-        return bias, None
-    # only rows far from 0 are shifted: 0 is subtracted exactly elsewhere, even from a 16-bit bias
-    shift = torch.where(c.abs() > _ROW_SHIFT_MIN, c, 0.0)  # (B|1, H|1, Lq|1)
-    return bias - shift.unsqueeze(-1).to(bias.dtype), shift  # (differentiable in bias: the identity)
+    out, lse, _ = triton_fwd(q, k, v, *args, keep_f32)
+    return out, lse
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     """``attention`` as a plain function (the backend interface's forward): the forward kernel, no
     autograd."""
     with torch.no_grad():
-        bias, shift = _shifted_bias(kw.pop("bias", None))
         mask_gen = generate_mask(kw.get("mask"), q.device)
-        out, lse, _ = _fwd(q, k, v, _args(q, k, v, bias=bias, mask_gen=mask_gen, **kw), False, mask_gen)
-    return out, (lse if shift is None else lse + shift)
+        out, lse, _ = _fwd(q, k, v, _args(q, k, v, mask_gen=mask_gen, **kw), False, mask_gen)
+    return out, lse
 
 
 def decode(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
     """The split-KV decode kernel (``attnzero::triton_decode``), the same ``(out, lse)`` as
     ``forward``; no backward (``functional.choose`` takes it only when no input requires grad, for
     the shapes it serves: ``DECODE_MAX_LQ``, ``DECODE_MIN_LK``, ``DECODE_MAX_ROWS``)."""
-    bias, shift = _shifted_bias(kw.pop("bias", None))
     mask_gen = generate_mask(kw.get("mask"), q.device)
-    args = _args(q, k, v, bias=bias, mask_gen=mask_gen, **kw)
+    args = _args(q, k, v, mask_gen=mask_gen, **kw)
     if mask_gen is None:
         out, lse = triton_decode(q, k, v, *args)
     else:
         run: Any = _decode
         out, lse = run(q, k, v, *args, mask_gen=mask_gen)
-    return out, (lse if shift is None else lse + shift)
+    return out, lse
 
 
 def backward(
@@ -798,21 +801,18 @@ def backward(
     ``out`` and ``lse`` given (a ring's global ones, or those with attention sinks folded in, work:
     P = exp(s − lse) and Δ = rowsum(dO·O) are recomputed from them). Δ comes from the output in its
     own dtype, as in the flash backend (the eager path keeps a float32 copy of a 16-bit output for
-    it). dbias None unless ``bias_grad``."""
+    it). dbias None unless ``bias_grad``. Rows whose lse needs a shift: flash.py (``_shifted_backward``)."""
+    if flash.row_shift(lse, bias, None) is not None:
+        return _shifted_backward(
+            dout, q, k, v, out, lse, mask=mask, bias=bias, bias_grad=bias_grad, causal=causal, window=window,
+            scale=scale, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        )  # fmt: skip
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-    bias, shift = _shifted_bias(bias)
     mask_gen = generate_mask(mask, q.device)
     args = _args(
         q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=dropout_seed, mask_gen=mask_gen,
     )
-    if shift is not None:
-        # the lse of the shifted bias: ``lse − c`` loses its bits where c is huge, so this forward's own
-        # is computed again, and what the given lse adds to it (a sink, a ring's keys) added back
-        with torch.no_grad():
-            own = _fwd(q, k, v, args, False, mask_gen)[1]
-        extra = lse - (own + shift)  # 0 for this forward's lse; a row with no key: NaN, not used
-        lse = torch.where(own == float("-inf"), lse - shift, own + extra)
     grad_b = bias_grad and bias is not None
     if mask_gen is None:
         dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
@@ -931,10 +931,17 @@ class _ModAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             return reference.mod_backward_with_graph(dout, q, k, v, bias, needs, options["reference"], captured)
+        bias_grad = bias is not None and needs[3]
+        if flash.row_shift(lse, bias, options["reference"]["score_mod"]) is not None:
+            flash_grads: list[Tensor | None] = []
+            dq, dk, dv, dbias = _shifted_backward(
+                dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, **options["reference"],
+                captured_grads=flash_grads,
+            )  # fmt: skip
+            return dq, dk, dv, dbias, None, *(g if needs[5 + j] else None for j, g in enumerate(flash_grads))
         tensors = gen.tensors if gen is not None else ()
         bufs = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors)
         deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-        bias_grad = bias is not None and needs[3]
         run: Any = _backward
         dq, dk, dv, dbias = run(
             dout, q, k, v, out, lse, args[0], bias, *args[2:], bias_grad, deterministic, score_gen=gen,
@@ -977,7 +984,6 @@ def attention_with_mod(
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *captured))
     gen = generate(score_mod, q.device, grads=needs_grad and not decode) if score_mod is not None else None
     mask_gen = mask_gen if mask_gen is not None else generate_mask(mask, q.device)
-    bias, shift = _shifted_bias(bias)
     args = _args(
         q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=dropout_seed, mask_gen=mask_gen,
@@ -996,4 +1002,4 @@ def attention_with_mod(
             "reference": ref,
         }  # fmt: skip
         out, lse = _ModAttention.apply(q, k, v, bias, options, *captured)
-    return out, (lse if shift is None else lse + shift)
+    return out, lse
