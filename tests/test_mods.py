@@ -208,6 +208,63 @@ def test_flash_gives_captured_tensors_their_gradients() -> None:
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("sinks_shape", ["per_head", "per_query"])
+def test_a_score_mod_with_attention_sinks_runs_on_flash_against_the_golden(
+    dtype: torch.dtype, sinks_shape: str
+) -> None:
+    """A score_mod with sinks (gpt-oss's virtual key) runs on flash.py's tiles, the sinks folded in its
+    Function (they once sent the call to the reference's O(L²) formula): out, lse and the gradients
+    of q, k, v and the sinks within the tolerance rule, causal, GQA, Lq != Lk, small blocks."""
+    from attnzero import flash
+
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+    def alibi(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s - slopes[h].to(s.dtype) * (i - j).abs()
+
+    q, k, v = qkv(2, 4, 2, 29, 37, 16)
+    sinks = torch.randn(4, dtype=torch.float64) if sinks_shape == "per_head" else torch.randn(2, 4, 29).double()
+    calls: list[str] = []
+    real = reference.attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append("reference")
+        return real(*args, **kwargs)
+
+    with flash.block_sizes(rows=8, cols=8):
+        check_against_golden("flash", dtype, q, k, v, score_mod=alibi, causal=True, sinks=sinks)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(reference, "attention", spy)
+            x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            az.attention(*x, score_mod=alibi, causal=True, sinks=sinks.to(dtype), backend="flash").sum().backward()
+    assert calls == []  # flash.py ran it
+
+
+def test_captured_tensors_and_sinks_get_their_gradients_on_flash_with_create_graph() -> None:
+    """The captured tensors' and the sinks' gradients through flash.py's Function (and its lse's)
+    equal the reference's, also with create_graph=True (autograd through the formula, sinks included)."""
+    H, L = 4, 13
+    rel = torch.randn(H, 2 * L - 1, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(H, dtype=torch.float64, requires_grad=True)
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + rel[h, i - j + L - 1]
+
+    q, k, v = (t.requires_grad_() for t in qkv(2, H, 2, L, L, 8))
+    for create_graph in (False, True):
+        grads = {}
+        for backend in ("reference", "flash"):
+            out, lse = az.attention(q, k, v, score_mod=mod, causal=True, sinks=sinks, backend=backend,  # type: ignore[arg-type]
+                                    return_lse=True)
+            loss = out.square().sum() + lse.sin().sum()  # the lse's gradient too (lse_grad.py)
+            grads[backend] = torch.autograd.grad(loss, (q, k, v, rel, sinks), create_graph=create_graph)
+        for got, want in zip(grads["flash"], grads["reference"]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        if create_graph:  # a gradient penalty differentiates through them
+            assert all(g.requires_grad for g in grads["flash"])
+
+
 def test_auto_runs_the_score_mod_never_without_it() -> None:
     q, k, v = qkv(1, 2, 2, 5, 5, 4)
     got = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.0)

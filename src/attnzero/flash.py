@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dropout, geometry, mods, reference, trace
+from . import dropout, geometry, mods, reference, sinks, trace
 from .masks import Mask, block_of, keep_block
 from .reference import accum_dtype
 
@@ -400,11 +400,14 @@ def _through_mod(pb: _Problem, x: Tensor, batches: tuple[int, int], rows: tuple[
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any], *captured: Tensor
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
+        *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
         del captured  # inputs only so that they get gradients (the score_mod reads them itself)
         out, lse = forward(q, k, v, bias=bias, **options)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
+            out, lse = sinks.fold(out, lse, sink)
+        ctx.save_for_backward(q, k, v, bias, sink, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -412,27 +415,36 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, sink, out, lse = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             options = {key: value for key, value in ctx.options.items() if key != "block"}
             fn = options.get("score_mod")
             inputs = mods.captured_tensors(fn) if fn is not None else []  # the score_mod's captured tensors
-            return reference.mod_backward_with_graph(dout, q, k, v, bias, ctx.needs_input_grad, options, inputs)
+            grads = reference.mod_backward_with_graph(
+                dout, q, k, v, bias, (*needs[:4], *needs[5:]), options, inputs, sinks=sink, sinks_need=needs[4]
+            )  # (dq, dk, dv, dbias, None, *captured[, dsink])
+            if sink is None:
+                return (*grads[:4], None, *grads[4:])
+            return (*grads[:4], grads[-1], *grads[4:-1])
         captured: list[Tensor | None] = []
-        dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=ctx.needs_input_grad[3],
+        dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=needs[3],
                                      captured_grads=captured, **ctx.options)  # fmt: skip
-        return dq, dk, dv, dbias, None, *captured
+        dsink = sinks.grad(dout, out, lse, sink) if sink is not None and needs[4] else None
+        return dq, dk, dv, dbias, dsink, None, *captured
 
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None = None, bias: Tensor | None = None,
     causal: bool = False, window: tuple[int | None, int | None] | None = None, scale: float, dropout_p: float = 0.0,
     dropout_seed: int = 0, need_lse: bool = True, softcap: float | None = None, block: tuple[int, int] | None = None,
-    score_mod: mods.ScoreMod | None = None,
+    score_mod: mods.ScoreMod | None = None, sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The backend entry used by ``functional.py``: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``,
-    differentiable in q, k, v, bias and the tensors a ``score_mod`` captures (lse is not). The lse
-    is always computed (``need_lse`` is the backends' common signature)."""
+    differentiable in q, k, v, bias, ``sink`` and the tensors a ``score_mod`` captures (lse is not).
+    ``sink``: attention sinks (``sinks.py``; (Hq,) or (B, Hq, Lq)) folded into the result, here so that
+    a score_mod's call keeps its captured tensors' gradients with them. The lse is always computed
+    (``need_lse`` is the backends' common signature)."""
     del need_lse
     options: dict[str, Any] = {
         "mask": mask, "causal": causal, "window": window, "scale": scale, "dropout_p": dropout_p,
@@ -442,10 +454,11 @@ def attention(
     if score_mod is not None:
         options["score_mod"] = score_mod
         captured = mods.captured_tensors(score_mod)
-    inputs = (q, k, v, bias, *captured)
+    inputs = (q, k, v, bias, sink, *captured)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
-        return forward(q, k, v, bias=bias, **options)
-    out, lse = _FlashAttention.apply(q, k, v, bias, options, *captured)
+        out, lse = forward(q, k, v, bias=bias, **options)
+        return (out, lse) if sink is None else sinks.fold(out, lse, sink)
+    out, lse = _FlashAttention.apply(q, k, v, bias, sink, options, *captured)
     return out, lse
 
 

@@ -341,10 +341,9 @@ def _attention(
         # A mod that cannot be generated is refused by backend="triton", naming the operation — never
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
-        special = (  # (sinks too, for now: flash folds them outside its Function, which a mod's grads need)
-            torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty or sink is not None
-        )
-        if name == "triton" and special and not empty:
+        special = torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty
+        # attention sinks with a mod: flash.py folds them inside its Function (the kernels do not take them)
+        if name == "triton" and (special or sink is not None) and not empty:
             raise ArgumentError(
                 "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile or torch.func, "
                 "and not with sinks); use backend='auto'"
@@ -359,12 +358,12 @@ def _attention(
             ran = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=True)
             assert ran is not None  # (strict: raises instead)
             return (ran[0], with_grad(ran[1])) if want_lse else ran[0]
-        if name == "auto" and not special and _auto(q, v) == "triton":
+        if name == "auto" and not special and sink is None and _auto(q, v) == "triton":
             got = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=False)
             if got is not None:
                 return (got[0], with_grad(got[1])) if want_lse else got[0]
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
-        if name in ("auto", "flash") and not special and _takes_kernel(q):
+        if name in ("auto", "flash") and not special and sink is None and _takes_kernel(q):
             # The compiled CPU kernel with the mod as C++ generated from it (cpu_mods.py); None: it
             # cannot be generated or built, and flash.py runs it below.
             from . import cpu_mods
@@ -457,11 +456,10 @@ def _triton_with_mod(
 
 
 def _flash_with_mod(q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None, **kw: Any) -> tuple[Tensor, Tensor]:
-    """flash.py with a score_mod (no sinks: those calls take the reference)."""
+    """flash.py with a score_mod (and its attention sinks, folded in flash.py's Function)."""
     from . import flash
 
-    assert sinks is None
-    out, lse = flash.attention(q, k, v, **kw)
+    out, lse = flash.attention(q, k, v, sink=sinks, **kw)
     assert lse is not None
     return out, lse
 

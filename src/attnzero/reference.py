@@ -166,18 +166,22 @@ def backward_with_graph(
 
 def mod_backward_with_graph(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
-    options: dict[str, Any], captured: list[Tensor],
+    options: dict[str, Any], captured: list[Tensor], sinks: Tensor | None = None, sinks_need: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """:func:`backward_with_graph` for a backend whose autograd Function takes ``(q, k, v, bias,
     options, *captured)``, ``captured`` the tensors a ``score_mod`` (in ``options``) reads — none
     without one: the gradients of those, the captured tensors' included (``needs`` lists all of
-    them, the options' slot too)."""
+    them, the options' slot too). With ``sinks`` (the Function's own input, ``sinks_need`` whether it
+    wants a gradient) its gradient comes last."""
     inputs = [q, k, v, bias, *captured]
     wrt = [t for t, n in zip(inputs[:4], needs[:4]) if t is not None and n]
     wrt += [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
+    wrt += [sinks] if sinks is not None and sinks_need else []
     with torch.enable_grad():
-        out, _ = attention(q, k, v, bias=bias, **options)
+        out, _ = attention(q, k, v, bias=bias, sinks=sinks, **options)
         got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True))
     res: list[Tensor | None] = [next(got) if t is not None and n else None for t, n in zip(inputs[:4], needs[:4])]
     rest = [next(got) if n and t.requires_grad else None for t, n in zip(captured, needs[5:])]
-    return (*res, None, *rest)
+    if sinks is None:
+        return (*res, None, *rest)
+    return (*res, None, *rest, next(got) if sinks_need else None)
