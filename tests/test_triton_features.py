@@ -602,3 +602,25 @@ def test_the_plain_backward_of_rows_whose_whole_bias_is_huge(value: float) -> No
     bias = torch.zeros(1, 1, 9, 9, dtype=torch.float64)
     bias[..., 3, :] = value
     check_against_golden("triton", torch.float32, q, k, v, bias=bias, sinks=torch.randn(2, dtype=torch.float64))
+
+
+def test_a_compiled_call_sends_rows_that_need_a_shift_to_flash_too() -> None:
+    """Under torch.compile the op's backward cannot be told in advance (``_FarRows`` is eager only):
+    the backward op looks at the lse itself. A left-padded additive mask with causal, whose first
+    rows keep only finfo.min keys: compiled gradients equal the eager ones and the reference's."""
+    B, H, L, D, pad = 2, 2, 12, 16, 5
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    real = torch.arange(L) >= pad
+    bias = torch.where(real, 0.0, torch.finfo(torch.float32).min).view(1, 1, 1, L).expand(B, 1, L, L).contiguous()
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return az.attention(q, k, v, bias=bias, causal=True, backend="triton")  # type: ignore[return-value]
+
+    grads = {}
+    for name, fn in (("reference", None), ("eager", f), ("compiled", torch.compile(f, fullgraph=True))):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = az.attention(*xs, bias=bias, causal=True, backend="reference") if fn is None else fn(*xs)
+        grads[name] = torch.autograd.grad(out.square().sum(), xs)
+    for name in ("eager", "compiled"):
+        for got, want in zip(grads[name], grads["reference"]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -90,6 +90,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 try:
     import triton
@@ -597,11 +598,13 @@ def _(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dr
 def triton_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
     bias: Tensor | None, q_ids: Tensor | None, k_ids: Tensor | None, causal: bool, left: int, right: int,
-    scale: float, softcap: float, dropout_p: float, seed: int, bias_grad: bool, deterministic: bool,
+    scale: float, softcap: float, dropout_p: float, seed: int, bias_grad: bool, deterministic: bool, far: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward kernels: (dq, dk, dv, dbias); dbias has bias's shape, or is empty when not asked for.
-    Rows whose lse needs a shift (``flash.row_shift``) run on flash.py (``_shifted_backward``)."""
-    if flash.row_shift(lse, bias, None) is not None:
+    Rows whose lse needs a shift run on flash.py (``_shifted_backward``): ``far`` says whether there
+    are any (``_FarRows``: 1 or 0), or −1 that it is not known and ``flash.row_shift`` looks (one
+    read-back, with a bias)."""
+    if far == 1 or (far == -1 and flash.row_shift(lse, bias, None) is not None):
         wl, wr = _side(left), _side(right)
         dq, dk, dv, dbias = _shifted_backward(
             dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, mask=_dense_keep(mask, q_ids, k_ids),
@@ -627,9 +630,38 @@ def _shifted_backward(
     return flash.backward(dout, q, k, v, out, lse, **options)
 
 
+def _eager(t: Tensor) -> bool:
+    """Whether ``t`` holds real values here (no tracing: torch.compile, aot_autograd, make_fx)."""
+    return type(t) is Tensor and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
+
+
+class _FarRows:
+    """Whether an lse has rows that may need a shift (finite, beyond ±``flash.ROW_SHIFT_MIN``), known
+    to the backward without waiting for the device: the test runs on the device right after the
+    forward and its answer is copied to pinned host memory behind an event, which the backward,
+    long after, finds done (a read-back there would stall the queue once per call with a bias or a
+    mod). True sends the backward to flash.py, which decides itself (``flash.row_shift``)."""
+
+    def __init__(self, lse: Tensor) -> None:
+        far = (torch.isfinite(lse) & (lse.abs() > flash.ROW_SHIFT_MIN)).any()  # 0-d bool, on lse's device
+        self.event: Any = None
+        if lse.is_cuda:
+            self.answer = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.answer.copy_(far, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.answer = far
+
+    def __bool__(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.answer)
+
+
 @triton_bwd.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed,  # type: ignore[no-untyped-def]
-      bias_grad, deterministic):
+      bias_grad, deterministic, far=-1):
     dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
@@ -640,6 +672,8 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     ctx.save_for_backward(q, k, v, out32 if keep_f32 else out, lse, mask, bias, q_ids, k_ids)  # Δ from the unrounded O
     ctx.args = (causal, left, right, scale, softcap, dropout_p, seed)
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
+    # with a bias, whether the backward may need flash.py (eager only; traced, the op looks itself)
+    ctx.far = _FarRows(lse) if bias is not None and _eager(lse) else None
 
 
 def _dense_keep(mask: Tensor | None, q_ids: Tensor | None, k_ids: Tensor | None) -> Tensor | None:
@@ -666,8 +700,9 @@ def _backward_rule(ctx: Any, dout: Tensor, dlse: Tensor, dout32: Tensor) -> tupl
         )
         return dq, dk, dv, None, dbias, *nones
     deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+    far = -1 if ctx.far is None else int(bool(ctx.far))
     dq, dk, dv, dbias = triton_bwd(
-        dout, q, k, v, out, lse, mask, bias, q_ids, k_ids, *ctx.args, ctx.bias_grad, deterministic
+        dout, q, k, v, out, lse, mask, bias, q_ids, k_ids, *ctx.args, ctx.bias_grad, deterministic, far
     )
     return dq, dk, dv, None, (dbias if ctx.bias_grad else None), *nones
 
@@ -815,7 +850,7 @@ def backward(
     )
     grad_b = bias_grad and bias is not None
     if mask_gen is None:
-        dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic)
+        dq, dk, dv, dbias = triton_bwd(dout, q, k, v, out, lse, *args, grad_b, deterministic, 0)  # (looked above)
     else:
         run: Any = _backward
         dq, dk, dv, dbias = run(dout, q, k, v, out, lse, *args, grad_b, deterministic, mask_gen=mask_gen)
@@ -919,6 +954,7 @@ class _ModAttention(torch.autograd.Function):
         out, lse, out32 = run(q, k, v, args[0], bias, *args[2:], keep_f32, score_gen=gen, mask_gen=mask_gen)
         ctx.save_for_backward(q, k, v, bias, out32 if keep_f32 else out, lse)
         ctx.options = options
+        ctx.far = _FarRows(lse) if bias is not None or gen is not None else None  # (a mod may write −1e9 too)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -932,7 +968,7 @@ class _ModAttention(torch.autograd.Function):
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             return reference.mod_backward_with_graph(dout, q, k, v, bias, needs, options["reference"], captured)
         bias_grad = bias is not None and needs[3]
-        if flash.row_shift(lse, bias, options["reference"]["score_mod"]) is not None:
+        if ctx.far is not None and ctx.far:
             flash_grads: list[Tensor | None] = []
             dq, dk, dv, dbias = _shifted_backward(
                 dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, **options["reference"],
