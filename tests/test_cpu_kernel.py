@@ -433,3 +433,24 @@ def test_only_rows_with_a_huge_bias_send_the_backward_to_flash_py(
     assert isinstance(out, torch.Tensor)
     out.sum().backward()
     assert sent == [1] and calls == {"forward": 2, "backward": 2}
+
+
+@pytest.mark.parametrize("layout", ["transposed", "stride_0", "stride_3"])
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+def test_one_key_whose_row_stride_is_less_than_a_row(layout: str, which: str) -> None:
+    """One key (Lk = 1) in float32, its K or V laid out with a row stride below D: torch calls such a
+    tensor contiguous (a size-1 dimension's stride does not count), so ``contiguous()`` kept it, and
+    sgemm refused its leading dimension and left the output unwritten (garbage, NaN). Found by a
+    sweep over layouts; against the golden, forward and backward."""
+    need_kernel()
+    B, H, Lq, D = 2, 3, 5, 8
+    q, k, v = qkv(B, H, H, Lq, 1, D)
+
+    row = {"transposed": 1, "stride_0": 0, "stride_3": 3}[layout]  # (B, H, D, 1).transpose(2, 3): 1
+
+    def odd(t: torch.Tensor) -> torch.Tensor:  # the same values with that stride on the size-1 dim
+        return t.contiguous().as_strided(t.shape, (H * D, D, row, 1))
+
+    k, v = (odd(k) if "k" in which else k), (odd(v) if "v" in which else v)
+    assert min(t.stride(2) for t in (k, v)) == row and k.is_contiguous() and v.is_contiguous()
+    check_against_golden("flash", torch.float32, q, k, v)

@@ -513,9 +513,13 @@ const float* kv_block(const at::Tensor& x, int64_t b, int64_t h, int64_t j0, int
   }
 }
 
-// K or V as the kernel reads them: rows of unit stride (the float32 path hands them to sgemm as they are).
+// K or V as the kernel reads them: rows of unit stride, at least a row apart (the float32 path hands
+// them to sgemm as they are, whose leading dimension must be at least a row). A copy with fresh
+// strides otherwise: `contiguous()` keeps a tensor that torch calls contiguous as it is, and with one
+// key (Lk = 1) torch ignores that dimension's stride — (B, H, D, 1).transpose(2, 3) has stride 1
+// there, and sgemm refused it, leaving the output unwritten.
 at::Tensor unit_rows(const at::Tensor& x) {
-  return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.contiguous();
+  return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.clone(at::MemoryFormat::Contiguous);
 }
 
 // Whether the register tiles read x's rows (q, or dO) where they lie, at their row stride: float32
