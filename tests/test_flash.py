@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import qkv, torch_threads
+from conftest import qkv, randn, torch_threads
 
 import attnzero as az
 from attnzero import flash, functional, reference
@@ -558,3 +558,46 @@ def test_rows_that_keep_only_huge_negative_scores_get_the_references_gradients(
             return torch.where(j < pad, FINFO32_MIN, s)
 
         check_against_golden(backend, dtype, q, k, v, score_mod=padded, causal=True)
+
+
+@pytest.mark.parametrize("shared", ["k_is_v", "q_is_k_is_v"])
+@pytest.mark.parametrize("extra", ["plain", "bias_causal", "sinks", "score_mod"])
+def test_create_graph_with_one_tensor_in_several_slots(shared: str, extra: str) -> None:
+    """``attention(x, x, x)`` (or k is v) with create_graph=True — a gradient penalty on
+    self-attention: the backward through the formula gave each slot the sum of all the tensor's uses
+    (autograd.grad of one tensor listed twice), so the first-order gradient came out 2× or 3×. Now
+    the default backend's first and second order equal the reference's, and its plain backward's."""
+    x0, q0 = randn(2, 3, 7, 8), randn(2, 3, 5, 8)
+    kw: dict[str, Any] = {
+        "plain": {}, "bias_causal": {"bias": randn(1, 3, 1, 7), "causal": True},
+        "sinks": {"sinks": randn(3)}, "score_mod": {"score_mod": lambda s, b, h, i, j: s - 0.1 * (i - j).abs()},
+    }[extra]  # fmt: skip
+    res = {}
+    for backend in ("flash", "reference"):
+        for create_graph in (False, True):
+            x = x0.clone().requires_grad_()
+            q = x if shared == "q_is_k_is_v" else q0.clone().requires_grad_()
+            out = az.attention(q, x, x, backend=backend, **kw)  # type: ignore[arg-type]
+            (g,) = torch.autograd.grad(out.square().sum(), [x], create_graph=create_graph)
+            res[backend, create_graph] = g.detach()
+            if create_graph:
+                res[backend, "second"] = torch.autograd.grad(g.square().sum(), [x])[0]
+    torch.testing.assert_close(res["flash", True], res["flash", False], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(res["flash", True], res["reference", False], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(res["flash", "second"], res["reference", "second"], rtol=1e-10, atol=1e-12)
+
+
+def test_the_drop_in_gradient_penalty_on_self_attention_is_torchs() -> None:
+    """``scaled_dot_product_attention(x, x, x)`` differentiated twice equals torch's math backend."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    x0 = randn(2, 3, 5, 8)
+    got = []
+    for fn in (az.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        x = x0.clone().requires_grad_()
+        with sdpa_kernel(SDPBackend.MATH):
+            (g,) = torch.autograd.grad(fn(x, x, x, is_causal=True).sum(), [x], create_graph=True)
+        got.append((g.detach(), torch.autograd.grad(g.square().sum(), [x])[0]))
+    for a, b in zip(got[0], got[1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

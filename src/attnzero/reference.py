@@ -136,6 +136,17 @@ def needs_graph(dout: Tensor) -> bool:
     return torch.is_grad_enabled() or ft.is_functorch_wrapped_tensor(dout) or ft.is_legacy_batchedtensor(dout)
 
 
+def _apart(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Each input as a view of itself, so that one tensor passed twice (``attention(x, x, x)``, k is v)
+    gets each slot's gradient from ``autograd.grad``, not the sum of all its uses in every slot (autograd
+    then adds the slots: twice or three times the gradient). The views stay differentiable functions of
+    the inputs, so the gradients keep their graph."""
+    b, s = (None if t is None else t.view_as(t) for t in (bias, sinks))
+    return q.view_as(q), k.view_as(k), v.view_as(v), b, s
+
+
 def backward_with_graph(
     dout: Tensor,
     q: Tensor,
@@ -153,6 +164,7 @@ def backward_with_graph(
     a gradient (dsinks comes back when ``needs`` has five entries); ``options`` are
     :func:`attention`'s (the same dropout seed drops the same entries)."""
     with torch.enable_grad():
+        q, k, v, bias, sinks = _apart(q, k, v, bias, sinks)
         out, _ = attention(q, k, v, bias=bias, sinks=sinks, **options)
     inputs = (q, k, v, bias, sinks)[: len(needs)]
     wrt = [t for t, n in zip(inputs, needs) if n and t is not None and t.requires_grad]
@@ -173,6 +185,8 @@ def mod_backward_with_graph(
     without one: the gradients of those, the captured tensors' included (``needs`` lists all of
     them, the options' slot too). With ``sinks`` (the Function's own input, ``sinks_need`` whether it
     wants a gradient) its gradient comes last."""
+    with torch.enable_grad():
+        q, k, v, bias, sinks = _apart(q, k, v, bias, sinks)
     inputs = [q, k, v, bias, *captured]
     wrt = [t for t, n in zip(inputs[:4], needs[:4]) if t is not None and n]
     wrt += [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
