@@ -279,6 +279,28 @@ def test_decode_against_golden(
     assert decode_calls, "the split-KV path was not taken"
 
 
+@pytest.mark.parametrize("big", [-1e9, torch.finfo(torch.float32).min], ids=["1e9", "finfo"])
+def test_decode_merges_splits_whose_kept_keys_all_carry_a_huge_bias(
+    decode_calls: list[int], monkeypatch: pytest.MonkeyPatch, big: float
+) -> None:
+    """A row whose kept keys all carry an additive mask's −1e9 (or finfo.min), kept unevenly by two
+    splits (whole key blocks: most kept keys in the second): its output is the mean of their
+    values. The splits once handed the merge their float32 lse, ≈ −1e9 + log n_s with none of
+    log n_s's bits, and it weighed both splits alike (error 0.06–0.09, found by a sweep); now each
+    split's max and sum."""
+    monkeypatch.setattr(tb, "DECODE_SPLITS", 2)
+    B, H, Lk, D = 1, 2, 200, 16
+    q, k, v = (torch.randn(B, H, n, D) for n in (1, Lk, Lk))
+    bias = torch.full((1, 1, 1, Lk), big)
+    keep = torch.ones(1, 1, 1, Lk, dtype=torch.bool)
+    keep[..., :90] = False  # keys 90..199 kept
+    with torch.no_grad():
+        out = az.attention(q, k, v, bias=bias, mask=keep, backend="triton")
+    assert decode_calls, "the split-KV path was not taken"
+    mean = v[..., 90:, :].mean(dim=-2, keepdim=True)  # (B, H, 1, D)
+    torch.testing.assert_close(out, mean, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_not_taken_when_grad_is_needed(decode_calls: list[int]) -> None:
     golden(F32, 1, 2, 1, 2, 80, 16)  # with gradients: the forward kernel, which has a backward
     assert not decode_calls

@@ -3,10 +3,13 @@
 With Lq ≤ 16 the forward grid has too few programs to fill a GPU, and each query head would read its
 key/value head again. Here one program takes *all* query rows of a key/value head's GQA group —
 rows ``r = g·Lq + i`` (query head ``hk·G + g``, query ``i``) — and one split of the keys, so K/V
-are read once per group; the splits run in parallel and write partial results ``(O_s, lse_s)``,
-each normalised over its own keys. ``merge_kernel`` then combines them by log-sum-exp (docs/MATH.md):
-``lse = log Σ_s exp(lse_s)``, ``O = Σ_s exp(lse_s - lse)·O_s``; splits that saw no key have
-lse_s = -inf and contribute nothing.
+are read once per group; the splits run in parallel and write partial results: ``O_s``, normalised
+over the split's own keys, and the split's row max ``m_s`` and sum ``l_s`` (its lse is
+``m_s + log l_s``). ``merge_kernel`` then combines them by log-sum-exp (docs/MATH.md): with
+``m = max_s m_s`` and ``w_s = l_s · exp(m_s − m)``, ``O = Σ_s w_s·O_s / Σ_s w_s`` and
+``lse = m + log Σ_s w_s``; splits that saw no key have ``l_s = 0`` and contribute nothing. (Not the
+splits' lse: under an additive mask's −1e9 a float32 lse keeps none of log l_s's bits, and the
+merge weighed every split alike.)
 
 As in the forward, ``split_kernel``'s ``TRACE`` constexpr (set only while an ``attnzero.trace``
 recording is open) makes each program write down the key blocks it visits.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import NEG_INF, attend_keys, finish_rows, segment_rows, trace_start
+from .forward import NEG_INF, attend_keys, finish_rows, natural_log, segment_rows, trace_start
 
 WAVES = 2  # split the keys until about this many programs per multiprocessor run
 
@@ -34,7 +37,8 @@ def split_kernel(
     Trace, TRACE: tl.constexpr,
     CAP, MCAP, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
-    """The split-KV pass. Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq) float32 (natural log).
+    """The split-KV pass. Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq, 2) float32: each
+    row's output over the split's keys, and its max (natural log) and sum.
     With HAS_SEGMENTS: QIds (B, Lq), KIds (B, Lk) int32 segment ids and Ranges (B, 1, 2) int32, the
     key range [lo, hi) of all Lq queries of a batch.
     With TRACE (the ladder's instrumentation, only while a recording is open): Trace (grid, 2 + cdiv(Lk, BLOCK_N))
@@ -76,17 +80,19 @@ def split_kernel(
         BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_SEGMENTS, HAS_SOFTCAP, HAS_DROPOUT,
         PRECISION, TRACE, SCORE_MOD, MASK_MOD, HAS_MOD, HAS_MASK_MOD,
     )
-    out, lse = finish_rows(acc, m_i, l_i, keep_scale, HAS_BIAS or HAS_MOD)
+    out, _ = finish_rows(acc, m_i, l_i, keep_scale, HAS_BIAS or HAS_MOD)
     part = ((b * Hq + h) * S + pid_s) * Lq + i  # (BLOCK_M,) row index into (B, Hq, S, Lq)
     tl.store(Opart + part[:, None] * Dv + offs_dv[None, :], out, mask=rows_ok[:, None] & dv_ok[None, :])
-    tl.store(Lpart + part, lse, mask=rows_ok)
+    tl.store(Lpart + part * 2, natural_log(m_i, HAS_BIAS or HAS_MOD), mask=rows_ok)  # m_s (-inf: no key)
+    tl.store(Lpart + part * 2 + 1, l_i, mask=rows_ok)  # l_s
 
 
 @triton.jit(do_not_specialize=["Lq"])
 def merge_kernel(
     Opart, Lpart, Out, Lse, sob, soh, som, Hq, Lq, Dv, S, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr
 ):
-    """Grid (B·Hq·Lq,): merge the S partial rows of one query. Out (B, Hq, Lq, Dv), Lse (B, Hq, Lq)."""
+    """Grid (B·Hq·Lq,): merge the S partial rows of one query (Lpart: their max and sum). Out (B, Hq, Lq, Dv),
+    Lse (B, Hq, Lq)."""
     row = tl.program_id(0).to(tl.int64)  # (b·Hq + h)·Lq + i
     bh = row // Lq
     i = row % Lq
@@ -94,13 +100,14 @@ def merge_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < S
     part = (bh * S + offs_s) * Lq + i  # (BLOCK_S,)
-    lse_s = tl.load(Lpart + part, mask=s_ok, other=NEG_INF)
+    m_s = tl.load(Lpart + part * 2, mask=s_ok, other=NEG_INF)
+    l_s = tl.load(Lpart + part * 2 + 1, mask=s_ok, other=0.0)
     o_s = tl.load(Opart + part[:, None] * Dv + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv[None, :] < Dv),
                   other=0.0)  # (BLOCK_S, BLOCK_DV)
-    # lse = m + log Σ exp(lse_s - m); w_s = exp(lse_s - lse) — guarded for all -inf
-    m = tl.max(lse_s, 0)
+    # w_s = l_s · exp(m_s - m): each split's share of the row's sum, m = max m_s (guarded for all -inf)
+    m = tl.max(m_s, 0)
     m_safe = tl.where(m == NEG_INF, 0.0, m)
-    w = tl.exp(lse_s - m_safe)
+    w = l_s * tl.exp(m_s - m_safe)
     total = tl.sum(w, 0)
     total_safe = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(o_s * (w / total_safe)[:, None], 0)  # (BLOCK_DV,)

@@ -110,6 +110,14 @@ def score_unit(x, NATURAL: tl.constexpr):
 
 
 @triton.jit
+def natural_log(x, NATURAL: tl.constexpr):
+    """A quantity in the scores' unit (a row max) in natural log: as it is when NATURAL, else · ln 2."""
+    if not NATURAL:
+        x = x * TO_NATURAL
+    return x
+
+
+@triton.jit
 def mix32(x):
     """lowbias32 (dropout.py's ``_mix32``) on uint32 values: products wrap at 32 bits."""
     x = x ^ (x >> MIX_SHIFT_1)

@@ -443,7 +443,7 @@ def _decode(
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
         S, chunk = dec_k.splits_for(B * Hkv, Lk, cfg["BLOCK_N"], num_sms)
     opart = torch.empty((B, Hq, S, Lq, Dv), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq, Dv)
-    lpart = torch.empty((B, Hq, S, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq)
+    lpart = torch.empty((B, Hq, S, Lq, 2), dtype=torch.float32, device=q.device)  # (B, Hq, S, Lq, (max, sum))
     grid = (S * B * Hkv,)
     args = (
         q, k, v, opart, lpart, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
@@ -472,10 +472,15 @@ def _decode(
                 "decode.split", kernel="split_kernel", pid=pid, split=s, splits=S, batch=b, kv_head=hk,
                 heads=list(range(hk * G, (hk + 1) * G)), keys=(s * chunk, min((s + 1) * chunk, Lk)),
                 key_blocks=blocks, masked=masked, block_n=cfg["BLOCK_N"], Lk=Lk,
-                out_s=opart[b, heads, s].clone(), lse_s=lpart[b, heads, s].clone(),  # (G, Lq, Dv), (G, Lq)
+                out_s=opart[b, heads, s].clone(), lse_s=_split_lse(lpart[b, heads, s]),  # (G, Lq, Dv), (G, Lq)
                 out=out[b, heads].clone(), lse=lse[b, heads].clone(),  # merged: (G, Lq, Dv), (G, Lq)
             )
     return out, lse
+
+
+def _split_lse(part: Tensor) -> Tensor:
+    """A split's lse ``m_s + log l_s`` from its (…, 2) max and sum (−inf where it saw no key)."""
+    return part[..., 0] + torch.log(part[..., 1])
 
 
 def _backward(
