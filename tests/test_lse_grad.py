@@ -15,6 +15,7 @@ from conftest import flash_py, need_kernel, qkv
 from torch import Tensor
 
 import attnzero as az
+from attnzero import reference
 
 F64 = torch.float64
 
@@ -86,24 +87,27 @@ def test_a_loss_of_the_lse_gets_the_references_gradients(case: str, path: str) -
 
 
 @pytest.mark.parametrize("how", ["compile", "func"])
-def test_the_lse_keeps_its_gradient_under_compile_and_torch_func(how: str) -> None:
-    """Under torch.compile and torch.func a call whose lse may take a gradient runs the reference's
-    formula (traced), so a loss of the lse gets its gradient there too (before: dropped silently)."""
+def test_the_lse_keeps_its_gradient_under_compile_and_torch_func(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile a call whose lse may take a gradient runs the backend's op, whose backward
+    adds the lse's share (``lse_grad.of_lse``) — not the reference's O(L²) formula; under torch.func
+    it runs the reference's. A loss of the lse gets its gradient either way (before: dropped
+    silently), with sinks too."""
     q, k, v = (t.float() for t in qkv(1, 4, 2, 9, 11, 8))
-    bias = torch.randn(1, 1, 9, 11)
+    bias, sinks = torch.randn(1, 1, 9, 11), torch.randn(4)
 
     def loss(q: Tensor) -> Tensor:
-        out, lse = az.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+        out, lse = az.attention(q, k, v, bias=bias, sinks=sinks, causal=True, return_lse=True)
         return out.sum() + (lse**2).sum()
 
     x = q.clone().requires_grad_()
     want = torch.autograd.grad(
         (lambda o: o[0].sum() + (o[1] ** 2).sum())(
-            az.attention(x, k, v, bias=bias, causal=True, return_lse=True, backend="reference")
+            az.attention(x, k, v, bias=bias, sinks=sinks, causal=True, return_lse=True, backend="reference")
         ),
         x,
     )[0]
     if how == "compile":
+        monkeypatch.setattr(reference, "attention", lambda *a, **kw: pytest.fail("the reference ran"))
         torch._dynamo.reset()
         y = q.clone().requires_grad_()
         got = torch.autograd.grad(torch.compile(loss, backend="aot_eager")(y), y)[0]

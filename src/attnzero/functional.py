@@ -255,8 +255,9 @@ def attention(
             entries follow torch's RNG state.
         backend: "reference", "flash", "triton" or "auto".
         return_lse: also return the natural-log log-sum-exp of the scores, (B, Hq, Lq); differentiable
-            in q, k, bias, sinks and a score_mod's tensors on every backend (``lse_grad.py``); under
-            ``torch.compile`` and ``torch.func`` a call whose lse may take a gradient runs the reference.
+            in q, k, bias, sinks and a score_mod's tensors on every backend (``lse_grad.py``; under
+            ``torch.compile`` the backend's op adds the lse's share in its backward); under
+            ``torch.func`` a call whose lse may take a gradient runs the reference.
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
             each scaled score ``scale · q · k`` before ``softcap`` and ``bias`` (a kept pair's score
             is ``bias + cap(score_mod(scale · q · k, ...))``); ``h`` is the query head, ``q_idx`` /
@@ -390,8 +391,9 @@ def _attention(
     transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
     if transformed and batching.forward_mode():
         name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
-    if want_lse and (compiling or transformed) and name != "reference" and _needs_grad(q, k, v, add, sink):
-        name = "reference"  # an lse that may take a gradient there: the formula's (lse_grad.py serves eager calls)
+    lse_with_grad = want_lse and _needs_grad(q, k, v, add, sink)
+    if lse_with_grad and transformed and name != "reference":
+        name = "reference"  # an lse that may take a gradient under torch.func: the formula's (batching.py's has none)
     if compiling and name == "reference" and want_lse and 0 not in (q.numel(), k.numel(), v.numel()):
         # traced as the formula's ops (as a score_mod's call is), so that its lse keeps its gradient
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
@@ -414,7 +416,7 @@ def _attention(
         seed_t = dropout.seed_tensor(q.device) if p > 0.0 else torch.zeros((), dtype=torch.int64)
         out, lse = ops.attention(
             name, q, k, v, mask=dense, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
-            dropout_p=p, dropout_seed=seed_t,
+            dropout_p=p, dropout_seed=seed_t, lse_grad=lse_with_grad,
         )  # fmt: skip
     else:
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0

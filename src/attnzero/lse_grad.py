@@ -39,18 +39,33 @@ class _Lse(torch.autograd.Function):
     def backward(ctx: Any, dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, bias, sinks, lse = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        B, Hq, Lq, _ = q.shape
-        ones = q.new_ones(k.shape[0], k.shape[1], k.shape[2], 1)  # V: one column of ones (B, Hkv, Lk, 1)
-        zeros = q.new_zeros(B, Hq, Lq, 1)  # O taken as 0: D = 0
-        dout = dlse.unsqueeze(-1).to(q.dtype)  # dO = dlse: (B, Hq, Lq, 1)
         grads: list[Tensor | None] = []
-        dq, dk, _, dbias = flash.backward(
-            dout, q, k, ones, zeros, lse, bias=bias, bias_grad=bias is not None and needs[3], dropout_p=0.0,
-            dropout_seed=0, captured_grads=grads, **ctx.options,
+        dq, dk, dbias, dsinks = of_lse(
+            dlse, q, k, lse, bias=bias, sinks=sinks, bias_grad=needs[3], sinks_grad=needs[4], captured_grads=grads,
+            **ctx.options,
         )  # fmt: skip
-        dsinks = sinks_.grad_of_rows(-dlse, lse, sinks) if sinks is not None and needs[4] else None  # Σ p_sink·dlse
         rest = [g if needs[6 + i] else None for i, g in enumerate(grads)]
         return None, dq if needs[1] else None, dk if needs[2] else None, dbias, dsinks, None, *rest
+
+
+def of_lse(
+    dlse: Tensor, q: Tensor, k: Tensor, lse: Tensor, *, bias: Tensor | None, sinks: Tensor | None,
+    bias_grad: bool, sinks_grad: bool, captured_grads: list[Tensor | None] | None = None, **options: Any,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``(dq, dk, dbias, dsinks)`` of ``<lse, dlse>`` (dbias / dsinks None unless asked for): flash.py's
+    backward with V a column of ones, dO = dlse and O = 0, and the sinks' share. ``lse`` is the one
+    returned (the sinks folded in); ``options``: the call's mask, causal, window, scale, softcap and
+    score_mod (its captured tensors' gradients into ``captured_grads``)."""
+    B, Hq, Lq, _ = q.shape
+    ones = q.new_ones(k.shape[0], k.shape[1], k.shape[2], 1)  # V: one column of ones (B, Hkv, Lk, 1)
+    zeros = q.new_zeros(B, Hq, Lq, 1)  # O taken as 0: D = 0
+    dout = dlse.unsqueeze(-1).to(q.dtype)  # dO = dlse: (B, Hq, Lq, 1)
+    dq, dk, _, dbias = flash.backward(
+        dout, q, k, ones, zeros, lse, bias=bias, bias_grad=bias is not None and bias_grad, dropout_p=0.0,
+        dropout_seed=0, captured_grads=captured_grads, **options,
+    )  # fmt: skip
+    dsinks = sinks_.grad_of_rows(-dlse, lse, sinks) if sinks is not None and sinks_grad else None  # Σ p_sink·dlse
+    return dq, dk, dbias, dsinks
 
 
 def attach(
@@ -68,4 +83,4 @@ def attach(
     return out
 
 
-__all__ = ["attach"]
+__all__ = ["attach", "of_lse"]

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import cpu_kernel, dropout, reference
+from . import cpu_kernel, dropout, lse_grad, reference
 from . import sinks as _sinks
 from .masks import Mask
 from .reference import accum_dtype
@@ -449,9 +449,12 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     def fwd(
         q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int,
         right: int, scale: float, softcap: float, sinks: Tensor | None, dropout_p: float, seed: Tensor,
+        lse_grad: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(out, lse, *kept): kept for the backward op, empty unless the backend keeps something.
-        ``softcap`` 0.0 = none."""
+        ``softcap`` 0.0 = none. ``lse_grad``: the lse is differentiable (the caller asked for it, with
+        a gradient), else a by-product."""
+        del lse_grad  # (read by setup_context)
         with torch.no_grad(), without_autocast(q.device):
             out, lse, kept = forward(
                 name, q, k, v, sinks, mask=mask, bias=bias, causal=causal, window=window_of(left, right),
@@ -460,7 +463,7 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
         return out.contiguous(), lse.contiguous(), kept[0].contiguous(), kept[1].contiguous()  # the fakes' layout
 
     @fwd.register_fake
-    def _(q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed):  # type: ignore[no-untyped-def]
+    def _(q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed, lse_grad=False):  # type: ignore[no-untyped-def]
         B, Hq, Lq, _ = q.shape
         out, lse = q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=accum_dtype(q.dtype))
         return out, lse, *_kept_shapes(name, q, k.shape[2], dropout_p)
@@ -470,46 +473,59 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
         dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, p: Tensor, z: Tensor,
         mask: Tensor | None, bias: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float,
         sinks: Tensor | None, dropout_p: float, seed: Tensor, bias_grad: bool, sinks_grad: bool,
+        dlse: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """(dq, dk, dv, dbias, dsinks); dbias / dsinks are empty when not asked for."""
+        """(dq, dk, dv, dbias, dsinks); dbias / dsinks are empty when not asked for. ``dlse``: the lse's
+        gradient, whose share (``lse_grad.of_lse``: flash.py's backward of P) is added."""
         with torch.no_grad(), without_autocast(q.device):
+            window = window_of(left, right)
             dq, dk, dv, dbias = backward(
-                name, dout, q, k, v, out, lse, kept=(p, z), mask=mask, bias=bias, causal=causal,
-                window=window_of(left, right), scale=scale, softcap=softcap or None, dropout_p=dropout_p,
-                dropout_seed=int(seed.item()), bias_grad=bias_grad,
+                name, dout, q, k, v, out, lse, kept=(p, z), mask=mask, bias=bias, causal=causal, window=window,
+                scale=scale, softcap=softcap or None, dropout_p=dropout_p, dropout_seed=int(seed.item()),
+                bias_grad=bias_grad,
             )  # fmt: skip
             ds = _sinks.grad(dout, out, lse, sinks) if sinks is not None and sinks_grad else q.new_empty(0)
+            if dlse is not None and q.numel() and k.numel():  # (zero sizes: no score, no gradient)
+                lq, lk, lb, ls = lse_grad.of_lse(
+                    dlse, q, k, lse, bias=bias, sinks=sinks, bias_grad=bias_grad, sinks_grad=sinks_grad, mask=mask,
+                    causal=causal, window=window, scale=scale, softcap=softcap or None,
+                )  # fmt: skip
+                dq, dk = dq + lq.to(dq.dtype), dk + lk.to(dk.dtype)
+                dbias = dbias if lb is None or dbias is None else dbias + lb.to(dbias.dtype)
+                ds = ds if ls is None else ds + ls.to(ds.dtype)
         db = dbias.contiguous() if dbias is not None else q.new_empty(0)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), db, ds.contiguous()
 
     @bwd.register_fake
     def _(dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed,  # type: ignore[no-untyped-def]
-          bias_grad, sinks_grad):  # fmt: skip
+          bias_grad, sinks_grad, dlse=None):  # fmt: skip
         dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
         dsinks = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed = inputs
+        q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed, *rest = inputs
         out, lse, p, z = output
         ctx.save_for_backward(q, k, v, out, lse, p, z, mask, bias, sinks, seed)
         ctx.args = (causal, left, right, scale, softcap)
         ctx.dropout_p = dropout_p
         ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
         ctx.sinks_grad = sinks is not None and ctx.needs_input_grad[10]
-        ctx.mark_non_differentiable(lse, p, z)  # by-products, as in every backend
+        ctx.lse_grad = bool(rest and rest[0])
+        # by-products, as in every backend (the lse too, unless the caller asked for its gradient)
+        ctx.mark_non_differentiable(p, z, *(() if ctx.lse_grad else (lse,)))
 
-    def grad(ctx: Any, dout: Tensor, *unused: Tensor | None) -> tuple[Tensor | None, ...]:
-        del unused  # the gradients of lse, p, z: not differentiable
+    def grad(ctx: Any, dout: Tensor, dlse: Tensor | None, *unused: Tensor | None) -> tuple[Tensor | None, ...]:
+        del unused  # the gradients of p, z: not differentiable
         q, k, v, out, lse, p, z, mask, bias, sinks, seed = ctx.saved_tensors
         causal, left, right, scale, softcap = ctx.args
         dq, dk, dv, dbias, dsinks = bwd(
             dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, softcap, sinks, ctx.dropout_p,
-            seed, ctx.bias_grad, ctx.sinks_grad,
+            seed, ctx.bias_grad, ctx.sinks_grad, dlse if ctx.lse_grad else None,
         )  # fmt: skip
         db = dbias if ctx.bias_grad else None
         dsk = dsinks if ctx.sinks_grad else None
-        return dq, dk, dv, None, db, None, None, None, None, None, dsk, None, None
+        return dq, dk, dv, None, db, None, None, None, None, None, dsk, None, None, None
 
     fwd.register_autograd(grad, setup_context=setup_context)
     return fwd
@@ -533,11 +549,14 @@ def attention(
     sinks: Tensor | None,
     dropout_p: float,
     dropout_seed: Tensor,
+    lse_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Backend ``name`` through its ops: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``, differentiable
-    in q, k, v, bias and sinks. ``mask`` a bool tensor broadcastable to (B, Hq, Lq, Lk),
-    ``dropout_seed`` a 0-d int64 tensor."""
+    in q, k, v, bias and sinks (the lse too with ``lse_grad``). ``mask`` a bool tensor broadcastable to
+    (B, Hq, Lq, Lk), ``dropout_seed`` a 0-d int64 tensor."""
     left, right = sides(window)
     cap = 0.0 if softcap is None else softcap
-    out, lse, _, _ = _OPS[name](q, k, v, mask, bias, causal, left, right, scale, cap, sinks, dropout_p, dropout_seed)
+    out, lse, _, _ = _OPS[name](
+        q, k, v, mask, bias, causal, left, right, scale, cap, sinks, dropout_p, dropout_seed, lse_grad
+    )
     return out, lse
