@@ -4,7 +4,8 @@ each a ratio of medians in one interleaved run, printed as markdown tables for d
 * ``cost``: a cheap score_mod (ALiBi from slopes, a relative-bias table lookup, tanh softcap written
   as a mod) against the same call without it (``auto``: the compiled kernel, the mod as generated
   C++), forward and forward + backward — beside the built-in that computes the same (``bias=alibi``,
-  ``softcap=``) and the mod on flash.py (where the kernel cannot take it);
+  ``softcap=``), the mod on flash.py (where the kernel cannot take it), and the mod with attention
+  sinks (flash.py; before, the reference's formula, also timed);
 * ``masks``: masks from a mask_mod (``az.masks.from_mod``): prefix-LM against the causal call,
   documents from a mod against ``az.masks.document``;
 * ``training``: what a user who trains would pick instead — torch's SDPA with the equivalent dense
@@ -52,7 +53,8 @@ def _mods(L: int) -> dict[str, Any]:
     def capped(s, b, h, i, j):  # type: ignore[no-untyped-def]
         return 30.0 * torch.tanh(s / 30.0)
 
-    return {"slopes": slopes, "rel": rel, "alibi": alibi, "relative": relative, "capped": capped}
+    sinks = torch.randn(H)  # gpt-oss's attention sinks, one logit per head
+    return {"slopes": slopes, "rel": rel, "alibi": alibi, "relative": relative, "capped": capped, "sinks": sinks}
 
 
 def _on_flash(fn: Run) -> Run:
@@ -93,6 +95,9 @@ def cost(L: int, repeats: int) -> Iterator[str]:
             "ALiBi as a dense bias (kernel)": make(bias=alibi_bias),
             "softcap built-in (kernel)": make(softcap=30.0),
             "ALiBi mod on flash.py": _on_flash(make(score_mod=m["alibi"])),
+            "ALiBi mod with sinks (flash.py)": make(score_mod=m["alibi"], sinks=m["sinks"]),
+            "ALiBi mod with sinks, the reference's formula": make(score_mod=m["alibi"], sinks=m["sinks"],
+                                                                  backend="reference"),
         }
         t = time_interleaved(runs, repeats)
         base = t["plain (kernel)"]

@@ -128,3 +128,37 @@ def test_zero_sizes_with_an_lse_under_compile(shapes: tuple[tuple[int, ...], tup
     torch._dynamo.reset()
     assert out.shape == (*shapes[0][:3], 4) and lse.shape == shapes[0][:3]
     assert not out.any() and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.parametrize("extra", ["plain", "bias_sinks", "score_mod"])
+@pytest.mark.parametrize("backend", ["auto", "flash"])
+def test_second_order_through_the_lse(extra: str, backend: str) -> None:
+    """create_graph=True through a loss of the lse (and of out): the lse's own backward computed
+    numbers only, so a second derivative lost its share — or failed, with the lse alone in the loss
+    (found by a sweep). Now through the formula's lse, as the output's backward does; equal to the
+    reference's, first and second order, the bias, sinks and a captured table included."""
+    q0, k0, v0 = qkv(1, 2, 2, 5, 7, 4)
+    dl = torch.randn(1, 2, 5, dtype=F64)
+    bias0, sinks0, table0 = torch.randn(1, 2, 5, 7, dtype=F64), torch.randn(2, dtype=F64), torch.randn(2, 16, dtype=F64)
+    res = {}
+    for name in (backend, "reference"):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        leaves = [q, k, v]
+        kw: dict[str, Any] = {"causal": True}
+        if extra == "bias_sinks":
+            kw["bias"], kw["sinks"] = bias0.clone().requires_grad_(), sinks0.clone().requires_grad_()
+            leaves += [kw["bias"], kw["sinks"]]
+        elif extra == "score_mod":
+            table = table0.clone().requires_grad_()
+            kw["score_mod"] = lambda s, b, h, i, j, table=table: s + table[h, i - j + 8]
+            leaves.append(table)
+        out, lse = az.attention(q, k, v, backend=name, return_lse=True, **kw)  # type: ignore[arg-type]
+        for loss in ((lse * dl).sum(), (lse * dl).sum() + out.square().sum()):
+            first = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
+            pen = sum((g.square().sum() for g in first if g is not None), torch.zeros((), dtype=F64))
+            second = torch.autograd.grad(pen, leaves, allow_unused=True, retain_graph=True)
+            res.setdefault(name, []).extend([*(g.detach() for g in first if g is not None),
+                                             *(g for g in second if g is not None)])  # fmt: skip
+    assert len(res[backend]) == len(res["reference"])
+    for got, want in zip(res[backend], res["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)

@@ -485,3 +485,38 @@ def test_a_disabled_call_keeps_the_eager_path_inside_a_compiled_function(monkeyp
     torch._dynamo.reset()
     torch.compile(lambda *x: fn(az.attention, *x), backend="eager")(q, k, v)
     assert traced  # without disable: the formula, traced
+
+
+@pytest.mark.parametrize("how", ["x_is_q_k_v", "x_is_v", "bias_from_x"])
+def test_a_mod_that_reads_an_input_with_create_graph(how: str) -> None:
+    """A score_mod that reads a tensor also passed as q, k or v (or one the bias is computed from),
+    differentiated with create_graph=True: the formula's gradient of the captured tensor held that
+    input's path too, and autograd added it again from the input's slot (found by a sweep). First
+    and second order on flash.py and the kernel equal the reference's."""
+    B, H, L, D = 1, 2, 6, 4
+    x0, y0 = randn_like_qkv(B, H, L, D), randn_like_qkv(B, H, L, D)
+    res = {}
+    for backend in ("auto", "flash", "reference"):
+        x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+
+        def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor, x: Tensor = x) -> Tensor:
+            return s + 0.3 * x[b, h, i, j % D]
+
+        if how == "x_is_q_k_v":
+            out = az.attention(x, x, x, score_mod=mod, causal=True, backend=backend)  # type: ignore[arg-type]
+        elif how == "x_is_v":
+            out = az.attention(y, y, x, score_mod=mod, backend=backend)  # type: ignore[arg-type]
+        else:
+            bias = x.sum(dim=-1, keepdim=True) * 0.1  # (B, H, L, 1): computed from x
+            out = az.attention(y, y, y, bias=bias, score_mod=mod, backend=backend)  # type: ignore[arg-type]
+        gx, gy = torch.autograd.grad(out.square().sum(), (x, y), create_graph=True, allow_unused=True)
+        gy = torch.zeros_like(y) if gy is None else gy
+        second = torch.autograd.grad(gx.square().sum() + gy.square().sum(), (x, y), allow_unused=True)
+        res[backend] = (gx.detach(), gy.detach(), *(torch.zeros_like(x0) if s is None else s for s in second))
+    for backend in ("auto", "flash"):
+        for got, want in zip(res[backend], res["reference"]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def randn_like_qkv(B: int, H: int, L: int, D: int) -> Tensor:
+    return torch.randn(B, H, L, D, dtype=torch.float64)

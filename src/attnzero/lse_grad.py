@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import flash, mods
+from . import flash, mods, reference
 from . import sinks as sinks_
 
 
@@ -38,7 +38,18 @@ class _Lse(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, bias, sinks, lse = ctx.saved_tensors
-        needs = ctx.needs_input_grad
+        needs = ctx.needs_input_grad  # (lse, q, k, bias, sinks, options, *captured)
+        if reference.needs_graph(dlse):  # create_graph=True: autograd through the formula's lse
+            fn = ctx.options.get("score_mod")
+            captured = mods.captured_tensors(fn) if fn is not None else []
+            ones = q.new_ones(k.shape[0], k.shape[1], k.shape[2], 1)  # V: the lse does not depend on it
+            g = reference.mod_backward_with_graph(
+                None, q, k, ones, bias, (needs[1], needs[2], False, needs[3], False, *needs[6:]), ctx.options,
+                captured, sinks=sinks, sinks_need=needs[4], dlse=dlse,
+            )  # (dq, dk, dv, dbias, None, *captured[, dsinks])
+            dsinks = g[-1] if sinks is not None else None
+            rest = list(g[5:-1] if sinks is not None else g[5:])
+            return None, g[0], g[1], g[3], dsinks, None, *rest
         grads: list[Tensor | None] = []
         dq, dk, dbias, dsinks = of_lse(
             dlse, q, k, lse, bias=bias, sinks=sinks, bias_grad=needs[3], sinks_grad=needs[4], captured_grads=grads,

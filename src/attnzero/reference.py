@@ -177,14 +177,17 @@ def backward_with_graph(
 
 
 def mod_backward_with_graph(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
+    dout: Tensor | None, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
     options: dict[str, Any], captured: list[Tensor], sinks: Tensor | None = None, sinks_need: bool = False,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:
     """:func:`backward_with_graph` for a backend whose autograd Function takes ``(q, k, v, bias,
     options, *captured)``, ``captured`` the tensors a ``score_mod`` (in ``options``) reads — none
     without one: the gradients of those, the captured tensors' included (``needs`` lists all of
     them, the options' slot too). With ``sinks`` (the Function's own input, ``sinks_need`` whether it
-    wants a gradient) its gradient comes last."""
+    wants a gradient) its gradient comes last. ``dlse``: the lse's gradient too (``lse_grad.py``'s
+    double backward; ``dout`` may then be None)."""
+    originals = [q, k, v, bias, sinks]
     with torch.enable_grad():
         q, k, v, bias, sinks = _apart(q, k, v, bias, sinks)
     inputs = [q, k, v, bias, *captured]
@@ -192,10 +195,25 @@ def mod_backward_with_graph(
     wrt += [t for t, n in zip(captured, needs[5:]) if n and t.requires_grad]
     wrt += [sinks] if sinks is not None and sinks_need else []
     with torch.enable_grad():
-        out, _ = attention(q, k, v, bias=bias, sinks=sinks, **options)
-        got = iter(torch.autograd.grad(out, wrt, dout, create_graph=True, allow_unused=True))
+        out, lse = attention(q, k, v, bias=bias, sinks=sinks, **options)
+        ys, dys = zip(*[(y, dy) for y, dy in ((out, dout), (lse, dlse)) if dy is not None])
+        got = iter(torch.autograd.grad(ys, wrt, dys, create_graph=True, allow_unused=True))
     res: list[Tensor | None] = [next(got) if t is not None and n else None for t, n in zip(inputs[:4], needs[:4])]
     rest = [next(got) if n and t.requires_grad else None for t, n in zip(captured, needs[5:])]
+    dsinks = next(got) if sinks is not None and sinks_need else None
+    # A captured tensor that is also an input, or one an input is computed from (the mod reads x, and
+    # x is passed as q, or bias = f(x)): its gradient above holds the paths through that input's slot as
+    # well, which autograd adds again from the slot's own gradient: take them out (the slot's gradient
+    # carried back to the captured tensor; itself when they are one tensor).
+    with torch.enable_grad():
+        for j, t in enumerate(captured):
+            total = rest[j]
+            for o, g in zip(originals, [*res, dsinks]):
+                if total is None or o is None or g is None or not o.requires_grad:
+                    continue
+                (back,) = torch.autograd.grad(o, t, g, create_graph=True, allow_unused=True)
+                total = total if back is None else total - back
+            rest[j] = total
     if sinks is None:
         return (*res, None, *rest)
-    return (*res, None, *rest, next(got) if sinks_need else None)
+    return (*res, None, *rest, dsinks)
