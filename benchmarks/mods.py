@@ -5,7 +5,7 @@ each a ratio of medians in one interleaved run, printed as markdown tables for d
   as a mod) against the same call without it (``auto``: the compiled kernel, the mod as generated
   C++), forward and forward + backward — beside the built-in that computes the same (``bias=alibi``,
   ``softcap=``), the mod on flash.py (where the kernel cannot take it), and the mod with attention
-  sinks (flash.py; before, the reference's formula, also timed);
+  sinks (kernel and flash.py; before, the reference's formula, also timed);
 * ``masks``: masks from a mask_mod (``az.masks.from_mod``): prefix-LM against the causal call,
   documents from a mod against ``az.masks.document``;
 * ``training``: what a user who trains would pick instead — torch's SDPA with the equivalent dense
@@ -95,7 +95,8 @@ def cost(L: int, repeats: int) -> Iterator[str]:
             "ALiBi as a dense bias (kernel)": make(bias=alibi_bias),
             "softcap built-in (kernel)": make(softcap=30.0),
             "ALiBi mod on flash.py": _on_flash(make(score_mod=m["alibi"])),
-            "ALiBi mod with sinks (flash.py)": make(score_mod=m["alibi"], sinks=m["sinks"]),
+            "ALiBi mod with sinks (kernel)": make(score_mod=m["alibi"], sinks=m["sinks"]),
+            "ALiBi mod with sinks on flash.py": _on_flash(make(score_mod=m["alibi"], sinks=m["sinks"])),
             "ALiBi mod with sinks, the reference's formula": make(score_mod=m["alibi"], sinks=m["sinks"],
                                                                   backend="reference"),
         }

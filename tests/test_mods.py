@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import absent, check_against_golden, qkv
+from conftest import absent, check_against_golden, need_kernel, qkv
 
 import attnzero as az
-from attnzero import mods, reference
+from attnzero import cpu_kernel, mods, reference
 
 Tensor = torch.Tensor
 
@@ -210,13 +210,23 @@ def test_flash_gives_captured_tensors_their_gradients() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("sinks_shape", ["per_head", "per_query"])
-def test_a_score_mod_with_attention_sinks_runs_on_flash_against_the_golden(
-    dtype: torch.dtype, sinks_shape: str
+@pytest.mark.parametrize("path", ["kernel", "flash.py"])
+def test_a_score_mod_with_attention_sinks_runs_tiled_against_the_golden(
+    dtype: torch.dtype, sinks_shape: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A score_mod with sinks (gpt-oss's virtual key) runs on flash.py's tiles, the sinks folded in its
-    Function (they once sent the call to the reference's O(L²) formula): out, lse and the gradients
-    of q, k, v and the sinks within the tolerance rule, causal, GQA, Lq != Lk, small blocks."""
-    from attnzero import flash
+    """A score_mod with sinks (gpt-oss's virtual key) runs on the compiled kernel (the mod as C++) or
+    flash.py's tiles, the sinks folded in their Functions (they once sent the call to the reference's
+    O(L²) formula): out, lse and the gradients of q, k, v and the sinks within the tolerance rule,
+    causal, GQA, Lq != Lk, small blocks."""
+    from attnzero import flash, functional
+
+    ran: list[int] = []
+    if path == "flash.py":
+        monkeypatch.setattr(functional, "_takes_kernel", lambda q: False)
+    else:
+        need_kernel()
+        kernel_forward = cpu_kernel.forward
+        monkeypatch.setattr(cpu_kernel, "forward", lambda *a, **kw: (ran.append(1), kernel_forward(*a, **kw))[1])
 
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 
@@ -238,7 +248,8 @@ def test_a_score_mod_with_attention_sinks_runs_on_flash_against_the_golden(
             mp.setattr(reference, "attention", spy)
             x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
             az.attention(*x, score_mod=alibi, causal=True, sinks=sinks.to(dtype), backend="flash").sum().backward()
-    assert calls == []  # flash.py ran it
+    assert calls == []  # not the reference
+    assert bool(ran) == (path == "kernel")
 
 
 def test_captured_tensors_and_sinks_get_their_gradients_on_flash_with_create_graph() -> None:

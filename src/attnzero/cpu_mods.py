@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from . import cpu_kernel, flash, geometry, mods, reference
+from . import cpu_kernel, flash, geometry, mods, reference, sinks
 from .kernels import codegen
 from .masks import Mask
 
@@ -409,11 +409,14 @@ def _bind(built: _Built, reached: list[Tensor]) -> Bound:
 class _ModKernel(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any], *captured: Tensor
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
+        *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
         del captured  # inputs only so that they get gradients (the kernel reads options["mod"]'s pointers)
         out, lse = cpu_kernel.forward(q, k, v, bias=bias, **options["kernel"], mod=options["mod"])
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
+            out, lse = sinks.fold(out, lse, sink)
+        ctx.save_for_backward(q, k, v, bias, sink, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -421,11 +424,16 @@ class _ModKernel(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        options, needs = ctx.options, ctx.needs_input_grad
+        q, k, v, bias, sink, out, lse = ctx.saved_tensors
+        options, needs = ctx.options, ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
         bound, captured = options["mod"], options["captured"]
+        dsink = sinks.grad(dout, out, lse, sink) if sink is not None and needs[4] else None
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
-            return reference.mod_backward_with_graph(dout, q, k, v, bias, needs, options["reference"], captured)
+            g = reference.mod_backward_with_graph(
+                dout, q, k, v, bias, (*needs[:4], *needs[5:]), options["reference"], captured, sinks=sink,
+                sinks_need=needs[4],
+            )  # (dq, dk, dv, dbias, None, *captured[, dsink])
+            return (*g[:4], None, *g[4:]) if sink is None else (*g[:4], g[-1], *g[4:-1])
         bias_grad = bias is not None and needs[3]
         if flash.row_shift(lse, bias, options["reference"]["score_mod"]) is not None:
             # rows whose lse needs a shift (a huge score on every key they keep): flash.py's backward
@@ -434,7 +442,7 @@ class _ModKernel(torch.autograd.Function):
                 dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, **options["reference"],
                 captured_grads=flash_grads,
             )  # fmt: skip
-            return dq, dk, dv, dbias, None, *(g if needs[5 + j] else None for j, g in enumerate(flash_grads))
+            return dq, dk, dv, dbias, dsink, None, *(g if needs[6 + j] else None for j, g in enumerate(flash_grads))
         src = bound.built.source
         grad = torch.zeros(torch.get_num_threads(), src.total, dtype=torch.float64) if src.total else None
         dq, dk, dv, dbias = cpu_kernel.backward(
@@ -444,23 +452,24 @@ class _ModKernel(torch.autograd.Function):
         if grad is not None:
             summed = grad.sum(0)
             for _slot, j, start in src.grads:
-                if needs[5 + j]:
+                if needs[6 + j]:
                     t = captured[j]
                     grads[j] = summed[start : start + t.numel()].view(t.shape).to(t.dtype)
-        return dq, dk, dv, (dbias if bias_grad else None), None, *grads
+        return dq, dk, dv, (dbias if bias_grad else None), dsink, None, *grads
 
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, score_mod: mods.ScoreMod, mask: Tensor | Mask | None = None,
     bias: Tensor | None = None, causal: bool = False, window: geometry.Window = None, scale: float,
-    softcap: float | None = None, dropout_p: float = 0.0, dropout_seed: int = 0,
+    softcap: float | None = None, dropout_p: float = 0.0, dropout_seed: int = 0, sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     """The compiled kernel with ``score_mod`` as generated C++: ``(out, lse)``, differentiable in q,
-    k, v, bias and the tensors the mod captures — or None when the mod cannot be generated or built
-    (the caller then runs it on flash.py). The caller has checked that the kernel takes the inputs
-    (``functional._takes_kernel``)."""
+    k, v, bias, ``sink`` (attention sinks, folded into the result: ``sinks.py``) and the tensors the
+    mod captures — or None when the mod cannot be generated or built (the caller then runs it on
+    flash.py). The caller has checked that the kernel takes the inputs (``functional._takes_kernel``)."""
     captured = mods.captured_tensors(score_mod)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *captured))
+    inputs = (q, k, v, bias, sink, *captured)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     built, reached = _get(score_mod, needs_grad)
     if built is None:
         return None
@@ -470,10 +479,11 @@ def attention(
         "dropout_seed": dropout_seed,
     }  # fmt: skip
     if not needs_grad:
-        return cpu_kernel.forward(q, k, v, bias=bias, **kernel, mod=bound)
+        out, lse = cpu_kernel.forward(q, k, v, bias=bias, **kernel, mod=bound)
+        return (out, lse) if sink is None else sinks.fold(out, lse, sink)
     ref = {**kernel, "score_mod": score_mod}
     options = {"kernel": kernel, "mod": bound, "captured": captured, "reference": ref}
-    out, lse = _ModKernel.apply(q, k, v, bias, options, *captured)
+    out, lse = _ModKernel.apply(q, k, v, bias, sink, options, *captured)
     return out, lse
 
 

@@ -343,7 +343,7 @@ def _attention(
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
         special = torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty
-        # attention sinks with a mod: flash.py folds them inside its Function (the kernels do not take them)
+        # attention sinks with a mod: the CPU kernel's and flash.py's Functions fold them (not Triton's)
         if name == "triton" and (special or sink is not None) and not empty:
             raise ArgumentError(
                 "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile or torch.func, "
@@ -364,14 +364,14 @@ def _attention(
             if got is not None:
                 return (got[0], with_grad(got[1])) if want_lse else got[0]
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
-        if name in ("auto", "flash") and not special and sink is None and _takes_kernel(q):
+        if name in ("auto", "flash") and not special and _takes_kernel(q):
             # The compiled CPU kernel with the mod as C++ generated from it (cpu_mods.py); None: it
             # cannot be generated or built, and flash.py runs it below.
             from . import cpu_mods
 
             got = cpu_mods.attention(
                 q, k, v, score_mod=fn, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap,
-                dropout_p=p, dropout_seed=seed,
+                dropout_p=p, dropout_seed=seed, sink=sink,
             )  # fmt: skip
             if got is not None:
                 return (got[0], with_grad(got[1])) if want_lse else got[0]
