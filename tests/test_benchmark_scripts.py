@@ -104,7 +104,7 @@ def test_mods_benchmark_runs_its_tables_at_a_small_size() -> None:
     import mods
 
     cost = list(mods.cost(64, repeats=1))
-    assert cost[2].startswith("| pass | case |") and len(cost) == 4 + 2 * 7
+    assert cost[2].startswith("| pass | case |") and len(cost) == 4 + 2 * 10
     masks = list(mods.masks(64, repeats=1))
     assert any(line.startswith("| prefix-LM from_mod ÷ its kept blocks") for line in masks)
     for case in ("alibi", "relative", "prefix"):
