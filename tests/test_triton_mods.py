@@ -189,6 +189,32 @@ def test_bf16_and_a_bias_with_a_mod() -> None:
     check_against_golden("triton", BF16, q, k, v, bias=bias, score_mod=_alibi, causal=True)
 
 
+@pytest.mark.parametrize("sinks_shape", ["per_head", "per_query"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_a_score_mod_with_attention_sinks(
+    sinks_shape: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A score_mod with sinks runs on the Triton kernels, the sinks folded in their Function (before:
+    refused by backend="triton", flash.py on "auto"): out, lse and the gradients of q, k, v and the
+    sinks against the golden, causal, GQA, Lq != Lk; and the split-KV kernel without gradients."""
+    q, k, v = (t.to(DEVICE) for t in qkv(1, 4, 2, 17, 23, 16))
+    sinks = torch.randn(4, dtype=torch.float64) if sinks_shape == "per_head" else torch.randn(1, 4, 17).double()
+    check_against_golden("triton", dtype, q, k, v, score_mod=_rel, causal=True, sinks=sinks.to(DEVICE))
+    monkeypatch.setattr(tb, "DECODE_MIN_LK", 32)
+    calls: list[int] = []
+    real = tb._decode
+    monkeypatch.setattr(tb, "_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    qd, kd, vd = (t.to(DEVICE, F32) for t in qkv(1, 4, 2, 2, 45, 16))
+    sd = sinks[..., :2] if sinks_shape == "per_query" else sinks
+    with torch.no_grad(), tb.decode_splits(3):
+        got = az.attention(qd, kd, vd, score_mod=_rel, sinks=sd.to(DEVICE, F32), backend="triton", return_lse=True)
+    want = az.attention(qd.double(), kd.double(), vd.double(), score_mod=_rel, sinks=sd, backend="reference",
+                        return_lse=True)  # fmt: skip
+    assert calls
+    torch.testing.assert_close(got[0], want[0].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1].float(), rtol=1e-4, atol=1e-4)
+
+
 def test_captured_tensors_get_the_references_gradients() -> None:
     """ALiBi slopes and a relative-position table, both Parameters-like leaves: the dK/dV kernel's
     atomics equal autograd through the reference (float32, GQA, Lq != Lk, a mask from a mod)."""

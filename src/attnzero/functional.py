@@ -343,11 +343,11 @@ def _attention(
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
         special = torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty
-        # attention sinks with a mod: the CPU kernel's and flash.py's Functions fold them (not Triton's)
-        if name == "triton" and (special or sink is not None) and not empty:
+        # (attention sinks with a mod: each backend's Function folds them into its result and backward)
+        if name == "triton" and special and not empty:
             raise ArgumentError(
-                "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile or torch.func, "
-                "and not with sinks); use backend='auto'"
+                "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile or torch.func); "
+                "use backend='auto'"
             )
         if name == "triton" and not empty and q.dtype != torch.float64:
             _check_triton(q.device)
@@ -356,11 +356,11 @@ def _attention(
                     f"backend: 'triton' tiles take head dims up to {TRITON_MAX_HEAD_DIM}, got D = {q.shape[-1]} and "
                     f"Dv = {v.shape[-1]}; use backend='flash' (or 'auto', which takes it for larger heads)"
                 )
-            ran = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=True)
+            ran = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, sink, strict=True)
             assert ran is not None  # (strict: raises instead)
             return (ran[0], with_grad(ran[1])) if want_lse else ran[0]
-        if name == "auto" and not special and sink is None and _auto(q, v) == "triton":
-            got = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, strict=False)
+        if name == "auto" and not special and _auto(q, v) == "triton":
+            got = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, sink, strict=False)
             if got is not None:
                 return (got[0], with_grad(got[1])) if want_lse else got[0]
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0
@@ -435,7 +435,7 @@ def _attention(
 def _triton_with_mod(
     q: Tensor, k: Tensor, v: Tensor, keep: Tensor | Mask | None, add: Tensor | None, causal: bool,
     win: tuple[int | None, int | None] | None, sc: float, cap: float | None, p: float, fn: mods.ScoreMod,
-    *, strict: bool,
+    sink: Tensor | None, *, strict: bool,
 ) -> tuple[Tensor, Tensor] | None:
     """The Triton kernels with the score_mod as generated code (``kernels/codegen.py``), the split-KV
     kernel where ``choose`` would take it (no gradient, few queries, many keys). A mod that cannot be
@@ -443,13 +443,13 @@ def _triton_with_mod(
     then runs it on flash.py)."""
     from .kernels import codegen, triton_backend
 
-    needs = _needs_grad(q, k, v, add, *mods.captured_tensors(fn))
+    needs = _needs_grad(q, k, v, add, sink, *mods.captured_tensors(fn))
     decode = not needs and _takes_decode(q, k)
     seed = dropout.draw_seed(q.device) if p > 0.0 else 0
     try:
         return triton_backend.attention_with_mod(
             q, k, v, score_mod=fn, mask=keep, bias=add, causal=causal, window=win, scale=sc, softcap=cap,
-            dropout_p=p, dropout_seed=seed, decode=decode,
+            dropout_p=p, dropout_seed=seed, decode=decode, sink=sink,
         )  # fmt: skip
     except codegen.NotGenerable as e:
         if strict:

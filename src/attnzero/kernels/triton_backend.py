@@ -101,6 +101,7 @@ except ImportError as e:  # pragma: no cover - exercised only without triton
     ) from e
 
 from .. import flash, geometry, ops, reference, trace
+from .. import sinks as sinks_
 from ..blocks import FULL as BLOCK_FULL
 from ..blocks import PARTIAL as BLOCK_PARTIAL
 from ..masks import Mask, Segments
@@ -950,14 +951,18 @@ def generate_mask(mask: Tensor | Mask | None, device: torch.device) -> Generated
 class _ModAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any], *captured: Tensor
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
+        *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
         del captured  # inputs only so that they get gradients (the generated code reads gen.tensors)
         args, gen, keep_f32 = options["args"], options["gen"], options["keep_f32"]
         run: Any = _forward  # (args: the op arguments of ``_args``)
         mask_gen = options["mask_gen"]
         out, lse, out32 = run(q, k, v, args[0], bias, *args[2:], keep_f32, score_gen=gen, mask_gen=mask_gen)
-        ctx.save_for_backward(q, k, v, bias, out32 if keep_f32 else out, lse)
+        if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
+            out32 = sinks_.fold(out32, lse, sink)[0] if keep_f32 else out32
+            out, lse = sinks_.fold(out, lse, sink)
+        ctx.save_for_backward(q, k, v, bias, sink, out32 if keep_f32 else out, lse)
         ctx.options = options
         ctx.far = _FarRows(lse) if bias is not None or gen is not None else None  # (a mod may write −1e9 too)
         ctx.mark_non_differentiable(lse)
@@ -966,20 +971,25 @@ class _ModAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, sink, out, lse = ctx.saved_tensors
         options = ctx.options
         args, gen, captured = options["args"], options["gen"], options["captured"]
-        needs = ctx.needs_input_grad
+        needs = ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
-            return reference.mod_backward_with_graph(dout, q, k, v, bias, needs, options["reference"], captured)
+            g = reference.mod_backward_with_graph(
+                dout, q, k, v, bias, (*needs[:4], *needs[5:]), options["reference"], captured, sinks=sink,
+                sinks_need=needs[4],
+            )  # (dq, dk, dv, dbias, None, *captured[, dsink])
+            return (*g[:4], None, *g[4:]) if sink is None else (*g[:4], g[-1], *g[4:-1])
         bias_grad = bias is not None and needs[3]
+        dsink = sinks_.grad(dout, out, lse, sink) if sink is not None and needs[4] else None
         if ctx.far is not None and ctx.far:
             flash_grads: list[Tensor | None] = []
             dq, dk, dv, dbias = _shifted_backward(
                 dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad, **options["reference"],
                 captured_grads=flash_grads,
             )  # fmt: skip
-            return dq, dk, dv, dbias, None, *(g if needs[5 + j] else None for j, g in enumerate(flash_grads))
+            return dq, dk, dv, dbias, dsink, None, *(g if needs[6 + j] else None for j, g in enumerate(flash_grads))
         tensors = gen.tensors if gen is not None else ()
         bufs = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors)
         deterministic = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
@@ -990,9 +1000,9 @@ class _ModAttention(torch.autograd.Function):
         )  # fmt: skip
         grads: list[Tensor | None] = [None] * len(captured)
         for buf, j in zip(bufs, gen.grad_of if gen is not None else ()):
-            if j is not None and needs[5 + j]:
+            if j is not None and needs[6 + j]:
                 grads[j] = buf.to(captured[j].dtype)
-        return dq, dk, dv, (dbias if bias_grad else None), None, *grads
+        return dq, dk, dv, (dbias if bias_grad else None), dsink, None, *grads
 
 
 def attention_with_mod(
@@ -1011,10 +1021,12 @@ def attention_with_mod(
     dropout_seed: int = 0,
     decode: bool = False,
     mask_gen: Generated | None = None,
+    sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``attention`` with a ``score_mod`` run by the kernels as generated Triton code (codegen.py):
-    differentiable in q, k, v, bias and the tensors the mod captures (``mods.captured_tensors``),
-    forward and backward by the Triton kernels. ``decode``: the split-KV kernel (no gradients; what
+    differentiable in q, k, v, bias, ``sink`` (attention sinks, folded into the result: ``sinks.py``)
+    and the tensors the mod captures (``mods.captured_tensors``), forward and backward by the Triton
+    kernels. ``decode``: the split-KV kernel (no gradients; what
     ``functional.choose`` would take for these shapes). Raises ``codegen.NotGenerable`` naming what
     cannot be generated, before any work. A ``mask`` made from a mask_mod runs as a generated
     predicate too (``mask_gen``, else ``generate_mask``; materialised when it cannot be generated);
@@ -1022,7 +1034,8 @@ def attention_with_mod(
     from .. import mods
 
     captured = mods.captured_tensors(score_mod) if score_mod is not None else []
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, *captured))
+    inputs = (q, k, v, bias, sink, *captured)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     gen = generate(score_mod, q.device, grads=needs_grad and not decode) if score_mod is not None else None
     mask_gen = mask_gen if mask_gen is not None else generate_mask(mask, q.device)
     args = _args(
@@ -1033,6 +1046,8 @@ def attention_with_mod(
         with torch.no_grad():
             run: Any = _decode if decode else _forward
             out, lse = run(q, k, v, args[0], bias, *args[2:], score_gen=gen, mask_gen=mask_gen)[:2]
+        if sink is not None:
+            out, lse = sinks_.fold(out, lse, sink)
     else:
         ref = {
             "mask": mask, "causal": causal, "window": window, "scale": scale, "softcap": softcap,
@@ -1042,5 +1057,5 @@ def attention_with_mod(
             "args": args, "gen": gen, "mask_gen": mask_gen, "keep_f32": q.dtype != torch.float32, "captured": captured,
             "reference": ref,
         }  # fmt: skip
-        out, lse = _ModAttention.apply(q, k, v, bias, options, *captured)
+        out, lse = _ModAttention.apply(q, k, v, bias, sink, options, *captured)
     return out, lse
