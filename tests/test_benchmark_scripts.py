@@ -162,3 +162,12 @@ def test_cpu_models_interval_resamples_whole_processes() -> None:
     assert cpu_models.interval([[0.9, 0.91]] * 9 + [[1.3, 1.4]]) == (0.905, 0.91)
     low, high = cpu_models.interval([[0.9, 0.91]] * 6 + [[1.3, 1.4]] * 4)
     assert low <= 0.91 and high >= 1.3
+
+
+def test_cpu_faults_counts_each_variants_page_faults() -> None:
+    """benchmarks/cpu_faults.py's process: each variant's median page faults and step time."""
+    import cpu_faults
+
+    got = cpu_faults.one_process(steps=1, rows_full=None, quick=True)
+    assert set(got) == set(cpu_faults.VARIANTS)
+    assert all(float(r["faults"]) >= 0 and float(r["ms"]) > 0 for r in got.values())  # type: ignore[arg-type]
