@@ -429,11 +429,9 @@ class _ModKernel(torch.autograd.Function):
         bound, captured = options["mod"], options["captured"]
         dsink = sinks.grad(dout, out, lse, sink) if sink is not None and needs[4] else None
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
-            g = reference.mod_backward_with_graph(
-                dout, q, k, v, bias, (*needs[:4], *needs[5:]), options["reference"], captured, sinks=sink,
-                sinks_need=needs[4],
-            )  # (dq, dk, dv, dbias, None, *captured[, dsink])
-            return (*g[:4], None, *g[4:]) if sink is None else (*g[:4], g[-1], *g[4:-1])
+            return reference.function_backward_with_graph(
+                dout, q, k, v, bias, sink, needs, options["reference"], captured
+            )
         bias_grad = bias is not None and needs[3]
         if flash.row_shift(lse, bias, options["reference"]["score_mod"]) is not None:
             # rows whose lse needs a shift (a huge score on every key they keep): flash.py's backward

@@ -421,12 +421,7 @@ class _FlashAttention(torch.autograd.Function):
             options = {key: value for key, value in ctx.options.items() if key != "block"}
             fn = options.get("score_mod")
             inputs = mods.captured_tensors(fn) if fn is not None else []  # the score_mod's captured tensors
-            grads = reference.mod_backward_with_graph(
-                dout, q, k, v, bias, (*needs[:4], *needs[5:]), options, inputs, sinks=sink, sinks_need=needs[4]
-            )  # (dq, dk, dv, dbias, None, *captured[, dsink])
-            if sink is None:
-                return (*grads[:4], None, *grads[4:])
-            return (*grads[:4], grads[-1], *grads[4:-1])
+            return reference.function_backward_with_graph(dout, q, k, v, bias, sink, needs, options, inputs)
         captured: list[Tensor | None] = []
         dq, dk, dv, dbias = backward(dout, q, k, v, out, lse, bias=bias, bias_grad=needs[3],
                                      captured_grads=captured, **ctx.options)  # fmt: skip

@@ -176,6 +176,19 @@ def backward_with_graph(
     return tuple(grads)
 
 
+def function_backward_with_graph(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, needs: tuple[bool, ...],
+    options: dict[str, Any], captured: list[Tensor],
+) -> tuple[Tensor | None, ...]:
+    """:func:`mod_backward_with_graph` for the autograd Functions that take ``(q, k, v, bias, sink,
+    options, *captured)`` — flash.py's and the compiled kernels' with a score_mod: their gradients, in
+    that order (``needs`` is the Function's ``needs_input_grad``)."""
+    g = mod_backward_with_graph(
+        dout, q, k, v, bias, (*needs[:4], *needs[5:]), options, captured, sinks=sink, sinks_need=needs[4]
+    )  # (dq, dk, dv, dbias, None, *captured[, dsink])
+    return (*g[:4], None, *g[4:]) if sink is None else (*g[:4], g[-1], *g[4:-1])
+
+
 def mod_backward_with_graph(
     dout: Tensor | None, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, needs: tuple[bool, ...],
     options: dict[str, Any], captured: list[Tensor], sinks: Tensor | None = None, sinks_need: bool = False,
