@@ -1,6 +1,6 @@
 """backend="triton" on a CUDA GPU: correctness first, then speed against torch's SDPA backends.
 
-    python benchmarks/gpu.py                      # the full run on a CUDA machine (< 6 minutes on an H200)
+    python benchmarks/gpu.py [--budget S]         # the full run on a CUDA machine (< 6 minutes on an H200)
     python benchmarks/gpu.py --dry-run            # no GPU: the same steps on tiny shapes under Triton's
                                                   #   CPU interpreter (checks the script, not the speed)
     python benchmarks/gpu.py --compile-check      # no GPU: compile every kernel variant for sm_90
@@ -19,7 +19,11 @@ What it does, in order (nothing is built besides the Triton kernels):
 4. Decode: one query per sequence, B ∈ {1, 16, 64}, Lk ∈ {4k, 32k, 128k}, 32 query / 8 key-value
    heads, D = 128, bf16, in GB/s of K/V read (B·Hkv·Lk·2·D·2 bytes), timed in CUDA graphs so that
    Python overhead is not counted (for ours and SDPA alike).
-5. The tables, last; everything also goes to JSON (``--out``, default out/gpu.json).
+5. Against ``torch.compile(flex_attention)``: forward, inference, B=4 H=16 L=4096 D=128 bf16, causal,
+   softcap, ALiBi as a score_mod and documents as a BlockMask (both through ``attnzero.flex``), a
+   sliding window.
+6. The tables, last; everything also goes to JSON (``--out``, default out/gpu.json). Each step that
+   raises is reported and counted as a failure, and the next one runs.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +54,7 @@ import triton.testing
 import attnzero as az
 from attnzero.testing import Kind, verdict
 
-TIME_BUDGET_S = 330.0  # stop timing new grid points after this (the whole run must stay < 6 min)
+TIME_BUDGET_S = 330.0  # stop timing new grid points after this (the whole run must stay < 6 min); --budget
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,18 +211,18 @@ def time_ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, b
     return bench(fwd, graph=graph)
 
 
-def training_grid(dry: bool, t0: float) -> list[dict[str, Any]]:
+def training_grid(dry: bool, deadline: float) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     tokens, H = (64, 2) if dry else (16384, 16)
     lengths = [32] if dry else [1024, 2048, 4096, 8192, 16384]
-    dims = [16] if dry else [64, 128]
+    dims = [16] if dry else [128, 64]  # D = 128 first: the shapes the targets name
     backends = sdpa_backends()
     for D in dims:
         for L in lengths:
             B = max(1, tokens // L)
             for causal in (False, True):
                 for bwd in (False, True):
-                    if time.perf_counter() - t0 > TIME_BUDGET_S:
+                    if time.perf_counter() > deadline:
                         print(f"  time budget spent: skipping D={D} L={L} causal={causal} bwd={bwd}")
                         continue
                     q, k, v = (torch.randn(B, H, L, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=bwd)
@@ -225,7 +230,11 @@ def training_grid(dry: bool, t0: float) -> list[dict[str, Any]]:
                     flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
                     row: dict[str, Any] = {"D": D, "L": L, "B": B, "H": H, "causal": causal,
                                            "pass": "fwd+bwd" if bwd else "fwd"}
-                    ms = time_ours(q, k, v, causal, bwd)
+                    try:
+                        ms = time_ours(q, k, v, causal, bwd)
+                    except Exception as e:  # one failing point is reported, the grid goes on
+                        print(f"  D={D} L={L} causal={causal} bwd={bwd}: ours FAILED: {type(e).__name__}: {e}")
+                        continue
                     row["ours_tflops"] = flops / (ms * 1e-3) / 1e12
                     for name, be in backends.items():
                         ms_s = time_sdpa(be, q, k, v, causal, bwd)
@@ -241,7 +250,7 @@ def training_grid(dry: bool, t0: float) -> list[dict[str, Any]]:
     return rows
 
 
-def decode_grid(dry: bool, t0: float) -> list[dict[str, Any]]:
+def decode_grid(dry: bool, deadline: float) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     Hq, Hkv, D = (8, 2, 32) if dry else (32, 8, 128)
     batches = [2] if dry else [1, 16, 64]
@@ -249,7 +258,7 @@ def decode_grid(dry: bool, t0: float) -> list[dict[str, Any]]:
     backends = sdpa_backends()
     for B in batches:
         for Lk in lengths:
-            if time.perf_counter() - t0 > TIME_BUDGET_S:
+            if time.perf_counter() > deadline:
                 print(f"  time budget spent: skipping decode B={B} Lk={Lk}")
                 continue
             q = torch.randn(B, Hq, 1, D, device=DEVICE, dtype=torch.bfloat16)
@@ -258,13 +267,89 @@ def decode_grid(dry: bool, t0: float) -> list[dict[str, Any]]:
             nbytes = B * Hkv * Lk * 2 * D * 2
             row: dict[str, Any] = {"B": B, "Lk": Lk, "Hq": Hq, "Hkv": Hkv, "D": D}
             with torch.no_grad():
-                row["ours_gbs"] = nbytes / (time_ours(q, k, v, False, False, graph=True) * 1e-3) / 1e9
+                try:
+                    row["ours_gbs"] = nbytes / (time_ours(q, k, v, False, False, graph=True) * 1e-3) / 1e9
+                except Exception as e:  # one failing point is reported, the grid goes on
+                    print(f"  decode B={B} Lk={Lk}: ours FAILED: {type(e).__name__}: {e}")
+                    continue
                 for name, be in backends.items():
                     ms_s = time_sdpa(be, q, k, v, False, False, graph=True)
                     row[f"{name}_gbs"] = None if ms_s is None else nbytes / (ms_s * 1e-3) / 1e9
             rows.append(row)
             print(f"  decode B={B:2d} Lk={Lk:6d} ours {row['ours_gbs']:8.1f} GB/s", flush=True)
             del q, k, v
+    return rows
+
+
+def flex_grid(dry: bool, deadline: float) -> list[dict[str, Any]]:
+    """Forward, inference, bf16: attnzero on Triton (its built-ins, and attnzero.flex with the same
+    score_mod / BlockMask) against ``torch.compile(flex_attention)``, ms and attnzero's time ÷ Flex's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    from attnzero import flex as az_flex
+
+    B, H, L, D = (1, 2, 64, 16) if dry else (4, 16, 4096, 128)
+    cap, docs, window = 30.0, 8, L // 16
+    compiled = torch_flex if dry else torch.compile(torch_flex)
+    q, k, v = (torch.randn(B, H, L, D, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    slopes = az.masks.alibi_slopes(H).to(DEVICE)
+    ids = torch.arange(L, device=DEVICE) // (L // docs)
+
+    def causal(b: Any, h: Any, i: Any, j: Any) -> Any:
+        return j <= i
+
+    def documents(b: Any, h: Any, i: Any, j: Any) -> Any:
+        return (ids[i] == ids[j]) & (j <= i)
+
+    def sliding(b: Any, h: Any, i: Any, j: Any) -> Any:
+        return (j <= i) & (i - j <= window)
+
+    def softcap(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return cap * torch.tanh(s / cap)
+
+    def alibi(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return s + slopes[h] * (j - i)
+
+    def block(mod: Any) -> Any:
+        return create_block_mask(mod, None, None, L, L, device=str(DEVICE))
+
+    def ours(**kw: Any) -> Callable[[], Any]:
+        return lambda: az.attention(q, k, v, backend="triton", **kw)
+
+    def ours_flex(**kw: Any) -> Callable[[], Any]:
+        return lambda: az_flex.flex_attention(q, k, v, **kw)
+
+    def theirs(**kw: Any) -> Callable[[], Any]:
+        return lambda: compiled(q, k, v, **kw)
+
+    cases: list[tuple[str, Callable[[], Callable[[], Any]], Callable[[], Callable[[], Any]]]] = [
+        ("causal", lambda: ours(causal=True), lambda: theirs(block_mask=block(causal))),
+        (f"softcap {cap:g}, causal", lambda: ours(causal=True, softcap=cap),
+         lambda: theirs(score_mod=softcap, block_mask=block(causal))),
+        ("ALiBi score_mod, causal (attnzero.flex)", lambda: ours_flex(score_mod=alibi, block_mask=block(causal)),
+         lambda: theirs(score_mod=alibi, block_mask=block(causal))),
+        (f"{docs} documents, causal (attnzero.flex)", lambda: ours_flex(block_mask=block(documents)),
+         lambda: theirs(block_mask=block(documents))),
+        (f"sliding window {window}", lambda: ours(window=(window, 0)), lambda: theirs(block_mask=block(sliding))),
+    ]  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for name, make_ours, make_theirs in cases:
+            if time.perf_counter() > deadline:
+                print(f"  time budget spent: skipping flex row {name}")
+                continue
+            try:
+                a, f = make_ours(), make_theirs()
+                err = float((a().float() - f().float()).abs().max())
+                ms_a, ms_f = bench(a), bench(f)
+            except Exception as e:  # one failing row is reported, the others go on
+                print(f"  {name}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+                continue
+            rows.append({"case": name, "B": B, "H": H, "L": L, "D": D, "ours_ms": ms_a, "flex_ms": ms_f,
+                         "ratio": ms_a / ms_f, "max_diff": err})
+            print(f"  {name:42s} ours {ms_a:8.3f} ms  flex {ms_f:8.3f} ms  ratio {ms_a / ms_f:5.2f}  "
+                  f"max |diff| {err:.3g}", flush=True)
     return rows
 
 
@@ -296,6 +381,15 @@ def tables(result: dict[str, Any]) -> str:
         cells += [fmt(r.get(f"{n}_gbs"), "8.0f") for n in names]
         cells.append(fmt(r["ours_gbs"] / c["copy_gbs"], "5.2f"))
         lines.append("| " + " | ".join(cells) + " |")
+    flex = result.get("flex", [])
+    if flex:
+        f0 = flex[0]
+        lines += ["", f"vs torch.compile(flex_attention), forward, inference, bf16, B={f0['B']} H={f0['H']} "
+                  f"L={f0['L']} D={f0['D']}, attnzero's time ÷ Flex's (below 1: faster):", "",
+                  "| case | ours ms | flex ms | ratio | max abs diff |", "|---|---|---|---|---|"]
+        for r in flex:
+            lines.append(f"| {r['case']} | {r['ours_ms']:.3f} | {r['flex_ms']:.3f} | {r['ratio']:.2f} "
+                         f"| {r['max_diff']:.2g} |")
     return "\n".join(lines)
 
 
@@ -440,12 +534,15 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256], help="head dims for --compile-check")
     parser.add_argument("--quick", action="store_true", help="--compile-check: bf16, plain and all features")
     parser.add_argument("--out", type=Path, default=Path("out/gpu.json"), help="JSON results")
+    parser.add_argument("--budget", type=float, default=330.0,
+                        help="seconds after which no new grid point is timed")
     args = parser.parse_args()
     if args.compile_check:
         print(f"compiling for sm_90 with triton {triton.__version__}")
         sys.exit(1 if compile_check(args.dims, args.quick) else 0)
 
-    global DEVICE
+    global DEVICE, TIME_BUDGET_S
+    TIME_BUDGET_S = args.budget
     if not torch.cuda.is_available() and not args.dry_run:
         sys.exit("benchmarks/gpu.py needs a CUDA GPU (or --dry-run / --compile-check without one)")
     DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -461,23 +558,33 @@ def main() -> None:
         from attnzero.kernels import triton_backend
 
         triton_backend.DECODE_MIN_LK = 256
-    result["ceilings"] = ceilings(DEVICE, args.dry_run)
-    c = result["ceilings"]
-    print(f"ceilings: bf16 matmul {c['matmul_bf16_tflops']:.1f} TFLOP/s, copy {c['copy_gbs']:.1f} GB/s", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result.update(ceilings={"matmul_bf16_tflops": float("nan"), "copy_gbs": float("nan")}, failures=[],
+                  training=[], decode=[], flex=[])
 
-    print("correctness (bf16/fp16 vs a float32 golden, DESIGN.md's rule):")
-    result["failures"] = correctness(args.dry_run)
+    def section(key: str, title: str, fn: Callable[[], Any]) -> None:
+        """Run one step; a step that raises is reported (and counted as a failure) and the next runs.
+        The JSON is rewritten after each step, so a run cut short keeps what it measured."""
+        print(title, flush=True)
+        try:
+            result[key] = fn()
+        except Exception as e:
+            traceback.print_exc()
+            result["failures"].append(f"{key}: {type(e).__name__}: {e}")
+        result["seconds"] = time.perf_counter() - t0
+        args.out.write_text(json.dumps(result, indent=1))
+
+    section("ceilings", "ceilings:", lambda: ceilings(DEVICE, args.dry_run))
+    c = result["ceilings"]
+    print(f"  bf16 matmul {c['matmul_bf16_tflops']:.1f} TFLOP/s, copy {c['copy_gbs']:.1f} GB/s", flush=True)
+    section("failures", "correctness (bf16/fp16 vs a float32 golden, DESIGN.md's rule):",
+            lambda: result["failures"] + correctness(args.dry_run))
     for f in result["failures"]:
         print("  FAILED:", f)
-
-    print("training shapes:")
-    result["training"] = training_grid(args.dry_run, t0)
-    print("decode:")
-    result["decode"] = decode_grid(args.dry_run, t0)
-    result["seconds"] = time.perf_counter() - t0
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    # the timing steps share the budget: training until 60 % of it, decode until 75 %, Flex the rest
+    section("training", "training shapes:", lambda: training_grid(args.dry_run, t0 + 0.60 * TIME_BUDGET_S))
+    section("decode", "decode:", lambda: decode_grid(args.dry_run, t0 + 0.75 * TIME_BUDGET_S))
+    section("flex", "vs compiled FlexAttention:", lambda: flex_grid(args.dry_run, t0 + TIME_BUDGET_S))
     print(f"\nwrote {args.out} ({result['seconds']:.0f} s)\n")
     print(tables(result))
     if result["failures"]:
