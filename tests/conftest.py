@@ -278,6 +278,10 @@ def run_attention(
     """az.attention on copies of the inputs cast to ``dtype`` (layout kept: ``.to`` of a
     non-contiguous tensor keeps its strides only when the dtype is unchanged, so strided inputs are
     re-laid-out with the same strides); grads of q, k, v (and bias) w.r.t. ``<out, dout>``."""
+    home = q.device
+    if backend == "triton" and torch.cuda.is_available() and home.type == "cpu":  # the kernels on the GPU,
+        q, k, v, bias, dout = (t if t is None else t.to("cuda") for t in (q, k, v, bias, dout))  # judged here
+        kwargs = {n: x.to("cuda") if isinstance(x, torch.Tensor) else x for n, x in kwargs.items()}
     leaves = {"q": q, "k": k, "v": v}
     if bias is not None:
         leaves["bias"] = bias
@@ -291,11 +295,11 @@ def run_attention(
         xs["q"], xs["k"], xs["v"], bias=xs.get("bias"), sinks=xs.get("sinks"), backend=backend, return_lse=True,
         **kwargs,
     )  # fmt: skip
-    res = Result(out.detach(), lse.detach())
+    res = Result(out.detach().to(home), lse.detach().to(home))
     if dout is not None:
         names = list(xs)
         gs = torch.autograd.grad(out, [xs[n] for n in names], dout.to(dtype), allow_unused=True)
-        res.grads = {n: (torch.zeros_like(xs[n]) if g is None else g) for n, g in zip(names, gs)}
+        res.grads = {n: (torch.zeros_like(xs[n]) if g is None else g).to(home) for n, g in zip(names, gs)}
     return res
 
 

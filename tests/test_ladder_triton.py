@@ -129,7 +129,9 @@ def test_no_recording_no_trace_and_the_same_output(monkeypatch: pytest.MonkeyPat
     with tb.decode_splits(3):
         with trace.recording() as rec:
             out1, lse1 = tb.decode(q1, k1, v1, **kw)
-    assert len(rec.of("decode.split")) == 3 * 2
+    events = rec.of("decode.split")  # 3 splits asked, at most one per key block (the GPU's blocks are larger)
+    assert events[0]["splits"] == tb.dec_k.split_keys(90, events[0]["block_n"], 3)[0]
+    assert len(events) == events[0]["splits"] * 2
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
 
 
@@ -157,8 +159,8 @@ def test_decode_split_partials_merge_to_the_kernels_output(splits: int, Lk: int)
             for (lo, hi), blocks in zip(keys, r["key_blocks"]):
                 assert blocks == list(range(lo // bn, -(-hi // bn)))  # causal, Lq <= Lk: every key kept
             o, l, w = r8_decode.merge_splits(r["out_s"], r["lse_s"])
-            torch.testing.assert_close(o, out[b, r["heads"]].float(), rtol=0, atol=1e-5)
-            torch.testing.assert_close(l, lse[b, r["heads"]], rtol=0, atol=1e-5)
+            torch.testing.assert_close(o, out[b, r["heads"]].float().cpu(), rtol=0, atol=1e-5)  # (recorded: CPU)
+            torch.testing.assert_close(l, lse[b, r["heads"]].cpu(), rtol=0, atol=1e-5)
             torch.testing.assert_close(w.sum(0), torch.ones_like(l))
     ref = az.attention(q.double(), k.double(), v.double(), causal=True, scale=0.25, backend="reference")
     assert (out.double() - ref).abs().max() < 1e-5

@@ -146,6 +146,8 @@ def check(
     """The triton backend (``path``: "attention" with autograd, or "decode" without gradients) on
     inputs rounded to ``dtype`` against the formula, by the tolerance rule. Returns the backend's."""
     q, k, v = (t.to(DEVICE) for t in (qkv(B, Hq, Hkv, Lq, Lk, D) if inputs is None else inputs))
+    bias = None if bias is None else bias.to(DEVICE)
+    mask = mask.to(DEVICE) if isinstance(mask, Tensor) else mask
     q, k, v, bias = round_to(dtype, q, k, v, bias)
     sc = D**-0.5 if scale is None else scale
     # the formula's keep-mask: dense, from the ids, and causal / window from torch.tril / triu
@@ -416,8 +418,8 @@ def test_other_masks_are_still_densified() -> None:
     check(F32, 1, 2, 1, 36, 36, 16, mask=mask.to_tensor(), causal=True)
     q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 2, 1, 36, 36, 16))
     a = tb.forward(q, k, v, mask=mask, bias=None, causal=True, window=None, scale=0.25, dropout_p=0.0, dropout_seed=0)
-    b = tb.forward(q, k, v, mask=mask.to_tensor(), bias=None, causal=True, window=None, scale=0.25, dropout_p=0.0,
-                   dropout_seed=0)
+    b = tb.forward(q, k, v, mask=mask.to_tensor().to(DEVICE), bias=None, causal=True, window=None, scale=0.25,
+                   dropout_p=0.0, dropout_seed=0)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -454,18 +456,18 @@ def test_backward_from_sink_folded_out_and_lse(dtype: torch.dtype) -> None:
     the formula over one more key, k = 0, v = 0, bias = sink, kept for every row (its score 0 is
     capped to 0, then the sink is added) — fully blocked rows included, whose lse is the sink."""
     B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 23, 31, 16
-    q, k, v = qkv(B, Hq, Hkv, Lq, Lk, D)
+    q, k, v = (t.to(DEVICE) for t in qkv(B, Hq, Hkv, Lq, Lk, D))
     q, k, v = round_to(dtype, q, k, v)
-    sink = torch.randn(Hq, dtype=F64).view(1, Hq, 1, 1).expand(B, Hq, Lq, 1)  # (B, Hq, Lq, 1)
-    keep = random_keep(B, 1, Lq, Lk)
+    sink = torch.randn(Hq, dtype=F64).view(1, Hq, 1, 1).expand(B, Hq, Lq, 1).to(DEVICE)  # (B, Hq, Lq, 1)
+    keep = random_keep(B, 1, Lq, Lk).to(DEVICE)
     keep[1, 0, 5:9] = False  # fully blocked rows: only the sink remains
-    dout = torch.randn(B, Hq, Lq, D, dtype=F64).to(dtype).to(F64)
+    dout = torch.randn(B, Hq, Lq, D, dtype=F64).to(dtype).to(F64).to(DEVICE)
     scale, softcap = 0.6, 3.0
 
     def augmented(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        zero_k = torch.zeros(B, Hkv, 1, D, dtype=k.dtype)
-        bias = torch.cat([torch.zeros(B, Hq, Lq, Lk, dtype=F64), sink], dim=-1)  # (B, Hq, Lq, Lk + 1)
-        keep2 = torch.cat([keep, torch.ones(B, 1, Lq, 1, dtype=torch.bool)], dim=-1)
+        zero_k = torch.zeros(B, Hkv, 1, D, dtype=k.dtype, device=k.device)
+        bias = torch.cat([torch.zeros(B, Hq, Lq, Lk, dtype=F64, device=k.device), sink], dim=-1)  # (B, Hq, Lq, Lk + 1)
+        keep2 = torch.cat([keep, torch.ones(B, 1, Lq, 1, dtype=torch.bool, device=k.device)], dim=-1)
         return formula(q, torch.cat([k, zero_k], 2), torch.cat([v, zero_k.to(v.dtype)], 2), keep=keep2, bias=bias,
                        scale=scale, softcap=softcap)
 
@@ -609,8 +611,8 @@ def test_a_compiled_call_sends_rows_that_need_a_shift_to_flash_too() -> None:
     the backward op looks at the lse itself. A left-padded additive mask with causal, whose first
     rows keep only finfo.min keys: compiled gradients equal the eager ones and the reference's."""
     B, H, L, D, pad = 2, 2, 12, 16, 5
-    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
-    real = torch.arange(L) >= pad
+    q, k, v = (torch.randn(B, H, L, D).to(DEVICE) for _ in range(3))
+    real = torch.arange(L, device=DEVICE) >= pad
     bias = torch.where(real, 0.0, torch.finfo(torch.float32).min).view(1, 1, 1, L).expand(B, 1, L, L).contiguous()
 
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

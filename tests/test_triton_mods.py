@@ -208,7 +208,7 @@ def test_a_score_mod_with_attention_sinks(
     sd = sinks[..., :2] if sinks_shape == "per_query" else sinks
     with torch.no_grad(), tb.decode_splits(3):
         got = az.attention(qd, kd, vd, score_mod=_rel, sinks=sd.to(DEVICE, F32), backend="triton", return_lse=True)
-    want = az.attention(qd.double(), kd.double(), vd.double(), score_mod=_rel, sinks=sd, backend="reference",
+    want = az.attention(qd.double(), kd.double(), vd.double(), score_mod=_rel, sinks=sd.to(DEVICE), backend="reference",
                         return_lse=True)  # fmt: skip
     assert calls
     torch.testing.assert_close(got[0], want[0].float(), rtol=1e-4, atol=1e-4)
