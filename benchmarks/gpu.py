@@ -112,17 +112,18 @@ def _run(backend: str, dtype: torch.dtype, xs: dict[str, torch.Tensor], dout: to
 
 def check(name: str, dtype: torch.dtype, shape: tuple[int, ...], grads: bool = True, **kw: Any) -> list[str]:
     """Ours (triton) in ``dtype`` vs the float32 reference; returns the failures."""
-    B, Hq, Hkv, Lq, Lk, D = shape
+    B, Hq, Hkv, Lq, Lk, D, *rest = shape
+    Dv = rest[0] if rest else D
     dev = DEVICE
     g = torch.Generator(device="cpu").manual_seed(zlib.crc32(name.encode()))
 
     def rnd(*s: int) -> torch.Tensor:  # rounded to dtype, kept in float32: the golden sees the same inputs
         return torch.randn(*s, generator=g).to(dtype).float().to(dev)
 
-    xs = {"q": rnd(B, Hq, Lq, D), "k": rnd(B, Hkv, Lk, D), "v": rnd(B, Hkv, Lk, D)}
+    xs = {"q": rnd(B, Hq, Lq, D), "k": rnd(B, Hkv, Lk, D), "v": rnd(B, Hkv, Lk, Dv)}
     if kw.pop("bias", False):
         xs["bias"] = rnd(1, Hq, Lq, Lk)
-    dout = rnd(B, Hq, Lq, D) if grads else None
+    dout = rnd(B, Hq, Lq, Dv) if grads else None
     allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -151,6 +152,9 @@ def correctness(dry: bool) -> list[str]:
         ("causal gqa", (2, 8, 2, L, L, 128 if not dry else 32) if not dry else (1, 4, 2, L, L, 32), {"causal": True}),
         ("full lq<lk d=64", (1, 4, 4, L // 3, L + 101, 64 if not dry else 16), {}),
         ("window+bias d=96", (1, 4, 1, L // 2, L // 2, 96 if not dry else 24), {"window": (L // 8, 0), "bias": True}),
+        # head dims whose 16-bit rows are not 16-byte aligned (wrong on the H200 before aligned_rows)
+        ("odd dims d=59 dv=24", (1, 4, 2, L // 3, L // 2, 59, 24), {}),
+        ("odd dims d=111 dv=8 causal", (1, 2, 1, L // 4, L // 4, 111, 8), {"causal": True}),
         ("decode lq=1 gqa", (4, 32, 8, 1, Lk_dec, 128) if not dry else (1, 8, 2, 1, Lk_dec, 16), {"grads": False}),
         ("decode lq=4 causal", (2, 8, 8, 4, Lk_dec, 64 if not dry else 16), {"grads": False, "causal": True}),
     ]

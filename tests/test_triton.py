@@ -113,6 +113,22 @@ def test_noncontiguous_inputs(layout: str) -> None:
     golden(BF16, 2, 2, 1, 19, 21, 16, layout=layout, causal=True)
 
 
+@pytest.mark.parametrize("dtype,D", [(BF16, 59), (F16, 111), (F32, 59), (BF16, 64), (F32, 8)])
+def test_aligned_rows_copies_rows_off_a_16_byte_boundary(dtype: torch.dtype, D: int) -> None:
+    """On CUDA the kernels get rows, heads and batches starting on 16 bytes (16-bit head dims of 59 and
+    111 gave wrong outputs on an H200 without): same values, padded strides, no copy when aligned."""
+    t = torch.randn(2, 3, 5, D).to(dtype)
+    base = torch.empty(t.numel() + 8, dtype=dtype)  # a copy of t whose start is one element off the boundary
+    off = base[1 : 1 + t.numel()].view(t.shape)
+    off.copy_(t)
+    for x in (t, off, t.transpose(1, 2)):
+        a = tb.aligned_rows(x)
+        assert torch.equal(a, x) and a.stride(-1) == 1 and a.data_ptr() % 16 == 0
+        assert all(s * a.element_size() % 16 == 0 for s, n in zip(a.stride()[:-1], a.shape) if n > 1)
+        if x is t and D * t.element_size() % 16 == 0:
+            assert a is t  # already aligned: no copy
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks and bias (dense, broadcast, Mask objects, fully blocked rows), with gradients
 
@@ -290,9 +306,9 @@ def test_decode_merges_splits_whose_kept_keys_all_carry_a_huge_bias(
     split's max and sum."""
     monkeypatch.setattr(tb, "DECODE_SPLITS", 2)
     B, H, Lk, D = 1, 2, 200, 16
-    q, k, v = (torch.randn(B, H, n, D) for n in (1, Lk, Lk))
-    bias = torch.full((1, 1, 1, Lk), big)
-    keep = torch.ones(1, 1, 1, Lk, dtype=torch.bool)
+    q, k, v = (torch.randn(B, H, n, D, device=DEVICE) for n in (1, Lk, Lk))
+    bias = torch.full((1, 1, 1, Lk), big, device=DEVICE)
+    keep = torch.ones(1, 1, 1, Lk, dtype=torch.bool, device=DEVICE)
     keep[..., :90] = False  # keys 90..199 kept
     with torch.no_grad():
         out = az.attention(q, k, v, bias=bias, mask=keep, backend="triton")

@@ -64,10 +64,12 @@ refused with a ValueError that names the flash backend, which takes any head dim
 A bias that requires grad gets its gradient through a float32 (B, Hq, Lq, Lk) buffer summed over
 its broadcast dims (O(Lq·Lk) memory, as the bias itself).
 
-Deterministic backward: by default dQ is accumulated with float32 atomics inside the dK/dV kernel
-(one pass; the last bits of dQ may vary run to run). Set ``DETERMINISTIC = True`` in this module,
-the environment variable ``ATTNZERO_DETERMINISTIC=1``, or ``torch.use_deterministic_algorithms(True)``
-to compute dQ in a separate kernel without atomics (bitwise reproducible, one more recompute of P).
+Backward: dQ in a kernel of its own, per query block (bitwise reproducible, one more recompute of
+P). Set ``DETERMINISTIC = False`` in this module or the environment variable
+``ATTNZERO_DETERMINISTIC=0`` to add dQ with float32 atomics inside the dK/dV kernel instead (one
+pass; the last bits of dQ may vary run to run; ``torch.use_deterministic_algorithms(True)`` keeps
+the separate kernel). On an H200 the separate kernel was the faster one: B4 H16 L4096 D128 bf16, the
+backward in 7.6 ms against 8.9 with atomics at their best tiles (2026-12-04).
 
 Runs on CUDA tensors, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is
 imported (Triton's interpreter: slow, for tests).
@@ -114,7 +116,7 @@ LOG2E = fwd_k.LOG2E
 DECODE_MAX_LQ = 16  # the split-KV path serves at most this many queries
 DECODE_MIN_LK = 1024  # ... against at least this many keys
 DECODE_MAX_ROWS = 128  # ... and G·Lq query rows per key/value head (one program holds them all)
-DETERMINISTIC: bool = os.environ.get("ATTNZERO_DETERMINISTIC", "0") not in ("", "0")
+DETERMINISTIC: bool = os.environ.get("ATTNZERO_DETERMINISTIC", "1") not in ("", "0")  # dQ without atomics
 # Split-KV: force this many splits of the keys (``decode_splits``) instead of the device's choice
 # (``decode.splits_for``: about two waves over the GPU's multiprocessors; on the CPU interpreter,
 # which has none, it pretends there are 2). None: the device's choice.
@@ -158,17 +160,18 @@ def unsupported_device_reason(device: torch.device) -> str | None:
 
 
 # Launch settings on CUDA per kernel and head-dim class (16-bit inputs, then float32 inputs whose
-# tiles take twice the registers and shared memory). Chosen for Hopper by compiling for sm_90
+# tiles take twice the registers and shared memory). First chosen for Hopper by compiling for sm_90
 # without a GPU (triton 3.6), preferring tiles whose products lower to Hopper's wgmma (every tile
-# dim of a product >= 64 rows) and little local memory: with 16-bit inputs at D <= 128 only dK/dV at
-# D = 128 spills (about 200 bytes per thread). Not yet timed on a GPU.
+# dim of a product >= 64 rows) and little local memory; then timed on an H200 (2026-12-04, bf16, B4
+# H16 L4096, docs/benchmarks.md): the forward's tiles were the fastest of six; dK/dV went from
+# (32, 64) to (64, 128) (17.5 → 8.9 ms with atomic dQ at D = 128), dQ from (64, 32) to (128, 32).
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); set TILES[...] to override.
 TILES: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     ("fwd", 64, False): (128, 64, 8, 3), ("fwd", 128, False): (128, 64, 8, 3), ("fwd", 256, False): (64, 32, 8, 2),
     ("fwd", 64, True): (64, 64, 4, 2), ("fwd", 128, True): (64, 32, 4, 2), ("fwd", 256, True): (32, 32, 4, 1),
-    ("dkdv", 64, False): (32, 64, 8, 3), ("dkdv", 128, False): (32, 64, 8, 2), ("dkdv", 256, False): (16, 32, 8, 2),
+    ("dkdv", 64, False): (64, 128, 8, 2), ("dkdv", 128, False): (64, 128, 8, 2), ("dkdv", 256, False): (16, 32, 8, 2),
     ("dkdv", 64, True): (16, 64, 4, 2), ("dkdv", 128, True): (16, 32, 8, 2), ("dkdv", 256, True): (16, 16, 8, 1),
-    ("dq", 64, False): (128, 32, 8, 3), ("dq", 128, False): (64, 32, 8, 3), ("dq", 256, False): (32, 16, 8, 2),
+    ("dq", 64, False): (128, 32, 8, 3), ("dq", 128, False): (128, 32, 8, 3), ("dq", 256, False): (32, 16, 8, 2),
     ("dq", 64, True): (32, 32, 4, 2), ("dq", 128, True): (32, 16, 8, 2), ("dq", 256, True): (16, 16, 8, 1),
     ("decode", 64, False): (0, 128, 4, 3), ("decode", 128, False): (0, 64, 4, 3), ("decode", 256, False): (0, 32, 4, 2),
     ("decode", 64, True): (0, 64, 4, 2), ("decode", 128, True): (0, 32, 4, 2), ("decode", 256, True): (0, 16, 4, 2),
@@ -201,8 +204,34 @@ def _strides4(t: Tensor | None) -> tuple[int, int, int, int]:
     return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))  # type: ignore[return-value]
 
 
+ROW_ALIGN = 16  # bytes: where the kernels' rows of q, k, v, out and dO start on CUDA
+
+
 def _unit_last(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """``t`` as the kernels read it: unit stride along the head dim (indexed directly) and, on CUDA,
+    rows on ``ROW_ALIGN``-byte boundaries (``aligned_rows``)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return aligned_rows(t) if t.is_cuda else t
+
+
+def aligned_rows(t: Tensor, align: int = ROW_ALIGN) -> Tensor:
+    """``t`` (unit last stride) with every row, head and batch starting on an ``align``-byte boundary:
+    ``t`` itself when they do, else a copy into rows padded to the boundary — a view of the first
+    ``t.shape[-1]`` columns, the padding never read (the kernels mask d >= D). On an H200 (triton
+    3.6, 2026-12-04) the forward gave wrong 16-bit outputs for head dims of 59 and 111 (rows of 118
+    and 222 bytes: 2-byte aligned, which asynchronous copies cannot move); float32 rows of the same
+    dims (4-byte aligned) and every 16-byte aligned case were right. Not yet rerun on a GPU with
+    this copy in place."""
+    size = t.element_size()
+    gaps = (s * size for s, n in zip(t.stride()[:-1], t.shape) if n > 1)  # bytes between rows, heads, batches
+    if t.data_ptr() % align == 0 and all(g % align == 0 for g in gaps):
+        return t
+    n = t.shape[-1]
+    per = align // size
+    padded = t.new_empty((*t.shape[:-1], -(-n // per) * per))  # (..., n rounded up to align bytes)
+    padded[..., :n].copy_(t)
+    return padded[..., :n]
 
 
 def _side_arg(side: int | None) -> int:
