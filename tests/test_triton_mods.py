@@ -141,6 +141,7 @@ def test_generated_code_equals_the_mod_and_its_derivative(name: str) -> None:
 def test_a_wrong_translation_fails_the_grid_test(monkeypatch: pytest.MonkeyPatch) -> None:
     """The grid test can fail: one operator translated wrongly (sub as +) is caught."""
     monkeypatch.setitem(codegen._BINARY, "sub", "+")
+    monkeypatch.setattr(codegen, "_GENERATED", {})  # (the code generated before is kept by fingerprint)
     codegen._MODULES.clear()
     with pytest.raises(AssertionError):
         run_on_grid(GRID_MODS["alibi"])
@@ -460,6 +461,7 @@ def test_the_backend_interface_runs_the_generated_mask(no_dense: list[str]) -> N
 def test_a_wrong_translation_of_the_mask_mod_fails_the_golden_test(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests above can fail: ``<=`` generated as ``<`` (the prefix-LM loses its diagonal) is caught."""
     monkeypatch.setitem(codegen._COMPARE, "le", "<")
+    monkeypatch.setattr(codegen, "_GENERATED", {})  # (the code generated before is kept by fingerprint)
     codegen._MODULES.clear()
     try:
         mask = az.masks.from_mod(_prefix_lm, 1, 1, 23, 23, block_size=8, device=DEVICE)
@@ -511,3 +513,73 @@ def test_flex_attention_runs_a_block_mask_gated_by_its_table(
     blockwise = torch.arange(20).view(-1, 1) // 8 >= torch.arange(20).view(1, -1) // 8  # what the table keeps
     assert torch.equal(mask.to_tensor()[0, 0], blockwise)
     torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated code is kept per mods.fingerprint: a mod met again is not traced again
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Count the traces (codegen._trace) from an empty cache of generated mods."""
+    calls: list[str] = []
+    real = codegen._trace
+    monkeypatch.setattr(codegen, "_GENERATED", {})
+    monkeypatch.setattr(codegen, "_trace", lambda fn, name, device: calls.append(name) or real(fn, name, device))
+    return calls
+
+
+def _alibi_mod(slopes: Tensor) -> mods.ScoreMod:
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + slopes[h] * (j - i)
+
+    return mod
+
+
+def _capped_mod(cap: float) -> mods.ScoreMod:
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return cap * torch.tanh(s / cap)
+
+    return mod
+
+
+def test_a_mod_met_again_is_not_traced_again_and_reads_this_calls_tensors(traces: list[str]) -> None:
+    """Two closures of one code over different slopes (same shape): one trace, and each call's output
+    is its own slopes' (the cached code reads the call's tensors); a captured number that differs
+    (softcap 20 against 30) is another key: traced again, and each right."""
+    q, k, v = (t.to(DEVICE, torch.float32) for t in qkv(1, 2, 1, 20, 24, 16))
+    for slopes in (torch.tensor([0.5, 0.25]), torch.tensor([2.0, -1.0]), torch.tensor([0.5, 0.25])):
+        mod = _alibi_mod(slopes.to(DEVICE))
+        got = az.attention(q, k, v, score_mod=mod, causal=True, backend="triton")
+        want = az.attention(q.double(), k.double(), v.double(), score_mod=_alibi_mod(slopes.double().to(DEVICE)),
+                            causal=True, backend="reference")  # fmt: skip
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+    assert traces == ["score_mod"]
+    for cap in (20.0, 30.0, 20.0):
+        got = az.attention(q, k, v, score_mod=_capped_mod(cap), backend="triton")
+        want = az.attention(q.double(), k.double(), v.double(), score_mod=_capped_mod(cap), backend="reference")
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+    assert traces == ["score_mod"] * 3
+
+
+def test_a_block_mask_met_again_is_not_traced_again(traces: list[str]) -> None:
+    """One BlockMask (documents from captured ids) as attnzero.flex turns it into a Mask, three calls:
+    one trace of its predicate; another BlockMask over other ids of the same shape reuses the code
+    with its ids."""
+    from attnzero import flex
+
+    L = 40
+    q, k, v = (t.to(DEVICE, torch.float32) for t in qkv(1, 2, 2, L, L, 16))
+    outs = []
+    for cut in (13, 13, 13, 29):
+        ids = (torch.arange(L) >= cut).to(DEVICE)
+
+        def documents(b: Tensor, h: Tensor, i: Tensor, j: Tensor, ids: Tensor = ids) -> Tensor:
+            return (ids[i] == ids[j]) & (j <= i)
+
+        bm = flex.create_block_mask(documents, None, None, L, L, device=str(DEVICE), BLOCK_SIZE=16)
+        outs.append(az.attention(q, k, v, mask=flex.to_mask(bm, 1, 2, L, L), backend="triton"))
+        keep = (ids[:, None] == ids[None, :]) & torch.ones(L, L, dtype=torch.bool, device=DEVICE).tril()
+        want = az.attention(q.double(), k.double(), v.double(), mask=keep, backend="reference")
+        torch.testing.assert_close(outs[-1], want.float(), rtol=1e-4, atol=1e-4)
+    assert traces == ["mask_mod"]
