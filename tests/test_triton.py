@@ -113,6 +113,29 @@ def test_noncontiguous_inputs(layout: str) -> None:
     golden(BF16, 2, 2, 1, 19, 21, 16, layout=layout, causal=True)
 
 
+@pytest.mark.parametrize(
+    "dtype,Lq,Lk,D,causal,deterministic",
+    [(BF16, 150, 150, 64, True, True), (BF16, 150, 200, 128, False, True), (BF16, 70, 300, 64, True, False),
+     (F16, 200, 130, 128, True, True), (F32, 129, 129, 64, False, True), (F32, 90, 70, 128, True, False),
+     (BF16, 40, 75, 256, True, True)],
+)  # fmt: skip
+def test_the_gpu_tile_table_under_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, Lq: int, Lk: int, D: int, causal: bool, deterministic: bool
+) -> None:
+    """The tile sizes of ``TILES`` (what a GPU runs: 64 to 128 rows and keys a block, otherwise never
+    run here, where the kernels get 16×16 tiles) on shapes that end inside a block: forward and
+    backward against the golden, dQ by its own kernel and by atomics."""
+    def gpu_blocks(kind: str, D: int, Dv: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+        BD, BDV = tb.fwd_k.next_pow2(D), tb.fwd_k.next_pow2(Dv)
+        bm, bn, _, _ = tb.TILES[(kind, max(64, BD, BDV), dtype == torch.float32)]
+        return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": BD, "BLOCK_DV": BDV}
+
+    monkeypatch.setattr(tb, "_blocks", gpu_blocks)
+    monkeypatch.setattr(tb, "DETERMINISTIC", deterministic)
+    q, k, v = qkv(1, 2, 1, Lq, Lk, D)
+    check_against_golden("triton", dtype, *(t.to(DEVICE) for t in (q, k, v)), causal=causal)
+
+
 @pytest.mark.parametrize("dtype,D", [(BF16, 59), (F16, 111), (F32, 59), (BF16, 64), (F32, 8)])
 def test_aligned_rows_copies_rows_off_a_16_byte_boundary(dtype: torch.dtype, D: int) -> None:
     """On CUDA the kernels get rows, heads and batches starting on 16 bytes (16-bit head dims of 59 and
