@@ -407,14 +407,14 @@ SM90_SHARED_MAX = 232448  # bytes of shared memory one block may use on compute 
 # without extras (the deterministic dQ kernel); "causal" a causal band; "all" everything at once.
 FEATURE_SETS: dict[str, dict[str, bool]] = {
     "plain": {"HAS_LEFT": False, "HAS_RIGHT": False, "HAS_MASK": False, "HAS_BIAS": False, "HAS_DROPOUT": False,
-              "STORE_F32": False, "BIAS_GRAD": False, "ATOMIC_DQ": False, "HAS_SEGMENTS": False,
+              "STORE_F32": False, "BIAS_GRAD": False, "ATOMIC_DQ": False, "HAS_SEGMENTS": False, "HAS_RANGES": False,
               "HAS_SOFTCAP": False},
     "causal": {"HAS_LEFT": False, "HAS_RIGHT": True, "HAS_MASK": False, "HAS_BIAS": False, "HAS_DROPOUT": False,
-               "STORE_F32": True, "BIAS_GRAD": False, "ATOMIC_DQ": True, "HAS_SEGMENTS": False,
+               "STORE_F32": True, "BIAS_GRAD": False, "ATOMIC_DQ": True, "HAS_SEGMENTS": False, "HAS_RANGES": False,
                "HAS_SOFTCAP": False},
     "all": {"HAS_LEFT": True, "HAS_RIGHT": True, "HAS_MASK": True, "HAS_BIAS": True, "HAS_DROPOUT": True,
-            "STORE_F32": True, "BIAS_GRAD": True, "ATOMIC_DQ": True, "HAS_SEGMENTS": True, "HAS_SOFTCAP": True,
-            "HAS_MOD": True, "HAS_MASK_MOD": True},
+            "STORE_F32": True, "BIAS_GRAD": True, "ATOMIC_DQ": True, "HAS_SEGMENTS": True, "HAS_RANGES": True,
+            "HAS_SOFTCAP": True, "HAS_MOD": True, "HAS_MASK_MOD": True},
 }
 
 

@@ -583,3 +583,70 @@ def test_a_block_mask_met_again_is_not_traced_again(traces: list[str]) -> None:
         want = az.attention(q.double(), k.double(), v.double(), mask=keep, backend="reference")
         torch.testing.assert_close(outs[-1], want.float(), rtol=1e-4, atol=1e-4)
     assert traces == ["mask_mod"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A generated mask's block table: the kernels visit only the blocks some head keeps
+
+
+@pytest.mark.parametrize("by_keys", [False, True], ids=["query_rows", "key_rows"])
+def test_table_ranges_by_brute_force(by_keys: bool) -> None:
+    """``_table_ranges``: for each batch and block of rows, the first to the last column of any block
+    some head does not SKIP — against the table spread to pairs, on random tables and awkward sizes."""
+    g = torch.Generator().manual_seed(7)
+    for _ in range(40):
+        B, H = (int(x) for x in torch.randint(1, 3, (2,), generator=g))
+        bq, bk, block = (int(x) for x in torch.randint(1, 9, (3,), generator=g))
+        Lq, Lk = (int(x) for x in torch.randint(1, 40, (2,), generator=g))
+        nq, nk = -(-Lq // bq), -(-Lk // bk)
+        kinds = torch.randint(0, 3, (B, H, nq, nk), generator=g, dtype=torch.int8)
+        kinds[torch.rand(kinds.shape, generator=g) < 0.5] = tb.BLOCK_SKIP
+        got = tb._table_ranges(kinds, bq, bk, B, Lq, Lk, block, by_keys)
+        kept = (kinds != tb.BLOCK_SKIP).any(1)  # (B, nq, nk)
+        pairs = kept.repeat_interleave(bq, 1)[:, :Lq].repeat_interleave(bk, 2)[:, :, :Lk]  # (B, Lq, Lk)
+        if by_keys:
+            pairs = pairs.transpose(1, 2)
+        rows = pairs.shape[1]
+        for b in range(B):
+            for r in range(-(-rows // block)):
+                seen = pairs[b, r * block : (r + 1) * block].any(0).nonzero().flatten()
+                want = [int(seen.min()), int(seen.max()) + 1] if len(seen) else [0, 0]
+                assert got[b, r].tolist() == want, (B, H, bq, bk, block, Lq, Lk, b, r)
+
+
+def test_a_block_masks_skipped_blocks_are_not_visited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two documents as a BlockMask (no causal): each query block of one document visits no key block
+    of the other (before, every key block; the mask_mod blocked them pair by pair) — forward and
+    split-KV decode, from their records — and every kernel, the backward ones included, gives the
+    golden's results."""
+    from attnzero import flex, trace
+
+    L, cut = 64, 32
+    ids = (torch.arange(L) >= cut).to(DEVICE)
+
+    def documents(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return ids[i] == ids[j]
+
+    bm = flex.create_block_mask(documents, None, None, L, L, device=str(DEVICE), BLOCK_SIZE=16)
+    mask = flex.to_mask(bm, 1, 2, L, L)
+    q, k, v = (t.to(DEVICE) for t in qkv(1, 2, 1, L, L, 16))
+    check_against_golden("triton", F32, q, k, v, mask=mask)
+    with trace.recording() as rec:
+        az.attention(q.float(), k.float(), v.float(), mask=mask, backend="triton")
+    programs = rec.of("triton.program")
+    assert programs
+    for e in programs:
+        hi = e["rows"][1]
+        doc_blocks = set(range(0, cut // 16)) if hi <= cut else set(range(cut // 16, L // 16))
+        assert set(e["key_blocks"]) == doc_blocks, (e["rows"], e["key_blocks"])
+    # decode: two queries at the end (bottom-right: positions 62, 63, in the second document)
+    monkeypatch.setattr(tb, "DECODE_MIN_LK", 32)
+    bm2 = flex.create_block_mask(lambda b, h, i, j: ids[i + L - 2] == ids[j], None, None, 2, L, device=str(DEVICE),
+                                 BLOCK_SIZE=16)  # fmt: skip
+    mask2 = flex.to_mask(bm2, 1, 2, 2, L)
+    with torch.no_grad(), tb.decode_splits(4), trace.recording() as rec:
+        got = az.attention(q[:, :, -2:].float(), k.float(), v.float(), mask=mask2, backend="triton")
+    splits = rec.of("decode.split")
+    assert splits and all(set(e["key_blocks"]) <= set(range(cut // 16, L // 16)) for e in splits)
+    want = az.attention(q[:, :, -2:], k, v, mask=mask2, backend="reference")
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)

@@ -141,7 +141,7 @@ def dkdv_kernel(
     Hq, G, Lq, Lk, D, Dv, qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_RANGES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
     CAP, CAP_GRAD, MCAP, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr, MASK_MOD: tl.constexpr,
     HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
@@ -173,8 +173,8 @@ def dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # the key block's segment ids (keys past Lk: an id no query has) and its query range
-    k_ids, seg_lo, seg_hi = segment_rows(KIds + b * Lk, offs_n, n_ok, Ranges + (b * num_n + pid_n) * 2,
-                                         HAS_SEGMENTS, BLOCK_N)
+    k_ids, seg_lo, seg_hi = segment_rows(KIds + b * Lk, offs_n, n_ok, Ranges + (b * num_n + pid_n) * 2, Lq,
+                                         HAS_SEGMENTS, HAS_RANGES, BLOCK_N)
     for g in range(0, G):
         h = hk * G + g  # query head g of this key/value head's group
         bh = b * Hq + h
@@ -210,13 +210,13 @@ def dkdv_queries(
     """dkdv_kernel's walk over the query blocks of one query head that can see the key block
     ``[n0, n0 + BLOCK_N)``, in the transposed orientation; returns (dk, dv) with this head added.
     ``*_head`` point at the head's row 0 (``drop_head`` = (b·Hq + h)·Lq, its first dropout row).
-    Segments: ``qid_row0`` points at the batch's query ids, ``k_ids`` (BLOCK_N,) are the key block's,
-    and only query blocks meeting ``[seg_lo, seg_hi)`` are visited."""
+    Segments: ``qid_row0`` points at the batch's query ids, ``k_ids`` (BLOCK_N,) are the key block's.
+    Only query blocks meeting ``[seg_lo, seg_hi)`` are visited (the segments' or a block table's range,
+    or every query)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < Lk
     start, f_lo, f_hi, end = query_blocks(n0, Lq, Lk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    if HAS_SEGMENTS:
-        start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_M)
+    start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_M)  # (no ranges: all)
     for part in tl.static_range(NUM_PARTS):  # unrolled: each part is its own loop
         lo, hi = part_range(part, start, f_lo, f_hi, end)
         for mb in range(lo, hi):
@@ -270,7 +270,8 @@ def dq_kernel(
     Hq, G, Lq, Lk, D, Dv, qk_scale, scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_RANGES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
     CAP, CAP_GRAD, MCAP, SCORE_MOD: tl.constexpr, SCORE_MOD_BWD: tl.constexpr, MASK_MOD: tl.constexpr,
     HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
@@ -297,8 +298,8 @@ def dq_kernel(
                  mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
     lse_s = score_unit(tl.load(Lse + pid_bh * Lq + offs_m, mask=m_ok, other=0.0), HAS_BIAS or HAS_MOD)
     delta = tl.load(Delta + pid_bh * Lq + offs_m, mask=m_ok, other=0.0)
-    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, m_ok, Ranges + (b * num_m + pid_m) * 2,
-                                         HAS_SEGMENTS, BLOCK_M)
+    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, m_ok, Ranges + (b * num_m + pid_m) * 2, Lk,
+                                         HAS_SEGMENTS, HAS_RANGES, BLOCK_M)
     dq = dq_keys(
         q, do, lse_s, delta, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk,
         offs_d, offs_dv, d_ok, dv_ok, left, right, Mask + b * smb + h * smh + offs_m * smm, smn,
@@ -329,8 +330,7 @@ def dq_keys(
     m_ok = offs_m < Lq
     pos = offs_m + Lk - Lq
     start, f_lo, f_hi, end = key_blocks(m0, Lq, 0, Lk, Lk - Lq, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    if HAS_SEGMENTS:
-        start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_N)
+    start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_N)  # (no ranges: all keys)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for part in tl.static_range(NUM_PARTS):  # unrolled: each part is its own loop
         lo, hi = part_range(part, start, f_lo, f_hi, end)

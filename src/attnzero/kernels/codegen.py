@@ -80,13 +80,15 @@ class Generated:
     ``bwd(score, b, h, q_idx, kv_idx, dy, CAP, CAP_GRAD, ACCUMULATE)`` (None for a mask mod or when
     not asked for), ``tensors`` what ``CAP`` holds (contiguous), ``grad_of[i]`` the index in
     ``mods.captured_tensors(fn)`` of the tensor ``tensors[i]`` is (None: not one of them, or no
-    gradient wanted), ``source`` the generated module's text."""
+    gradient wanted), ``source`` the generated module's text; ``table`` the block table of the Mask a
+    mask_mod's predicate came from (``triton_backend.generate_mask`` sets it), or None."""
 
     fwd: Any
     bwd: Any
     tensors: tuple[Tensor, ...]
     grad_of: tuple[int | None, ...]
     source: str
+    table: Any = None
 
 
 # ---------------------------------------------------------------------------------------------

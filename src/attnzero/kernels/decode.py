@@ -33,14 +33,14 @@ def split_kernel(
     Hq, G, Lq, Lk, D, Dv, S, chunk, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    Trace, TRACE: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_RANGES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr, Trace, TRACE: tl.constexpr,
     CAP, MCAP, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
     """The split-KV pass. Grid (S·B·Hkv,). Opart (B, Hq, S, Lq, Dv) and Lpart (B, Hq, S, Lq, 2) float32: each
     row's output over the split's keys, and its max (natural log) and sum.
-    With HAS_SEGMENTS: QIds (B, Lq), KIds (B, Lk) int32 segment ids and Ranges (B, 1, 2) int32, the
-    key range [lo, hi) of all Lq queries of a batch.
+    With HAS_SEGMENTS: QIds (B, Lq), KIds (B, Lk) int32 segment ids; with HAS_RANGES (segments, or a
+    mask's block table) Ranges (B, 1, 2) int32, the key range [lo, hi) of all Lq queries of a batch.
     With TRACE (the ladder's instrumentation, only while a recording is open): Trace (grid, 2 + cdiv(Lk, BLOCK_N))
     int32, filled with -1 by the launcher; program ``pid`` writes its split and its batch·kv head to
     ``Trace[pid, 0:2]`` and, for each key block ``nb`` it visits, the part it was visited in to
@@ -68,7 +68,8 @@ def split_kernel(
     # This split's keys [k_lo, k_hi) (whole blocks: chunk is a multiple of BLOCK_N), walked as the
     # forward walks them; every row sits at a query position in [0, Lq) (m0 = 0, BLOCK_M >= Lq).
     k_lo = pid_s * chunk
-    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, i, rows_ok, Ranges + b * 2, HAS_SEGMENTS, BLOCK_M)
+    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, i, rows_ok, Ranges + b * 2, Lk, HAS_SEGMENTS, HAS_RANGES,
+                                         BLOCK_M)
     trace_row = trace_start(Trace, pid, pid_s, pid_bk, Lk, BLOCK_N, TRACE)
     acc, m_i, l_i = attend_keys(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, 0, Lq, Lk, k_lo, tl.minimum(k_lo + chunk, Lk),

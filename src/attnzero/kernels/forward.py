@@ -326,16 +326,16 @@ def attend_keys(
     they can see; returns (acc, m, l), m in the scores' unit (``base2``). ``k_rows`` / ``v_rows``
     point at key/value row 0 of this head (d strides are 1); ``Lk`` is the full key length (dropout
     counters); ``pos`` / ``rows_ok`` are the rows' key positions and validity (BLOCK_M,). With
-    segments: ``q_ids`` (BLOCK_M,) the rows' ids, ``kid_rows`` the keys' ids of this batch, and only
-    the blocks meeting ``[seg_lo, seg_hi)`` are visited. With TRACE (instrumentation, compiled out
+    segments: ``q_ids`` (BLOCK_M,) the rows' ids, ``kid_rows`` the keys' ids of this batch. Only the
+    blocks meeting ``[seg_lo, seg_hi)`` are visited (``segment_rows``: a segment's or a block table's
+    range, or every key). With TRACE (instrumentation, compiled out
     otherwise): ``trace_row[nb]`` = the part (LEADING / INTERIOR / TRAILING) in which key block
     ``nb`` was visited; blocks not visited are left as they were. The mods (``mod_scores``) see
     batch ``b_idx``, query head ``h_idx`` (one, or one per row as (BLOCK_M, 1)) and query positions
     ``q_pos`` (BLOCK_M,)."""
     start, f_lo, f_hi, end = key_blocks(m0, Lq, k_lo, k_hi, Lk - Lq, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                         HAS_RIGHT)
-    if HAS_SEGMENTS:
-        start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_N)
+    start, f_lo, f_hi, end = clip_blocks(start, f_lo, f_hi, end, seg_lo, seg_hi, BLOCK_N)  # (no ranges: all keys)
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -396,18 +396,22 @@ def finish_rows(acc, m_i, l_i, keep_scale, NATURAL: tl.constexpr):
 
 
 @triton.jit
-def segment_rows(ids_row0, rows, rows_ok, range_ptr, HAS_SEGMENTS: tl.constexpr, N: tl.constexpr):
-    """The segment ids of a program's ``N`` rows (``ids_row0`` points at this batch's ids, (L,)
-    int32; rows past the end get an id no key has) and its range ``[lo, hi)`` of columns to visit
-    (two int32 at ``range_ptr``). Without segments: zeros, not read."""
+def segment_rows(ids_row0, rows, rows_ok, range_ptr, limit, HAS_SEGMENTS: tl.constexpr, HAS_RANGES: tl.constexpr,
+                 N: tl.constexpr):
+    """The segment ids of a program's ``N`` rows (HAS_SEGMENTS: ``ids_row0`` points at this batch's
+    ids, (L,) int32; rows past the end get an id no key has; else zeros, not read) and its range
+    ``[lo, hi)`` of columns to visit (HAS_RANGES: two int32 at ``range_ptr``, from the segments or a
+    mask's block table; else every column, ``[0, limit)``)."""
     if HAS_SEGMENTS:
         ids = tl.load(ids_row0 + rows, mask=rows_ok, other=NO_QUERY_ID)
+    else:
+        ids = tl.zeros([N], tl.int32)
+    if HAS_RANGES:
         lo = tl.load(range_ptr)
         hi = tl.load(range_ptr + 1)
     else:
-        ids = tl.zeros([N], tl.int32)
         lo = 0
-        hi = 0
+        hi = limit
     return ids, lo, hi
 
 
@@ -433,8 +437,8 @@ def fwd_kernel(
     Hq, G, Lq, Lk, D, Dv, qk_scale, cap_in, cap_out, left, right, seed_lo, seed_hi, threshold, keep_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_F32: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_RANGES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_F32: tl.constexpr,
     Trace, TRACE: tl.constexpr,
     CAP, MCAP, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MASK_MOD: tl.constexpr,
 ):
@@ -470,8 +474,8 @@ def fwd_kernel(
 
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=rows_ok[:, None] & d_ok[None, :],
                 other=0.0)  # (BLOCK_M, BLOCK_D)
-    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, rows_ok, Ranges + (b * num_m + pid_m) * 2,
-                                         HAS_SEGMENTS, BLOCK_M)
+    q_ids, seg_lo, seg_hi = segment_rows(QIds + b * Lq, offs_m, rows_ok, Ranges + (b * num_m + pid_m) * 2, Lk,
+                                         HAS_SEGMENTS, HAS_RANGES, BLOCK_M)
     trace_row = trace_start(Trace, pid, pid_m, pid_bh, Lk, BLOCK_N, TRACE)
     acc, m_i, l_i = attend_keys(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, m0, Lq, Lk, 0, Lk,

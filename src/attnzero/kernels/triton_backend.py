@@ -106,6 +106,7 @@ from .. import flash, geometry, ops, reference, trace
 from .. import sinks as sinks_
 from ..blocks import FULL as BLOCK_FULL
 from ..blocks import PARTIAL as BLOCK_PARTIAL
+from ..blocks import SKIP as BLOCK_SKIP
 from ..masks import Mask, Segments
 from . import backward as bwd_k
 from . import decode as dec_k
@@ -378,10 +379,52 @@ def _mod_args(
 
 
 def _ids_args(q_ids: Tensor | None, k_ids: Tensor | None, ranges: Tensor | None, q: Tensor) -> list[Tensor]:
-    """The kernels' QIds, KIds, Ranges pointers (q: a placeholder, never read, without segments)."""
-    if q_ids is None or k_ids is None or ranges is None:
-        return [q, q, q]
-    return [q_ids, k_ids, ranges]
+    """The kernels' QIds, KIds, Ranges pointers (q: a placeholder, never read, for what is absent)."""
+    return [q if t is None else t for t in (q_ids, k_ids, ranges)]
+
+
+def _ranges(
+    q_ids: Tensor | None, k_ids: Tensor | None, mask_gen: Generated | None, block: int, B: int, Lq: int, Lk: int,
+    device: torch.device, *, by_keys: bool = False,
+) -> Tensor | None:
+    """The range of columns each (batch, block of ``block`` rows) visits, int32 (B, cdiv(rows, block), 2)
+    — rows are queries and columns keys, or the other way round ``by_keys`` (the dK/dV kernel) — from
+    the segments (``_segment_ranges``) or from the block table of a generated mask_mod's Mask
+    (``_table_ranges``); None when neither: every column."""
+    if q_ids is not None and k_ids is not None:
+        return _segment_ranges(k_ids, q_ids, block) if by_keys else _segment_ranges(q_ids, k_ids, block)
+    table = mask_gen.table if mask_gen is not None else None
+    if table is None:
+        return None
+    return _table_ranges(table.kinds, table.bq, table.bk, B, Lq, Lk, block, by_keys).to(device)
+
+
+def _table_ranges(
+    kinds: Tensor, bq: int, bk: int, B: int, Lq: int, Lk: int, block: int, by_keys: bool = False
+) -> Tensor:
+    """From a block table's kinds (B|1, H|1, nQ, nK) of ``bq × bk`` blocks: for each batch and block of
+    ``block`` query rows (key rows ``by_keys``), the columns ``[lo, hi)`` from the first to the end of
+    the last table block that some head does not SKIP, int32 (B, cdiv(rows, block), 2); ``lo = hi = 0``
+    when every such block is SKIP. What lies outside holds only SKIP blocks (blocked for every row
+    and head): not visiting it changes nothing; inside, the mask_mod masks pair by pair."""
+    kept = (kinds != BLOCK_SKIP).any(dim=1)  # (B|1, nQ, nK): a pair of the block is kept for some head
+    rows_n, cols_n, br, bc = Lq, Lk, bq, bk
+    if by_keys:
+        kept, rows_n, cols_n, br, bc = kept.transpose(1, 2), Lk, Lq, bk, bq  # (B|1, nK, nQ)
+    n_c = kept.shape[2]
+    col = torch.arange(n_c, device=kept.device)
+    first = torch.where(kept, col, n_c).amin(dim=2)  # (B|1, n table row blocks)
+    last = torch.where(kept, col, -1).amax(dim=2)
+    lo_t = torch.where(last >= 0, first * bc, cols_n + 1)  # an empty block: above any column...
+    hi_t = torch.where(last >= 0, ((last + 1) * bc).clamp(max=cols_n), -1)  # ... and below any
+    n = -(-rows_n // block)
+    which = (torch.arange(n * block, device=kept.device) // br).clamp(max=kept.shape[1] - 1)  # (n·block,)
+    pad = torch.arange(n * block, device=kept.device) >= rows_n  # rows past the end: no columns
+    lo = torch.where(pad, cols_n + 1, lo_t[:, which]).view(-1, n, block).amin(dim=2)  # (B|1, n)
+    hi = torch.where(pad, -1, hi_t[:, which]).view(-1, n, block).amax(dim=2)
+    empty = hi < 0
+    ranges = torch.stack([torch.where(empty, 0, lo), torch.where(empty, 0, hi)], dim=2)  # (B|1, n, 2)
+    return ranges.to(torch.int32).expand(B, n, 2).contiguous()
 
 
 def _launch_opts(cfg: dict[str, int]) -> dict[str, int]:
@@ -409,7 +452,8 @@ def _forward(
     flags.update(_mod_args(q, score_gen, mask_gen))
     cfg = _blocks("fwd", D, Dv, q.dtype, q.device)
     # the keys [lo, hi) of each (batch, query block): (B, cdiv(Lq, BLOCK_M), 2) int32
-    ranges = _segment_ranges(q_ids, k_ids, cfg["BLOCK_M"]) if q_ids is not None and k_ids is not None else None
+    ranges = _ranges(q_ids, k_ids, mask_gen, cfg["BLOCK_M"], B, Lq, Lk, q.device)
+    flags["HAS_RANGES"] = ranges is not None
     grid = (triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)
     args = (
         q, k, v, out, lse, out32 if keep_f32 else lse, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
@@ -466,7 +510,8 @@ def _decode(
     flags.update(_mod_args(q, score_gen, mask_gen))
     cfg = _blocks("decode", D, Dv, q.dtype, q.device)
     # one program holds all Lq queries (of G heads): one key range per batch, (B, 1, 2) int32
-    ranges = _segment_ranges(q_ids, k_ids, Lq) if q_ids is not None and k_ids is not None else None
+    ranges = _ranges(q_ids, k_ids, mask_gen, Lq, B, Lq, Lk, q.device)
+    flags["HAS_RANGES"] = ranges is not None
     if DECODE_SPLITS is not None:
         S, chunk = dec_k.split_keys(Lk, cfg["BLOCK_N"], DECODE_SPLITS)
     else:
@@ -551,7 +596,8 @@ def _backward(
     )  # (B, Hq, Lq, Lk); zeros: skipped blocks have dS = 0
     cfg = _blocks("dkdv", D, Dv, q.dtype, q.device)
     # the queries [lo, hi) that may see each (batch, key block): (B, cdiv(Lk, BLOCK_N), 2) int32
-    ranges = _segment_ranges(k_ids, q_ids, cfg["BLOCK_N"]) if q_ids is not None and k_ids is not None else None
+    ranges = _ranges(q_ids, k_ids, mask_gen, cfg["BLOCK_N"], B, Lq, Lk, q.device, by_keys=True)
+    flags["HAS_RANGES"] = ranges is not None
     bwd_k.dkdv_kernel[(triton.cdiv(Lk, cfg["BLOCK_N"]) * B * Hkv,)](
         q, k, v, dout, lse, delta, dq_acc, dk, dv, dbias_full, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -569,7 +615,8 @@ def _backward(
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, Hq, Lq, D)
         cfg = _blocks("dq", D, Dv, q.dtype, q.device)
         # the keys of each (batch, query block of this kernel's BLOCK_M): (B, cdiv(Lq, BLOCK_M), 2) int32
-        ranges = _segment_ranges(q_ids, k_ids, cfg["BLOCK_M"]) if q_ids is not None and k_ids is not None else None
+        ranges = _ranges(q_ids, k_ids, mask_gen, cfg["BLOCK_M"], B, Lq, Lk, q.device)
+        flags["HAS_RANGES"] = ranges is not None
         bwd_k.dq_kernel[(triton.cdiv(Lq, cfg["BLOCK_M"]) * B * Hq,)](
             q, k, v, dout, lse, delta, dq, mask_t, bias_t, *_ids_args(q_ids, k_ids, ranges, q),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -974,7 +1021,7 @@ def generate_mask(mask: Tensor | Mask | None, device: torch.device) -> Generated
         return None
     if any(t.device != device for t in gen.tensors):
         gen = dataclasses.replace(gen, tensors=tuple(t.to(device) for t in gen.tensors))
-    return gen
+    return dataclasses.replace(gen, table=mask.table)  # (its SKIP blocks are not visited: ``_ranges``)
 
 
 class _ModAttention(torch.autograd.Function):
