@@ -8,6 +8,7 @@ fails), and the cache that keeps a mod met again from being traced or compiled a
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import types
 import warnings
@@ -478,3 +479,106 @@ def test_a_tensor_in_a_config_object_is_read_now(traces: list[int], ran: list[bo
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
         cfg.table = torch.randn(H, 2 * L - 1) * 3
     assert len(traces) == 1 and ran == [True, True]
+
+
+def _closure(a: Any, b: Any, c: Any) -> Any:
+    def mod(s: Tensor, bb: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * a + b * i + c * j
+
+    return mod
+
+
+def _over(obj: Any) -> Any:
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * obj.alpha
+
+    return mod
+
+
+class _Slots:
+    __slots__ = ("alpha",)
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+
+class _ClassAlpha:
+    alpha = 1.0
+
+
+def _with_attr(x: float) -> Any:
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * mod.alpha  # type: ignore[attr-defined]
+
+    mod.alpha = x  # type: ignore[attr-defined]
+    return mod
+
+
+_t1, _t2 = torch.randn(4), torch.randn(4)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (lambda: _closure(1, 1, 2), lambda: _closure(1, 2, 2)),  # small ints are one object each
+        (lambda: _closure(True, True, False), lambda: _closure(True, False, False)),
+        (lambda: _closure(_t1, _t1, _t2), lambda: _closure(_t1, _t2, _t2)),  # which slot holds which tensor
+        (lambda: _closure(0.0, 1, 1), lambda: _closure(-0.0, 1, 1)),
+        (lambda: _closure({"a": 1, "b": 2}, 1, 1), lambda: _closure({"b": 1, "a": 2}, 1, 1)),  # a dict's keys
+        (lambda: functools.partial(_closure, a=1.0), lambda: functools.partial(_closure, c=1.0)),
+        (lambda: _closure({1}, 1, 1), lambda: _closure({1, 2}, 1, 1)),
+        (lambda: _over(_Slots(1.0)), lambda: _over(_Slots(5.0))),
+        (lambda: _with_attr(1.0), lambda: _with_attr(5.0)),  # the function's own attribute
+        (lambda: _closure(torch.exp, 1, 1), lambda: _closure(torch.log, 1, 1)),
+    ],
+    ids=["ints", "flags", "tensor_slots", "signed_zero", "dict_keys", "partial_names", "set", "slots", "fn_attr",
+         "builtins"],
+)  # fmt: skip
+def test_fingerprint_tells_apart_what_a_flat_key_merged(a: Any, b: Any) -> None:
+    """Keys that were equal for mods that trace to different graphs (found by a sweep: the cached code
+    of the first gave the second wrong results, errors up to 3.5): values met twice, which slot holds
+    which tensor, names, -0.0, sets, slots, a function's attributes, builtins."""
+    mod_a = a()
+    ka, kb = mods.fingerprint(mod_a)[0], mods.fingerprint(b())[0]
+    assert ka is not None and kb is not None and ka != kb
+    assert mods.fingerprint(mod_a)[0] == ka  # met again: the same key (kept)
+
+
+def test_fingerprint_sees_a_class_attribute_read_through_an_instance() -> None:
+    obj = _ClassAlpha()
+    key = mods.fingerprint(_over(obj))[0]
+    _ClassAlpha.alpha = 5.0
+    try:
+        assert mods.fingerprint(_over(obj))[0] != key
+    finally:
+        _ClassAlpha.alpha = 1.0
+
+
+def test_fingerprint_refuses_nesting_deeper_than_it_follows() -> None:
+    deep: Any = 1.0
+    for _ in range(20):
+        deep = [deep]
+    assert mods.fingerprint(_closure(deep, 1, 1))[0] is None
+
+
+def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``t.item()`` or ``bool(t)`` while tracing puts the value in the graph: such code is not kept (the
+    same fingerprint with another value traced again), and each call gets its own value's result."""
+    traces: list[str] = []
+    real = codegen._trace
+    monkeypatch.setattr(codegen, "_trace", lambda fn, name, device: traces.append(name) or real(fn, name, device))
+    monkeypatch.setattr(cpu_mods, "_CACHE", {})
+
+    def make(t: Tensor) -> Any:
+        def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s + t.item() * 0.3 * j
+
+        return mod
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    for value in (1.0, 5.0):
+        got = az.attention(q, k, v, score_mod=make(torch.tensor(value)), backend="flash")
+        want = az.attention(q.double(), k.double(), v.double(), score_mod=make(torch.tensor(value)),
+                            backend="reference")  # fmt: skip
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+    assert len(traces) == 2

@@ -357,27 +357,29 @@ _CACHE_MAX = 512
 
 def _get(fn: mods.ScoreMod, grads: bool) -> tuple[_Built | None, list[Tensor]]:
     """The mod built (None: it cannot be generated or built) and the tensors it reads now."""
-    fp, reached = mods.fingerprint(fn)
+    fp, reached = mods.fingerprint(fn)  # (None: nothing may be kept by it)
     key = (fp, grads)
-    if key in _CACHE:
+    if fp is not None and key in _CACHE:
         return _CACHE[key], reached
     with _lock:
-        if key in _CACHE:
+        if fp is not None and key in _CACHE:
             return _CACHE[key], reached
         built: _Built | None = None
-        try:
-            source = _translate(fn, grads, reached)
-        except codegen.NotGenerable:
-            source = None
+        with codegen.reads_of_values() as reads:  # a trace that read a tensor's value holds it
+            try:
+                source = _translate(fn, grads, reached)
+            except codegen.NotGenerable:
+                source = None
         if source is not None:
             lib = _build(source.text)
             if lib is not None:
                 fwd = ctypes.cast(lib.az_mod_fwd, ctypes.c_void_p).value or 0
                 bwd = (ctypes.cast(lib.az_mod_bwd, ctypes.c_void_p).value or 0) if grads else 0
                 built = _Built(source, lib, fwd, bwd)
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = built
+        if fp is not None and not reads:
+            if len(_CACHE) >= _CACHE_MAX:
+                _CACHE.pop(next(iter(_CACHE)))
+            _CACHE[key] = built
         return built, reached
 
 

@@ -189,36 +189,138 @@ def captured_tensors(fn: Any) -> list[Tensor]:
     return [obj for obj in _reachable(fn) if isinstance(obj, Tensor)]
 
 
-def fingerprint(fn: Any) -> tuple[tuple[Any, ...], list[Tensor]]:
-    """What a mod's traced graph depends on besides its arguments, as a hashable key: the code of
-    every function it reaches (a lambda made anew with the same code has the same key), the Python
-    numbers, strings and flags it reads (closures, globals, defaults, the attributes of any object
-    it reaches, and those its code names on a Python module or class — traced in as constants),
-    a numpy array's values (traced in too), each captured tensor's shape, dtype, device and
-    requires_grad (their values are read when the generated code runs, not traced in), and the
-    identity of anything else. Two calls with equal keys trace to the same graph (``cpu_mods.py``
-    keeps generated code by it). Returns ``(key, tensors)``: the tensors in the key's order (those
-    ``captured_tensors`` finds)."""
-    key: list[Any] = []
-    tensors: list[Tensor] = []
-    for obj in _reachable(fn, values=True):
+def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
+    """What a mod's traced graph depends on besides its arguments, as a hashable key: everything it
+    reaches (closures, the globals and defaults its code names, a function's own attributes,
+    partials' arguments with their names, dicts' keys and values, objects' fields and slots and the
+    class attributes its code names, modules' parameters, buffers and plain fields, and the
+    attributes its code names on a Python module or class), as a structure — each object once, a
+    later meeting as a reference to the first, so that ``(t1, t1, t2)`` and ``(t1, t2, t2)`` differ —
+    with the code of every function (a lambda made anew with the same code has the same key), the
+    value of every Python number, string and flag (traced in as constants; ``repr`` for floats:
+    -0.0 is not 0.0), a numpy array's values, each captured tensor's shape, dtype, device and
+    requires_grad (their values are read when the generated code runs, not traced in), and anything
+    else by equality, held in the key. Equal keys trace to the same graph (``cpu_mods.py`` and
+    ``kernels/codegen.py`` keep generated code by it). The key is None when the walk cannot vouch
+    for that — nesting deeper than it follows, an object it cannot compare — and then nothing may be
+    kept by it. Returns ``(key, tensors)``: the tensors as ``captured_tensors`` finds them."""
+    out: list[Any] = []
+    first: dict[int, int] = {}  # id of an object met → its number (the order of first meetings)
+    held: list[Any] = []  # what the walk met, alive until it ends (ids stay unique)
+    complete = True
+    internals = _MODULE_INTERNALS
+
+    def fields(obj: Any, depth: int, names: list[str]) -> None:
+        own = vars(obj) if hasattr(obj, "__dict__") else {}
+        for k, x in own.items():
+            out.append(("K", k))
+            visit(x, depth + 1, names)
+        for cls in type(obj).__mro__:  # __slots__ fields
+            for k in getattr(cls, "__slots__", ()):
+                if k not in ("__dict__", "__weakref__") and hasattr(obj, k):
+                    out.append(("K", k))
+                    visit(getattr(obj, k), depth + 1, names)
+        for k in names:  # class attributes the code may read through the instance (``self.alpha``)
+            if k not in own:
+                x = inspect.getattr_static(type(obj), k, _MISSING)
+                if x is not _MISSING and not callable(x):
+                    out.append(("CK", k))
+                    visit(x, depth + 1, names)
+
+    def visit(obj: Any, depth: int, names: list[str]) -> None:
+        nonlocal complete
+        if obj is None or isinstance(obj, (bool, int, str, bytes)):
+            out.append(("V", type(obj), obj))
+            return
+        if isinstance(obj, (float, complex)):
+            out.append(("V", type(obj), repr(obj)))
+            return
+        if depth > 16:
+            complete = False
+            return
+        if id(obj) in first:
+            out.append(("R", first[id(obj)]))
+            return
+        first[id(obj)] = len(first)
+        held.append(obj)
         if isinstance(obj, Tensor):
-            tensors.append(obj)
-            key.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
-        elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-            key.append(("V", type(obj), obj))
-        elif inspect.isfunction(obj):
-            key.append(("F", obj.__code__))
-        elif isinstance(obj, torch.nn.Module):
-            plain = {k: v for k, v in vars(obj).items() if v is None or isinstance(v, (bool, int, float, str))}
-            key.append(("N", type(obj), tuple(sorted(plain.items()))))
-        elif isinstance(obj, (list, tuple, dict)) or inspect.ismethod(obj) or isinstance(obj, functools.partial):
-            key.append(("C", type(obj), len(obj) if isinstance(obj, (list, tuple, dict)) else 0))
+            out.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
         elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
-            key.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
+            out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
+        elif isinstance(obj, torch.nn.Module):
+            out.append(("N", type(obj)))
+            for k, x in vars(obj).items():
+                if k not in internals:  # parameters, buffers, submodules and plain fields
+                    out.append(("K", k))
+                    visit(x, depth + 1, names)
+        elif isinstance(obj, functools.partial):
+            out.append(("P", len(obj.args)))
+            for x in (obj.func, *obj.args):
+                visit(x, depth + 1, names)
+            for k, x in obj.keywords.items():
+                out.append(("K", k))
+                visit(x, depth + 1, names)
+        elif isinstance(obj, (list, tuple)):
+            out.append(("L", type(obj), len(obj)))
+            for x in obj:
+                visit(x, depth + 1, names)
+        elif isinstance(obj, dict):
+            out.append(("D", type(obj), len(obj)))
+            for k, x in obj.items():
+                out.append(("K", k if isinstance(k, (str, int)) else repr(k)))
+                visit(x, depth + 1, names)
+        elif isinstance(obj, (set, frozenset)):
+            out.append(("S", type(obj), tuple(sorted(repr(x) for x in obj))))
+        elif inspect.ismethod(obj):
+            out.append(("M",))
+            visit(obj.__self__, depth + 1, names)
+            visit(obj.__func__, depth + 1, names)
+        elif inspect.isfunction(obj):
+            own = _names(obj.__code__)
+            out.append(("F", obj.__code__, len(obj.__closure__ or ())))
+            for cell in obj.__closure__ or ():
+                try:
+                    x = cell.cell_contents
+                except ValueError:  # an empty cell
+                    out.append(("E",))
+                    continue
+                visit(x, depth + 1, own)
+            out.append(("FD",))
+            visit(obj.__defaults__, depth + 1, own)
+            visit(obj.__kwdefaults__, depth + 1, own)
+            visit(dict(vars(obj)), depth + 1, own)  # the function's own attributes (``fn.alpha``)
+            for name in own:
+                if name in obj.__globals__:
+                    out.append(("G", name))
+                    visit(obj.__globals__[name], depth + 1, own)
+        elif isinstance(obj, (type, types.ModuleType)):
+            # a config class or module: the attributes the code names (``Cfg.alpha``, ``cfg.alpha``),
+            # as stored (a property is not run) — not every attribute (``torch``'s thousands)
+            out.append(("C", obj))
+            for name in names:
+                x = inspect.getattr_static(obj, name, _MISSING)
+                if x is not _MISSING:
+                    out.append(("K", name))
+                    visit(x, depth + 1, names)
+        elif callable(obj) or hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+            try:  # the object itself too (a builtin such as torch.exp has no fields to tell it apart)
+                hash(obj)
+                out.append(("O", type(obj), obj))
+            except TypeError:
+                out.append(("O", type(obj)))
+            if callable(obj):
+                visit(vars(type(obj)).get("__call__"), depth + 1, names)
+            fields(obj, depth, names)
         else:
-            key.append(("O", type(obj), id(obj)))
-    return tuple(key), tensors
+            try:
+                hash(obj)
+            except TypeError:
+                complete = False
+                return
+            out.append(("X", type(obj), obj))  # compared by equality (held by the key)
+
+    visit(fn, 0, [])
+    return (tuple(out) if complete else None), captured_tensors(fn)
 
 
 def _reachable(fn: Any, *, values: bool = False) -> list[Any]:
@@ -247,6 +349,10 @@ def _reachable(fn: Any, *, values: bool = False) -> list[Any]:
         if isinstance(obj, torch.nn.Module):
             for t in (*obj.parameters(), *obj.buffers()):
                 add(t)
+            for m in obj.modules():  # a tensor kept as a plain field (not registered) is read too
+                for k, t in vars(m).items():
+                    if isinstance(t, Tensor) and k not in _MODULE_INTERNALS:
+                        add(t)
         elif isinstance(obj, functools.partial):
             for x in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(x, depth + 1, names)
@@ -287,6 +393,7 @@ def _reachable(fn: Any, *, values: bool = False) -> list[Any]:
 
 
 _MISSING = object()
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffers", "_modules", "training"}
 
 
 def _names(code: Any) -> list[str]:

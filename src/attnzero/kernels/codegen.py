@@ -49,19 +49,22 @@ its hash, and is imported from there: Triton reads a jit function's source with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
 import math
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from .. import mods
 
@@ -844,6 +847,43 @@ def _mini(a, b):
 '''
 
 
+class _ValueReads(TorchFunctionMode):
+    """Notes a tensor's value taken into Python while a mod is traced (``t.item()``, ``bool(t)``,
+    ``float(t)``, ``t.tolist()``): the traced graph then holds that value as a constant, so it may
+    not be kept for another call (``reads_of_values``)."""
+
+    READS: ClassVar[frozenset[Any]] = frozenset(
+        {Tensor.item, Tensor.__bool__, Tensor.__float__, Tensor.__int__, Tensor.__index__, Tensor.tolist, Tensor.numpy}
+    )
+
+    def __init__(self, reads: list[str]) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in self.READS:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+_WATCH = threading.local()  # .reads: the list that _trace adds a trace's value reads to, or None
+
+
+@contextlib.contextmanager
+def reads_of_values() -> Iterator[list[str]]:
+    """The tensor values the traces inside the block take into Python (see ``_ValueReads``): a
+    cache of generated code keeps nothing whose trace read one."""
+    outer = getattr(_WATCH, "reads", None)
+    reads: list[str] = []
+    _WATCH.reads = reads
+    try:
+        yield reads
+    finally:
+        _WATCH.reads = outer
+        if outer is not None:
+            outer.extend(reads)
+
+
 def _trace(fn: Callable[..., Any], name: str, device: torch.device) -> torch.fx.GraphModule:
     """The mod for one pair as an aten graph (``make_fx`` on 0-d tensors, real values 0)."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -852,8 +892,10 @@ def _trace(fn: Callable[..., Any], name: str, device: torch.device) -> torch.fx.
     args = [torch.zeros((), dtype=F32, device=device)] if with_score else []
     args += [torch.zeros((), dtype=mods.INDEX_DTYPE, device=device) for _ in range(4)]
 
+    reads = getattr(_WATCH, "reads", None)
+
     def one_pair(*a: Tensor) -> Tensor:
-        with mods.IndexWithTensors():
+        with mods.IndexWithTensors(), _ValueReads(reads if reads is not None else []):
             return fn(*a)
 
     try:
@@ -976,18 +1018,20 @@ def _cached(kind: str, fn: Any, device: torch.device, grads: bool,
     fingerprint; later calls get the same code with their own captured tensors."""
     key, reached = mods.fingerprint(fn)
     full = (kind, key, device, grads)
-    hit = _GENERATED.get(full)
+    hit = _GENERATED.get(full) if key is not None else None
     if hit is None:
-        try:
-            gen, read = make()
-        except NotGenerable as e:
-            hit = e
-        else:
-            slots = tuple(next((i for i, c in enumerate(reached) if c is t), k) for t, k in zip(read, gen.tensors))
-            hit = (replace(gen, tensors=()), slots)  # (this call's tensors are not kept alive by the cache)
-        if len(_GENERATED) >= _GENERATED_MAX:
-            _GENERATED.pop(next(iter(_GENERATED)))
-        _GENERATED[full] = hit
+        with reads_of_values() as reads:
+            try:
+                gen, read = make()
+            except NotGenerable as e:
+                hit = e
+            else:
+                slots = tuple(next((i for i, c in enumerate(reached) if c is t), k) for t, k in zip(read, gen.tensors))
+                hit = (replace(gen, tensors=()), slots)  # (this call's tensors are not kept alive by the cache)
+        if key is not None and not reads:  # (a trace that read a tensor's value holds it: not kept)
+            if len(_GENERATED) >= _GENERATED_MAX:
+                _GENERATED.pop(next(iter(_GENERATED)))
+            _GENERATED[full] = hit
     if isinstance(hit, NotGenerable):
         raise NotGenerable(str(hit))
     gen, slots = hit
