@@ -582,3 +582,34 @@ def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(monkeypatch: p
                             backend="reference")  # fmt: skip
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
     assert len(traces) == 2
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = torch.nn.Module()
+        self.sub.alpha = 1.0  # a submodule's plain field
+        self.big = torch.nn.Linear(64, 64)  # not named by the mod: not walked
+        self.slopes = torch.tensor([0.5, 0.25], requires_grad=True)  # a plain tensor field, not a Parameter
+
+    def mod(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * self.sub.alpha + self.slopes[h] * (j - i)
+
+
+def test_a_modules_method_keys_what_it_names_and_its_plain_tensor_gets_a_gradient() -> None:
+    """A mod that is a module's method: a submodule's field it reads changes the key, a layer it does
+    not name does not; its unregistered tensor field is captured, so it gets the reference's gradient."""
+    m = _Scaled()
+    key = mods.fingerprint(m.mod)[0]
+    m.big.weight.data.zero_()
+    assert mods.fingerprint(m.mod)[0] == key
+    m.sub.alpha = 2.0
+    assert mods.fingerprint(m.mod)[0] != key
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    grads = []
+    for backend in ("flash", "reference"):
+        m.slopes.grad = None
+        az.attention(q, k, v, score_mod=m.mod, backend=backend).square().sum().backward()
+        assert m.slopes.grad is not None
+        grads.append(m.slopes.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4)

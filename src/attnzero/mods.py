@@ -248,11 +248,22 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
         elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
             out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
         elif isinstance(obj, torch.nn.Module):
-            out.append(("N", type(obj)))
+            # the fields the code that reaches it names (``self.slopes``, ``self.cfg.alpha``) and those
+            # its forward names: not every parameter of a model whose method is the mod
+            forward = vars(type(obj)).get("forward")
+            named = set(names) | set(_names(forward.__code__) if inspect.isfunction(forward) else ())
+            out.append(("N", type(obj), obj.training))
+            if inspect.isfunction(forward):
+                visit(forward, depth + 1, names)
             for k, x in vars(obj).items():
-                if k not in internals:  # parameters, buffers, submodules and plain fields
+                if k in ("_parameters", "_buffers", "_modules"):
+                    for kk, xx in x.items():
+                        if kk in named:
+                            out.append(("K", kk))
+                            visit(xx, depth + 1, [*named])
+                elif k not in internals and k != "training" and k in named:
                     out.append(("K", k))
-                    visit(x, depth + 1, names)
+                    visit(x, depth + 1, [*named])
         elif isinstance(obj, functools.partial):
             out.append(("P", len(obj.args)))
             for x in (obj.func, *obj.args):
@@ -273,7 +284,8 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
             out.append(("S", type(obj), tuple(sorted(repr(x) for x in obj))))
         elif inspect.ismethod(obj):
             out.append(("M",))
-            visit(obj.__self__, depth + 1, names)
+            own = _names(obj.__func__.__code__) if inspect.isfunction(obj.__func__) else []
+            visit(obj.__self__, depth + 1, [*names, *own])  # (``self.alpha`` in the method)
             visit(obj.__func__, depth + 1, names)
         elif inspect.isfunction(obj):
             own = _names(obj.__code__)
@@ -349,10 +361,9 @@ def _reachable(fn: Any, *, values: bool = False) -> list[Any]:
         if isinstance(obj, torch.nn.Module):
             for t in (*obj.parameters(), *obj.buffers()):
                 add(t)
-            for m in obj.modules():  # a tensor kept as a plain field (not registered) is read too
-                for k, t in vars(m).items():
-                    if isinstance(t, Tensor) and k not in _MODULE_INTERNALS:
-                        add(t)
+            for t in vars(obj).values():  # a tensor kept as a plain field (not registered) is read too
+                if isinstance(t, Tensor):
+                    add(t)
         elif isinstance(obj, functools.partial):
             for x in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(x, depth + 1, names)
