@@ -1,6 +1,6 @@
 """backend="triton" on a CUDA GPU: correctness first, then speed against torch's SDPA backends.
 
-    python benchmarks/gpu.py [--budget S]         # the full run on a CUDA machine (< 6 minutes on an H200)
+    python benchmarks/gpu.py [--budget S] [--tests S]  # the full run on a CUDA machine (< 6 minutes on an H200)
     python benchmarks/gpu.py --dry-run            # no GPU: the same steps on tiny shapes under Triton's
                                                   #   CPU interpreter (checks the script, not the speed)
     python benchmarks/gpu.py --compile-check      # no GPU: compile every kernel variant for sm_90
@@ -19,6 +19,7 @@ What it does, in order (nothing is built besides the Triton kernels):
 4. Decode: one query per sequence, B ∈ {1, 16, 64}, Lk ∈ {4k, 32k, 128k}, 32 query / 8 key-value
    heads, D = 128, bf16, in GB/s of K/V read (B·Hkv·Lk·2·D·2 bytes), timed in CUDA graphs so that
    Python overhead is not counted (for ours and SDPA alike).
+0. With ``--tests S``: the Triton test files first, on the GPU (at most S seconds).
 5. Against ``torch.compile(flex_attention)``: forward, inference, B=4 H=16 L=4096 D=128 bf16, causal,
    softcap, ALiBi as a score_mod and documents as a BlockMask (both through ``attnzero.flex``), a
    sliding window.
@@ -357,6 +358,33 @@ def flex_grid(dry: bool, deadline: float) -> list[dict[str, Any]]:
     return rows
 
 
+def gpu_tests(seconds: float) -> str:
+    """tests/test_triton*.py and test_ladder_triton.py with CUDA tensors (no interpreter: the kernels
+    as the GPU compiles them, at the tile sizes it runs), their summary line; failures are printed."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    files = [str(p) for p in sorted((root / "tests").glob("test_*triton*.py"))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("ATTNZERO_NO_BUILD", "1")  # (the CPU kernel is not what is tested here)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-rf", "--tb=line",
+           "-k", "not sm90", *files]
+    try:
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=seconds)
+        text = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text += f"\n(stopped after {seconds:.0f} s)"
+    lines = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR", "E ")) or " passed" in line
+             or " failed" in line or "stopped after" in line]
+    for line in lines:
+        print("  " + line[:300])
+    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line), "no summary")
+    if " failed" in summary or "error" in summary:
+        raise RuntimeError(f"Triton tests on the GPU: {summary}")
+    return summary
+
+
 def fmt(x: float | None, spec: str = "7.1f") -> str:
     return "n/a".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
 
@@ -366,7 +394,8 @@ def tables(result: dict[str, Any]) -> str:
     lines = [
         f"## {result['gpu']} — {result['date']} — torch {result['torch']}, triton {result['triton']}",
         f"Ceilings: bf16 matmul {c['matmul_bf16_tflops']:.0f} TFLOP/s, copy {c['copy_gbs']:.0f} GB/s. "
-        f"Correctness: {'all passed' if not result['failures'] else str(len(result['failures'])) + ' FAILED'}.",
+        f"Correctness: {'all passed' if not result['failures'] else str(len(result['failures'])) + ' FAILED'}."
+        + (f" Triton tests on this GPU: {result['tests']}." if result.get("tests") else ""),
         "",
     ]
     names = list(sdpa_backends())
@@ -540,6 +569,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/gpu.json"), help="JSON results")
     parser.add_argument("--budget", type=float, default=330.0,
                         help="seconds after which no new grid point is timed")
+    parser.add_argument("--tests", type=float, default=0.0, metavar="SECONDS",
+                        help="first run the Triton test files on the GPU (pytest -n 8) for at most this long")
     args = parser.parse_args()
     if args.compile_check:
         print(f"compiling for sm_90 with triton {triton.__version__}")
@@ -578,6 +609,8 @@ def main() -> None:
         result["seconds"] = time.perf_counter() - t0
         args.out.write_text(json.dumps(result, indent=1))
 
+    if args.tests > 0:
+        section("tests", "the Triton test files on this device:", lambda: gpu_tests(args.tests))
     section("ceilings", "ceilings:", lambda: ceilings(DEVICE, args.dry_run))
     c = result["ceilings"]
     print(f"  bf16 matmul {c['matmul_bf16_tflops']:.1f} TFLOP/s, copy {c['copy_gbs']:.1f} GB/s", flush=True)
