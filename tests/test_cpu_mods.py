@@ -556,7 +556,7 @@ def test_fingerprint_sees_a_class_attribute_read_through_an_instance() -> None:
 
 def test_fingerprint_refuses_nesting_deeper_than_it_follows() -> None:
     deep: Any = 1.0
-    for _ in range(20):
+    for _ in range(40):
         deep = [deep]
     assert mods.fingerprint(_closure(deep, 1, 1))[0] is None
 
@@ -613,3 +613,46 @@ def test_a_modules_method_keys_what_it_names_and_its_plain_tensor_gets_a_gradien
         assert m.slopes.grad is not None
         grads.append(m.slopes.grad.clone())
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4)
+
+
+class _Helper(torch.nn.Module):
+    BETA = 1.0  # a class constant read by a helper method
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.layers[0].gain = 1.0  # a child's field in a ModuleList
+        self.tables = {"rel": torch.randn(4)}  # a tensor held in a dict field
+
+    def scale(self) -> float:
+        return self.BETA * getattr(self, "gamma", 1.0)
+
+    def forward(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * self.scale() * self.layers[0].gain + self.tables["rel"][h]
+
+
+def test_a_module_mod_keys_what_its_helpers_read_and_captures_its_dict_tensors() -> None:
+    """A module as the mod: a class constant and a getattr'd field read by a helper method, a
+    ModuleList child's field all change the key (a sweep found each kept stale); a tensor in a dict
+    field is captured (read at the call, not traced in), so rebinding it gives the new table's result,
+    and a parameter added beside it does not move which tensor the kept code reads."""
+    m = _Helper()
+    key = mods.fingerprint(m)[0]
+    for change, undo in (
+        (lambda: setattr(_Helper, "BETA", 2.0), lambda: setattr(_Helper, "BETA", 1.0)),
+        (lambda: setattr(m, "gamma", 3.0), lambda: delattr(m, "gamma")),
+        (lambda: setattr(m.layers[0], "gain", 2.0), lambda: setattr(m.layers[0], "gain", 1.0)),
+    ):
+        change()
+        assert mods.fingerprint(m)[0] != key
+        undo()
+        assert mods.fingerprint(m)[0] == key
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    for step in range(3):
+        if step == 1:
+            m.tables["rel"] = torch.randn(4)  # rebound: same key, the new values
+        if step == 2:
+            m.unused = torch.nn.Parameter(torch.randn(4))  # registered before nothing: the key changes
+        got = az.attention(q, k, v, score_mod=m, backend="flash")
+        want = az.attention(q.double(), k.double(), v.double(), score_mod=m, backend="reference")
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)

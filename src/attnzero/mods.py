@@ -32,7 +32,6 @@ Letters: B batch, H query heads, Lq / Lk query / key length; r, c a block's rows
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import types
@@ -186,46 +185,63 @@ def captured_tensors(fn: Any) -> list[Tensor]:
     is a module, or a bound method of one), a ``functools.partial``'s arguments, a plain object's
     attributes and the attributes its code names on a Python module or class — followed into the
     functions they hold, each tensor once, in the order found (``fingerprint``'s tensors)."""
-    return [obj for obj in _reachable(fn) if isinstance(obj, Tensor)]
+    return _walk(fn)[1]
 
 
 def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
-    """What a mod's traced graph depends on besides its arguments, as a hashable key: everything it
-    reaches (closures, the globals and defaults its code names, a function's own attributes,
-    partials' arguments with their names, dicts' keys and values, objects' fields and slots and the
-    class attributes its code names, modules' parameters, buffers and plain fields, and the
-    attributes its code names on a Python module or class), as a structure — each object once, a
-    later meeting as a reference to the first, so that ``(t1, t1, t2)`` and ``(t1, t2, t2)`` differ —
-    with the code of every function (a lambda made anew with the same code has the same key), the
+    """What a mod's traced graph depends on besides its arguments, as a hashable key (``_walk``):
+    equal keys trace to the same graph (``cpu_mods.py`` and ``kernels/codegen.py`` keep generated
+    code by it). None when the walk cannot vouch for that — nesting deeper than it follows, an
+    object it cannot compare — and then nothing may be kept by it. Returns ``(key, tensors)``: the
+    captured tensors in the key's order (``captured_tensors``)."""
+    key, tensors, complete = _walk(fn)
+    return (key if complete else None), tensors
+
+
+def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
+    """Everything a mod reads besides its arguments, as a structure: closures; the globals, defaults
+    and own attributes of every function; partials' arguments with their names; dicts' keys and
+    values; objects' and modules' fields, slots and class attributes (a user class's constants,
+    properties and methods; a module's parameters, buffers, submodules and plain fields); and the
+    attributes its code names on a Python module or a class it reads as a global. Each object
+    once, a later meeting as a reference to the first (``(t1, t1, t2)`` and ``(t1, t2, t2)``
+    differ); the code of every function (a lambda made anew with the same code is the same); the
     value of every Python number, string and flag (traced in as constants; ``repr`` for floats:
-    -0.0 is not 0.0), a numpy array's values, each captured tensor's shape, dtype, device and
-    requires_grad (their values are read when the generated code runs, not traced in), and anything
-    else by equality, held in the key. Equal keys trace to the same graph (``cpu_mods.py`` and
-    ``kernels/codegen.py`` keep generated code by it). The key is None when the walk cannot vouch
-    for that — nesting deeper than it follows, an object it cannot compare — and then nothing may be
-    kept by it. Returns ``(key, tensors)``: the tensors as ``captured_tensors`` finds them."""
+    -0.0 is not 0.0); a numpy array's values; each tensor's shape, dtype, device and requires_grad
+    (their values are read when the generated code runs, not traced in); anything else by equality,
+    held in the key. Returns ``(key, tensors in the order met, complete)``."""
     out: list[Any] = []
+    tensors: list[Tensor] = []
     first: dict[int, int] = {}  # id of an object met → its number (the order of first meetings)
     held: list[Any] = []  # what the walk met, alive until it ends (ids stay unique)
     complete = True
-    internals = _MODULE_INTERNALS
+
+    def of_class(obj: Any, depth: int, names: list[str]) -> None:
+        """A user class's own attributes (not torch's nor Python's): constants, and the code of its
+        methods and properties (they may read other fields, which are walked anyway)."""
+        for cls in type(obj).__mro__:
+            if cls.__module__ == "builtins" or cls.__module__.split(".")[0] == "torch":
+                continue
+            for k, x in vars(cls).items():
+                if k.startswith("__") and k.endswith("__") and k != "__call__":
+                    continue
+                if isinstance(x, (staticmethod, classmethod)):
+                    x = x.__func__
+                elif isinstance(x, property):
+                    x = x.fget
+                out.append(("CK", cls.__qualname__, k))
+                visit(x, depth + 1, names)
 
     def fields(obj: Any, depth: int, names: list[str]) -> None:
-        own = vars(obj) if hasattr(obj, "__dict__") else {}
-        for k, x in own.items():
-            out.append(("K", k))
-            visit(x, depth + 1, names)
+        for k, x in (vars(obj) if hasattr(obj, "__dict__") else {}).items():
+            if not isinstance(obj, torch.nn.Module) or k not in _MODULE_INTERNALS:
+                out.append(("K", k))
+                visit(x, depth + 1, names)
         for cls in type(obj).__mro__:  # __slots__ fields
             for k in getattr(cls, "__slots__", ()):
                 if k not in ("__dict__", "__weakref__") and hasattr(obj, k):
                     out.append(("K", k))
                     visit(getattr(obj, k), depth + 1, names)
-        for k in names:  # class attributes the code may read through the instance (``self.alpha``)
-            if k not in own:
-                x = inspect.getattr_static(type(obj), k, _MISSING)
-                if x is not _MISSING and not callable(x):
-                    out.append(("CK", k))
-                    visit(x, depth + 1, names)
 
     def visit(obj: Any, depth: int, names: list[str]) -> None:
         nonlocal complete
@@ -235,7 +251,7 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
         if isinstance(obj, (float, complex)):
             out.append(("V", type(obj), repr(obj)))
             return
-        if depth > 16:
+        if depth > 24:
             complete = False
             return
         if id(obj) in first:
@@ -245,25 +261,13 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
         held.append(obj)
         if isinstance(obj, Tensor):
             out.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
+            tensors.append(obj)
         elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
             out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
         elif isinstance(obj, torch.nn.Module):
-            # the fields the code that reaches it names (``self.slopes``, ``self.cfg.alpha``) and those
-            # its forward names: not every parameter of a model whose method is the mod
-            forward = vars(type(obj)).get("forward")
-            named = set(names) | set(_names(forward.__code__) if inspect.isfunction(forward) else ())
-            out.append(("N", type(obj), obj.training))
-            if inspect.isfunction(forward):
-                visit(forward, depth + 1, names)
-            for k, x in vars(obj).items():
-                if k in ("_parameters", "_buffers", "_modules"):
-                    for kk, xx in x.items():
-                        if kk in named:
-                            out.append(("K", kk))
-                            visit(xx, depth + 1, [*named])
-                elif k not in internals and k != "training" and k in named:
-                    out.append(("K", k))
-                    visit(x, depth + 1, [*named])
+            out.append(("N", type(obj)))
+            of_class(obj, depth, names)
+            fields(obj, depth, names)  # parameters, buffers, submodules, plain fields, ``training``
         elif isinstance(obj, functools.partial):
             out.append(("P", len(obj.args)))
             for x in (obj.func, *obj.args):
@@ -284,8 +288,7 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
             out.append(("S", type(obj), tuple(sorted(repr(x) for x in obj))))
         elif inspect.ismethod(obj):
             out.append(("M",))
-            own = _names(obj.__func__.__code__) if inspect.isfunction(obj.__func__) else []
-            visit(obj.__self__, depth + 1, [*names, *own])  # (``self.alpha`` in the method)
+            visit(obj.__self__, depth + 1, names)
             visit(obj.__func__, depth + 1, names)
         elif inspect.isfunction(obj):
             own = _names(obj.__code__)
@@ -306,8 +309,8 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
                     out.append(("G", name))
                     visit(obj.__globals__[name], depth + 1, own)
         elif isinstance(obj, (type, types.ModuleType)):
-            # a config class or module: the attributes the code names (``Cfg.alpha``, ``cfg.alpha``),
-            # as stored (a property is not run) — not every attribute (``torch``'s thousands)
+            # a config class or module read as a global: the attributes the code names (``Cfg.alpha``,
+            # ``cfg.alpha``), as stored (a property is not run) — not every attribute (``torch``'s thousands)
             out.append(("C", obj))
             for name in names:
                 x = inspect.getattr_static(obj, name, _MISSING)
@@ -320,8 +323,7 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
                 out.append(("O", type(obj), obj))
             except TypeError:
                 out.append(("O", type(obj)))
-            if callable(obj):
-                visit(vars(type(obj)).get("__call__"), depth + 1, names)
+            of_class(obj, depth, names)
             fields(obj, depth, names)
         else:
             try:
@@ -332,75 +334,7 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
             out.append(("X", type(obj), obj))  # compared by equality (held by the key)
 
     visit(fn, 0, [])
-    return (tuple(out) if complete else None), captured_tensors(fn)
-
-
-def _reachable(fn: Any, *, values: bool = False) -> list[Any]:
-    """Everything a mod reads besides its arguments, each object once, in the order found (see
-    ``captured_tensors``): closures, the globals its code names, default arguments, modules'
-    parameters and buffers, partials' arguments, plain objects' attributes, and the attributes its
-    code names on a Python module or class; with ``values``, also the numbers and strings reached
-    (``fingerprint``)."""
-    found: list[Any] = []
-    seen: set[int] = set()
-
-    def add(obj: Any) -> None:
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            found.append(obj)
-
-    def visit(obj: Any, depth: int, names: list[str]) -> None:
-        """``names``: what the code that reached ``obj`` names (its attributes that may be read)."""
-        if id(obj) in seen or depth > 8:
-            return
-        if isinstance(obj, Tensor):
-            add(obj)
-            return
-        if values or not (obj is None or isinstance(obj, (bool, int, float, complex, str, bytes))):
-            add(obj)
-        if isinstance(obj, torch.nn.Module):
-            for t in (*obj.parameters(), *obj.buffers()):
-                add(t)
-            for t in vars(obj).values():  # a tensor kept as a plain field (not registered) is read too
-                if isinstance(t, Tensor):
-                    add(t)
-        elif isinstance(obj, functools.partial):
-            for x in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(x, depth + 1, names)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                visit(x, depth + 1, names)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                visit(x, depth + 1, names)
-        elif inspect.ismethod(obj):
-            visit(obj.__self__, depth + 1, names)
-            visit(obj.__func__, depth + 1, names)
-        elif inspect.isfunction(obj):
-            own = _names(obj.__code__)
-            for cell in obj.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    visit(cell.cell_contents, depth + 1, own)
-            for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
-                visit(x, depth + 1, own)
-            for name in own:
-                if name in obj.__globals__:
-                    visit(obj.__globals__[name], depth + 1, own)
-        elif isinstance(obj, (type, types.ModuleType)):
-            # a config class or module: the attributes the code names (``Cfg.alpha``, ``cfg.alpha``),
-            # as stored (a property is not run) — not every attribute (``torch``'s thousands)
-            for name in names:
-                x = inspect.getattr_static(obj, name, _MISSING)
-                if x is not _MISSING:
-                    visit(x, depth + 1, names)
-        elif callable(obj):  # an instance with a __call__ of its class
-            visit(vars(type(obj)).get("__call__"), depth + 1, names)
-            visit(vars(obj) if hasattr(obj, "__dict__") else None, depth + 1, names)
-        elif hasattr(obj, "__dict__"):
-            visit(vars(obj), depth + 1, names)  # a config object's fields, read by the mod
-
-    visit(fn, 0, [])
-    return found
+    return tuple(out), tensors, complete
 
 
 _MISSING = object()
