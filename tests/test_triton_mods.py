@@ -597,7 +597,7 @@ def test_table_ranges_by_brute_force(by_keys: bool) -> None:
     for _ in range(40):
         B, H = (int(x) for x in torch.randint(1, 3, (2,), generator=g))
         bq, bk, block = (int(x) for x in torch.randint(1, 9, (3,), generator=g))
-        Lq, Lk = (int(x) for x in torch.randint(1, 40, (2,), generator=g))
+        Lq, Lk = (int(x) for x in torch.randint(0, 40, (2,), generator=g))  # (empty sides too)
         nq, nk = -(-Lq // bq), -(-Lk // bk)
         kinds = torch.randint(0, 3, (B, H, nq, nk), generator=g, dtype=torch.int8)
         kinds[torch.rand(kinds.shape, generator=g) < 0.5] = tb.BLOCK_SKIP

@@ -412,12 +412,14 @@ def _table_ranges(
     if by_keys:
         kept, rows_n, cols_n, br, bc = kept.transpose(1, 2), Lk, Lq, bk, bq  # (B|1, nK, nQ)
     n_c = kept.shape[2]
+    n = -(-rows_n // block)
+    if n == 0 or n_c == 0 or kept.shape[1] == 0:  # no rows or no columns: nothing to visit
+        return torch.zeros((B, n, 2), dtype=torch.int32)
     col = torch.arange(n_c, device=kept.device)
     first = torch.where(kept, col, n_c).amin(dim=2)  # (B|1, n table row blocks)
     last = torch.where(kept, col, -1).amax(dim=2)
     lo_t = torch.where(last >= 0, first * bc, cols_n + 1)  # an empty block: above any column...
     hi_t = torch.where(last >= 0, ((last + 1) * bc).clamp(max=cols_n), -1)  # ... and below any
-    n = -(-rows_n // block)
     which = (torch.arange(n * block, device=kept.device) // br).clamp(max=kept.shape[1] - 1)  # (n·block,)
     pad = torch.arange(n * block, device=kept.device) >= rows_n  # rows past the end: no columns
     lo = torch.where(pad, cols_n + 1, lo_t[:, which]).view(-1, n, block).amin(dim=2)  # (B|1, n)
