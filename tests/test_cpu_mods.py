@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -656,3 +657,28 @@ def test_a_module_mod_keys_what_its_helpers_read_and_captures_its_dict_tensors()
         got = az.attention(q, k, v, score_mod=m, backend="flash")
         want = az.attention(q.double(), k.double(), v.double(), score_mod=m, backend="reference")
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+
+
+_DATA = [float(i) for i in range(100_000)]  # data a module's unrelated method reads
+
+
+class _WithData(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+
+    def forward(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + self.slopes[h] * (j - i)
+
+    def total(self) -> float:
+        return sum(_DATA)
+
+
+def test_a_mod_that_reaches_big_data_is_not_kept_and_still_captures_its_tensors() -> None:
+    """A container longer than the walk follows (here a method's global list of 100k floats) is not
+    walked: the key is None (traced at every call), quickly, and the module's tensor is still captured."""
+    m = _WithData()
+    t0 = time.perf_counter()
+    key, tensors = mods.fingerprint(m)
+    assert key is None and time.perf_counter() - t0 < 0.05
+    assert any(t is m.slopes for t in tensors)

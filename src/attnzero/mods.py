@@ -191,8 +191,9 @@ def captured_tensors(fn: Any) -> list[Tensor]:
 def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
     """What a mod's traced graph depends on besides its arguments, as a hashable key (``_walk``):
     equal keys trace to the same graph (``cpu_mods.py`` and ``kernels/codegen.py`` keep generated
-    code by it). None when the walk cannot vouch for that — nesting deeper than it follows, an
-    object it cannot compare — and then nothing may be kept by it. Returns ``(key, tensors)``: the
+    code by it). None when the walk cannot vouch for that — nesting deeper than it follows, a
+    container longer than ``_BIG`` (a mod that reaches data: not walked), an object it cannot
+    compare — and then nothing may be kept by it. Returns ``(key, tensors)``: the
     captured tensors in the key's order (``captured_tensors``)."""
     key, tensors, complete = _walk(fn)
     return (key if complete else None), tensors
@@ -266,8 +267,8 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
         elif isinstance(obj, torch.nn.Module):
             out.append(("N", type(obj)))
-            of_class(obj, depth, names)
             fields(obj, depth, names)  # parameters, buffers, submodules, plain fields, ``training``
+            of_class(obj, depth, names)
         elif isinstance(obj, functools.partial):
             out.append(("P", len(obj.args)))
             for x in (obj.func, *obj.args):
@@ -275,6 +276,9 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             for k, x in obj.keywords.items():
                 out.append(("K", k))
                 visit(x, depth + 1, names)
+        elif isinstance(obj, (list, tuple, dict, set, frozenset)) and len(obj) > _BIG:
+            complete = False  # data, not configuration: not walked (its tensors are not captured)
+            out.append(("BIG",))
         elif isinstance(obj, (list, tuple)):
             out.append(("L", type(obj), len(obj)))
             for x in obj:
@@ -323,8 +327,8 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
                 out.append(("O", type(obj), obj))
             except TypeError:
                 out.append(("O", type(obj)))
-            of_class(obj, depth, names)
             fields(obj, depth, names)
+            of_class(obj, depth, names)
         else:
             try:
                 hash(obj)
@@ -338,6 +342,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
 
 
 _MISSING = object()
+_BIG = 1000  # a list, dict or set longer than this is not walked: the key is None (nothing kept)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffers", "_modules", "training"}
 
 
