@@ -650,3 +650,26 @@ def test_a_block_masks_skipped_blocks_are_not_visited(monkeypatch: pytest.Monkey
     assert splits and all(set(e["key_blocks"]) <= set(range(cut // 16, L // 16)) for e in splits)
     want = az.attention(q[:, :, -2:], k, v, mask=mask2, backend="reference")
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["keys", "queries"])
+def test_a_mask_of_length_one_broadcasts_its_block_over_the_whole_side(
+    side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A from_mod Mask of shape (B, H, Lq, 1) or (B, H, 1, Lk) broadcasts along that side: its one table
+    block covers the whole side, so no key (query) past the table's block size is left out of the
+    ranges (a sweep found out, dQ, dK, dV and the split-KV decode wrong, errors up to 4.8)."""
+    B, H, Lq, Lk = 1, 2, 20, 40
+    if side == "keys":
+        mask = az.masks.from_mod(lambda b, h, i, j: i % 3 != 0, B, H, Lq, 1, block_size=8, device=DEVICE)
+    else:
+        mask = az.masks.from_mod(lambda b, h, i, j: j % 3 != 0, B, H, 1, Lk, block_size=8, device=DEVICE)
+    q, k, v = (t.to(DEVICE) for t in qkv(B, H, H, Lq, Lk, 16))
+    check_against_golden("triton", F32, q, k, v, mask=mask)
+    if side == "keys":  # the split-KV path: two queries, every key of a kept row
+        monkeypatch.setattr(tb, "DECODE_MIN_LK", 32)
+        mask2 = az.masks.from_mod(lambda b, h, i, j: i >= 0, B, H, 2, 1, block_size=8, device=DEVICE)
+        with torch.no_grad(), tb.decode_splits(2):
+            got = az.attention(q[:, :, :2].float(), k.float(), v.float(), mask=mask2, backend="triton")
+        want = az.attention(q[:, :, :2], k, v, mask=mask2, backend="reference")
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)

@@ -396,7 +396,10 @@ def _ranges(
     table = mask_gen.table if mask_gen is not None else None
     if table is None:
         return None
-    return _table_ranges(table.kinds, table.bq, table.bk, B, Lq, Lk, block, by_keys).to(device)
+    # a Mask of length 1 along a side broadcasts over it: its one block covers the whole side
+    bq = table.bq if table.Lq == Lq else max(Lq, 1)
+    bk = table.bk if table.Lk == Lk else max(Lk, 1)
+    return _table_ranges(table.kinds, bq, bk, B, Lq, Lk, block, by_keys).to(device)
 
 
 def _table_ranges(
