@@ -180,11 +180,9 @@ def score_block_backward(
 
 def captured_tensors(fn: Any) -> list[Tensor]:
     """The tensors a mod reads besides its arguments, for a backend that must give them gradients
-    outside autograd's graph (its own backward, ``score_block_backward``): closure cells, the
-    globals its code names, default arguments, an ``nn.Module``'s parameters and buffers (a mod that
-    is a module, or a bound method of one), a ``functools.partial``'s arguments, a plain object's
-    attributes and the attributes its code names on a Python module or class — followed into the
-    functions they hold, each tensor once, in the order found (``fingerprint``'s tensors)."""
+    outside autograd's graph (its own backward, ``score_block_backward``): every tensor ``_walk``
+    meets (closures, globals, defaults, partials, containers, objects' and modules' fields —
+    parameters, buffers and plain tensor fields), each once, in the order met: ``fingerprint``'s."""
     return _walk(fn)[1]
 
 
@@ -322,26 +320,29 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
                     out.append(("K", name))
                     visit(x, depth + 1, names)
         elif callable(obj) or hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
-            try:  # the object itself too (a builtin such as torch.exp has no fields to tell it apart)
-                hash(obj)
-                out.append(("O", type(obj), obj))
-            except TypeError:
-                out.append(("O", type(obj)))
+            # the object itself too, when it can be (a builtin such as torch.exp has no fields to tell it apart)
+            out.append(("O", type(obj), obj) if _hashable(obj) else ("O", type(obj)))
             fields(obj, depth, names)
             of_class(obj, depth, names)
-        else:
-            try:
-                hash(obj)
-            except TypeError:
-                complete = False
-                return
+        elif _hashable(obj):
             out.append(("X", type(obj), obj))  # compared by equality (held by the key)
+        else:
+            complete = False
 
     visit(fn, 0, [])
     return tuple(out), tensors, complete
 
 
 _MISSING = object()
+
+
+def _hashable(obj: Any) -> bool:
+    try:
+        hash(obj)
+    except TypeError:
+        return False
+    return True
+
 _BIG = 1000  # a list, dict or set longer than this is not walked: the key is None (nothing kept)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffers", "_modules", "training"}
 

@@ -1024,9 +1024,8 @@ def generate_mask(mask: Tensor | Mask | None, device: torch.device) -> Generated
         gen = codegen.mask_mod(_mask_predicate(mask, trace_dev), trace_dev)
     except codegen.NotGenerable:
         return None
-    if any(t.device != device for t in gen.tensors):
-        gen = dataclasses.replace(gen, tensors=tuple(t.to(device) for t in gen.tensors))
-    return dataclasses.replace(gen, table=mask.table)  # (its SKIP blocks are not visited: ``_ranges``)
+    # the table: its SKIP blocks are not visited (``_ranges``)
+    return dataclasses.replace(gen, tensors=tuple(t.to(device) for t in gen.tensors), table=mask.table)
 
 
 class _ModAttention(torch.autograd.Function):
