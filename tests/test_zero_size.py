@@ -80,6 +80,38 @@ def test_attention_zero_sizes(case: str, backend: str) -> None:
         torch.testing.assert_close(g, torch.zeros_like(x) if w is None else w, msg=name)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lse_gradient_with_zero_sizes_and_sinks(case: str, backend: str) -> None:
+    """The lse stays differentiable where the output cannot be: with Lk = 0 it is the sink (∂/∂sink
+    = 1), with D = 0 the logsumexp of the bias and the sink (∂/∂bias: the weights)."""
+    _need(backend)
+    B, Hq, Hkv, Lq, Lk, D, Dv = CASES[case]
+    q = torch.randn(B, Hq, Lq, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, Dv, dtype=torch.float64)
+    bias = torch.randn(1, Hq, Lq, Lk, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(Hq, dtype=torch.float64, requires_grad=True)
+    _, lse = az.attention(q, k, v, bias=bias, sinks=sinks, backend=backend, return_lse=True)  # type: ignore[misc]
+
+    def want_lse(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        G = Hq // max(Hkv, 1)
+        scale = 1.0 / D**0.5 if D else 1.0
+        s = (q @ k.repeat_interleave(G, dim=1).transpose(-2, -1)) * scale + bias  # (B, Hq, Lq, Lk)
+        sink = sinks.view(1, Hq, 1, 1).expand(B, Hq, Lq, 1)
+        return torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)  # (B, Hq, Lq), the sink a key
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, bias, sinks)]
+    want = want_lse(*leaves)
+    torch.testing.assert_close(lse, want)
+    w = torch.randn_like(want)
+    got = torch.autograd.grad(lse, (q, k, bias, sinks), w, allow_unused=True)
+    expected = torch.autograd.grad(want, leaves, w, allow_unused=True)
+    for name, g, e, x in zip(("q", "k", "bias", "sinks"), got, expected, (q, k, bias, sinks)):
+        g = torch.zeros_like(x) if g is None else g
+        torch.testing.assert_close(g, torch.zeros_like(x) if e is None else e, msg=name)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_sizes_with_causal_window_and_dropout(backend: str) -> None:
     """The other arguments are accepted with zero sizes too; D = 0 with causal is uniform over the

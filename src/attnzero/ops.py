@@ -485,14 +485,19 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
                 bias_grad=bias_grad,
             )  # fmt: skip
             ds = _sinks.grad(dout, out, lse, sinks) if sinks is not None and sinks_grad else q.new_empty(0)
-            if dlse is not None and q.numel() and k.numel():  # (zero sizes: no score, no gradient)
+            if dlse is not None and lse.numel() and k.shape[2]:  # (no row or no key: no score)
+                D = q.shape[3]  # D = 0: every score is 0 (+ bias), as the forward computed it
                 lq, lk, lb, ls = lse_grad.of_lse(
-                    dlse, q, k, lse, bias=bias, sinks=sinks, bias_grad=bias_grad, sinks_grad=sinks_grad, mask=mask,
-                    causal=causal, window=window, scale=scale, softcap=softcap or None,
+                    dlse, *((q, k) if D else (_zero_column(q), _zero_column(k))), lse, bias=bias, sinks=sinks,
+                    bias_grad=bias_grad, sinks_grad=sinks_grad, mask=mask, causal=causal, window=window,
+                    scale=scale, softcap=softcap or None,
                 )  # fmt: skip
-                dq, dk = dq + lq.to(dq.dtype), dk + lk.to(dk.dtype)
+                if D:
+                    dq, dk = dq + lq.to(dq.dtype), dk + lk.to(dk.dtype)
                 dbias = dbias if lb is None or dbias is None else dbias + lb.to(dbias.dtype)
                 ds = ds if ls is None else ds + ls.to(ds.dtype)
+            elif dlse is not None and sinks is not None and sinks_grad:  # no key: lse = the sink
+                ds = ds + _sinks.grad_of_rows(-dlse, lse, sinks).to(ds.dtype)
         db = dbias.contiguous() if dbias is not None else q.new_empty(0)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), db, ds.contiguous()
 
