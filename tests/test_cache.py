@@ -340,3 +340,20 @@ def test_low_precision_decode_within_the_tolerance_rule(dtype: torch.dtype) -> N
         got = decode_in_pieces(m_low, x, [9] + [1] * 31, cache)
     assert got.dtype == dtype
     assert_close_to_golden(got, full, golden)
+
+
+def test_a_call_that_attention_refuses_leaves_the_cache_storage_as_it_was() -> None:
+    """The module appends before attention runs; when attention then raises (here a score_mod with a
+    bug), the rows it wrote are put back, not only the length."""
+
+    def buggy(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a bug in the score_mod")
+
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2, rope=True)
+    cache = az.KVCache(2, 8, 2, 8)
+    m(torch.randn(2, 4, 32), cache=cache)
+    snap = snapshot(cache)
+    m.score_mod = buggy
+    with pytest.raises(RuntimeError, match="a bug in the score_mod"):
+        m(torch.randn(2, 2, 32), cache=cache)
+    assert_untouched(cache, snap)

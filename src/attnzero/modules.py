@@ -225,6 +225,9 @@ class MultiHeadAttention(nn.Module):
             q = self.rope.rotate_from(q, Lk - Lq + shift)
             k = self.rope.rotate_from(k, past + shift)
         if cache is not None:
+            # the storage rows this call writes, kept to put back should attention refuse the call
+            # (its backend, a score_mod): a call that raises leaves the cache as it was
+            old = (cache.k[:, :, past:Lk].clone(), cache.v[:, :, past:Lk].clone())  # (B, Hkv, Lq, d_k) each
             k, v = cache.update(k, v)  # (B, Hkv, past + Lq, d_k) each: every cached token
         try:
             out = attention(
@@ -234,6 +237,7 @@ class MultiHeadAttention(nn.Module):
         except BaseException:
             if cache is not None:
                 cache.truncate(past)  # undo this call's append
+                cache.k[:, :, past:Lk], cache.v[:, :, past:Lk] = old
             raise
         assert isinstance(out, Tensor)
         out = out.transpose(1, 2).reshape(B, Lq, self.num_heads * self.d_k)  # (B, Lq, Hq·d_k)
