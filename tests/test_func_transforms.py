@@ -291,3 +291,38 @@ def test_float32_runs_of_every_backend_under_vmap_and_grad(dtype: torch.dtype, m
     got_g = vmap(grad(loss("flash"), argnums=(0, 1, 2)))(*xs)
     for g, r, w in zip(got_g, ref_g, gold_g):
         assert_close_to_golden(g, r, w, kind="grad", size=float(w.abs().max()) + 1.0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash"])
+@pytest.mark.parametrize("case", ["plain", "causal+bias", "sinks", "score_mod", "requires_grad"])
+def test_forward_ad_duals_keep_their_tangent(backend: str, case: str) -> None:
+    """``torch.autograd.forward_ad``'s duals are neither wrapped by torch.func nor require grad: the
+    float32 kernel's output had silently dropped their tangent (no kernel has a JVP; the call takes
+    the formula). The tangent equals jvp of the float64 formula."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    table = torch.randn(2)  # a score_mod's captured per-head bias, with a tangent of its own
+    tq, tk, tt = torch.randn_like(q), torch.randn_like(k), torch.randn_like(table)
+    bias = torch.randn(1, 2, 5, 5)
+
+    def f(q: torch.Tensor, k: torch.Tensor, t: torch.Tensor, name: str) -> torch.Tensor:
+        kw: dict[str, Any] = {
+            "plain": {},
+            "causal+bias": {"causal": True, "bias": bias.to(q.dtype)},
+            "sinks": {"sinks": torch.tensor([0.5, -1.0], dtype=q.dtype)},
+            "score_mod": {"score_mod": lambda s, b, h, i, j: s + t[h] * (i - j)},
+            "requires_grad": {"causal": True},
+        }[case]
+        out = az.attention(q, k, v.to(q.dtype), backend=name, **kw)  # type: ignore[arg-type]
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    with fwAD.dual_level():
+        qd = fwAD.make_dual(q.requires_grad_(case == "requires_grad"), tq)
+        got = fwAD.unpack_dual(f(qd, fwAD.make_dual(k, tk), fwAD.make_dual(table, tt), backend)).tangent
+    assert got is not None, "the output lost its tangent"
+    primals, tangents = (q.detach().double(), k.double(), table.double()), (tq.double(), tk.double(), tt.double())
+    want = torch.func.jvp(lambda a, b, c: f(a, b, c, "reference"), primals, tangents)[1]
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)

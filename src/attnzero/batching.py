@@ -63,6 +63,20 @@ def wrapped(*xs: Any) -> bool:
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+def dual(*xs: Any) -> bool:
+    """Whether any of ``xs`` carries a tangent of ``torch.autograd.forward_ad`` (``make_dual``): such
+    a tensor is not wrapped by torch.func and does not require grad, yet a kernel's output would
+    silently drop its tangent. Free outside a ``dual_level``."""
+    from torch.autograd import forward_ad
+
+    if forward_ad._current_level < 0:
+        return False
+    for x in xs:
+        if x is not None and isinstance(x, Tensor) and forward_ad.unpack_dual(x).tangent is not None:
+            return True
+    return False
+
+
 def forward_mode() -> bool:
     """Whether forward-mode AD is on: a ``torch.func.jvp`` / ``jacfwd`` transform, or a dual level
     of ``torch.autograd.forward_ad``."""

@@ -343,11 +343,12 @@ def _attention(
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
         special = torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty
+        special = special or batching.dual(q, k, v, add, sink, *mods.captured_tensors(fn))  # forward-mode AD
         # (attention sinks with a mod: each backend's Function folds them into its result and backward)
         if name == "triton" and special and not empty:
             raise ArgumentError(
-                "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile or torch.func); "
-                "use backend='auto'"
+                "score_mod: backend='triton' runs a score_mod eagerly only (not under torch.compile, torch.func or "
+                "forward-mode AD); use backend='auto'"
             )
         if name == "triton" and not empty and q.dtype != torch.float64:
             _check_triton(q.device)
@@ -389,8 +390,9 @@ def _attention(
     name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
     compiling = torch.compiler.is_compiling()
     transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
-    if transformed and batching.forward_mode():
-        name = "reference"  # jvp / jacfwd: no fused kernel has a JVP; the formula has every op's (batching.py)
+    if (transformed and batching.forward_mode()) or batching.dual(q, k, v, add, sink):
+        # jvp / jacfwd / forward_ad's duals: no fused kernel has a JVP; the formula has every op's (batching.py)
+        name = "reference"
     lse_with_grad = want_lse and _needs_grad(q, k, v, add, sink)
     if lse_with_grad and transformed and name != "reference":
         name = "reference"  # an lse that may take a gradient under torch.func: the formula's (batching.py's has none)
