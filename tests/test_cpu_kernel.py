@@ -206,6 +206,30 @@ def test_bias_and_its_gradient_over_broadcast_dims(shape: tuple[int, ...], calls
     golden(torch.float16, q, k, v, calls, bias=randn(*shape))
 
 
+def test_broadcast_bias_gradient_is_bitwise_reproducible_under_use_deterministic_algorithms(
+    calls: dict[str, int],
+) -> None:
+    """A bias broadcast over batch and heads has its gradient summed per thread (as a score_mod's
+    captured tensors have); under the flag each thread keeps to its own tasks (run_tasks' ``share``),
+    so the sums group the same way every call — three threads on this machine's two cores, where
+    tasks would otherwise move between them."""
+    q, k, v = (t.float() for t in qkv(4, 4, 4, 256, 256, 32))
+    bias, dout = randn(1, 1, 256, 256).float(), torch.randn(4, 4, 256, 32)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch_threads(3):
+            runs = []
+            for _ in range(6):
+                b = bias.clone().requires_grad_()
+                az.attention(q, k, v, bias=b, backend="flash").backward(dout)
+                runs.append(b.grad)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert calls["backward"] == 6
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=KERNEL_IDS)
 def test_softcap(dtype: torch.dtype, calls: dict[str, int]) -> None:
     """softcap · tanh(s / softcap) before the bias, with its gradient through the cap; large scores

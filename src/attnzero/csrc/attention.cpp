@@ -686,13 +686,16 @@ struct Range {
 // to 0.72× torch with a competing process). Small problems (fewer tasks than `grain`), one thread,
 // or a call from inside a parallel region: on the calling thread.
 //
+// `share` false (a reduction whose order must not vary: torch.use_deterministic_algorithms): each
+// thread takes only its own range, so a thread's partial sums cover the same tasks at every call.
+//
 // `slot` numbers the thread (0 on the calling thread; < at::get_num_threads()) and `scratch` is its
 // `per_thread` floats of work memory: one block allocated here, on the calling thread, and freed
 // when the call returns, as torch's own CPU attention does. (Buffers each thread kept from call to
 // call left the heap and caches unlike torch's call: in ViT-Tiny the ops after attnzero's call ran
 // 5–15 % slower than after torch's — docs/benchmarks.md.)
 template <typename F>
-void run_tasks(int64_t tasks, int64_t grain, size_t per_thread, const F& fn) {
+void run_tasks(int64_t tasks, int64_t grain, size_t per_thread, const F& fn, bool share = true) {
   if (tasks <= 0) return;
   const bool here = at::in_parallel_region() || omp_in_parallel();
   const int64_t threads = here ? 1 : std::min<int64_t>(at::get_num_threads(), (tasks + grain - 1) / grain);
@@ -711,7 +714,7 @@ void run_tasks(int64_t tasks, int64_t grain, size_t per_thread, const F& fn) {
   {
     const int64_t slot = omp_get_thread_num();
     int64_t c;
-    for (int64_t r = 0; r < threads; ++r) {  // its own range first, then the others' from the back
+    for (int64_t r = 0; r < (share ? threads : 1); ++r) {  // its own range first, then the others' from the back
       Range& range = ranges[(slot + r) % threads];
       while (range.take(r == 0, &c)) fn(slot, w + slot * per_thread, c * chunk, std::min(tasks, (c + 1) * chunk));
     }
@@ -885,6 +888,10 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   const int64_t ldq = in_place ? q.stride(2) : D, ldo = in_place ? dout.stride(2) : Dv;
   const size_t per_thread = room({nq * D, nq * Dv, NR, NR, NR * D, nkv * D, nkv * Dv, bn * D, bn * Dv, RB, RB, nd, nt,
                                   nx, nm, npanel * D, npanel * Dv});
+  // a broadcast bias's gradient and a score_mod's captured tensors' are summed per thread: with tasks
+  // shared out as threads finish, the sums would group differently from call to call
+  const bool per_thread_sums = (dbias != nullptr && dbias_per_thread > 0) || P.mod_grad != nullptr;
+  const bool share = !(per_thread_sums && at::globalContext().deterministicAlgorithms());
   run_tasks(tasks, grain(tasks, 2 * NR * P.Lk * (D + Dv)), per_thread,
             [&](int64_t slot, float* scratch, int64_t begin, int64_t end) {
     OneMklThread one(!tiled);
@@ -1028,7 +1035,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
         }
       }
     }
-  });
+  }, share);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
