@@ -70,7 +70,7 @@ def of_lse(
     B, Hq, Lq, _ = q.shape
     ones = q.new_ones(k.shape[0], k.shape[1], k.shape[2], 1)  # V: one column of ones (B, Hkv, Lk, 1)
     zeros = q.new_zeros(B, Hq, Lq, 1)  # O taken as 0: D = 0
-    dout = dlse.unsqueeze(-1).to(q.dtype)  # dO = dlse: (B, Hq, Lq, 1)
+    dout = dlse.unsqueeze(-1).to(reference.accum_dtype(q.dtype))  # dO = dlse (B, Hq, Lq, 1), not rounded to 16 bits
     dq, dk, _, dbias = flash.backward(
         dout, q, k, ones, zeros, lse, bias=bias, bias_grad=bias is not None and bias_grad, dropout_p=0.0,
         dropout_seed=0, captured_grads=captured_grads, **options,
