@@ -190,6 +190,27 @@ def test_dropout_one_and_a_tensor_scale_are_taken_as_torch_takes_them() -> None:
     )
 
 
+def test_numpy_scalars_are_taken_as_torch_takes_them() -> None:
+    """np.float32 / np.float16 / np.int64 for ``scale`` and ``dropout_p`` (torch's argument parser
+    reads their float); they were refused, quoting a torch error that torch does not raise."""
+    import numpy as np
+
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    for x in (np.float32(0.3), np.float16(0.3), np.float64(0.3), np.int64(2)):
+        torch.testing.assert_close(
+            az.scaled_dot_product_attention(q, k, v, scale=x),  # type: ignore[arg-type]
+            F.scaled_dot_product_attention(q, k, v, scale=x),  # type: ignore[arg-type]
+        )
+    torch.testing.assert_close(
+        az.scaled_dot_product_attention(q, k, v, dropout_p=np.float32(0.0)),  # type: ignore[arg-type]
+        F.scaled_dot_product_attention(q, k, v),
+    )
+    with pytest.raises(az.ArgumentTypeError, match="scale: expected None or a real number"):
+        az.scaled_dot_product_attention(q, k, v, scale=np.bool_(True))  # type: ignore[arg-type]
+    with pytest.raises(az.ArgumentError, match=r"dropout_p: expected a float in \[0, 1\), got -0.1$"):
+        az.scaled_dot_product_attention(q, k, v, dropout_p=-0.1)  # refused, without a phrase torch never says
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),

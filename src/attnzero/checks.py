@@ -226,7 +226,7 @@ def scale(x: Any, head_dim: int) -> float:
     finite real number."""
     if x is None:
         return 1.0 if is_zero(head_dim) else 1.0 / math.sqrt(head_dim)
-    if isinstance(x, bool) or not isinstance(x, int | float):
+    if not _real(x):
         raise ArgumentTypeError(f"scale: expected None or a real number, got {x!r}")
     try:
         value = float(x)
@@ -237,8 +237,16 @@ def scale(x: Any, head_dim: int) -> float:
     return value
 
 
+def _real(x: Any) -> bool:
+    """A real number that is not a bool: Python's, or a numpy scalar (``np.float32(0.1)``, which torch
+    takes as a float)."""
+    if isinstance(x, int | float):
+        return not isinstance(x, bool)
+    return type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0 and x.dtype.kind in "iuf"
+
+
 def dropout_p(x: Any, name: str = "dropout_p") -> float:
-    if isinstance(x, bool) or not isinstance(x, int | float):
+    if not _real(x):
         raise ArgumentTypeError(f"{name}: expected a float in [0, 1), got {x!r}")
     if not 0.0 <= x < 1.0:
         raise ArgumentError(f"{name}: expected a float in [0, 1), got {x}")

@@ -642,7 +642,7 @@ def _torch_words(e: Exception, name: str, x: Any) -> Exception:
         return ArgumentTypeError(
             f"{e}. torch: scaled_dot_product_attention(): {where} must be {_TORCH_KINDS[name]}, not {type(x).__name__}"
         )
-    if isinstance(e, ArgumentError) and name == "dropout_p":
+    if isinstance(e, ArgumentError) and name == "dropout_p" and x > 1:  # (torch takes a negative one)
         return ArgumentError(f"{e}. torch: dropout probability has to be between 0 and 1, but got {x}")
     return e
 
