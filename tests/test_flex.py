@@ -247,6 +247,19 @@ def test_errors_are_torchs(case: str) -> None:
     assert ours == theirs
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_block_table_with_fewer_heads_or_batches_wraps_as_torchs_kernels(compiled: bool) -> None:
+    """A BlockMask whose H (or B) is neither 1 nor the query's — a GQA mask built with the key
+    heads' count — is read as torch's kernels read it (head h at h % H, batch b at b % B); it had
+    crashed with an indexing error."""
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    run = torch.compile(flex.flex_attention, fullgraph=True, backend="eager") if compiled else flex.flex_attention
+    for (B, Hq, Hkv), (mB, mH), kw in [((2, 4, 2), (None, 2), {"enable_gqa": True}), ((3, 2, 2), (2, None), {})]:
+        q, k, v = torch.randn(B, Hq, 32, 8), torch.randn(B, Hkv, 32, 8), torch.randn(B, Hkv, 32, 8)
+        bm = TF.create_block_mask(causal, mB, mH, 32, 32, device="cpu", BLOCK_SIZE=16)
+        torch.testing.assert_close(run(q, k, v, block_mask=bm, **kw), TF.flex_attention(q, k, v, block_mask=bm, **kw))
+
+
 def test_key_and_value_may_have_another_dtype() -> None:
     q, k, v = _qkv(1, 2, 2, 16, 16, 8)
     got = flex.flex_attention(q, k.double(), v.to(torch.bfloat16))

@@ -189,6 +189,18 @@ def _kinds(block_mask: BlockMask, n_q: int, n_k: int) -> Tensor:
     return kinds
 
 
+def _over(kinds: Tensor, B: int, H: int) -> Tensor:
+    """The table (Bt, Ht, n_q, n_k) over a call's B batches and H query heads as torch's kernels read
+    it: batch b at the table's b % Bt, head h at h % Ht (a GQA block mask built with the key heads'
+    count, say); a table of 1 along a dim broadcasts as it is."""
+    Bt, Ht = kinds.shape[:2]
+    if Bt not in (1, B):
+        kinds = kinds.index_select(0, torch.arange(B, device=kinds.device) % Bt)  # (B, Ht, n_q, n_k)
+    if Ht not in (1, H):
+        kinds = kinds.index_select(1, torch.arange(H, device=kinds.device) % Ht)  # (B|1, H, n_q, n_k)
+    return kinds
+
+
 def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     """torch's ``BlockMask`` as an attnzero ``Mask`` of shape (B, H, Lq, Lk) whose block table is the
     BlockMask's (``blocks.BlockTable``, its B or H of 1 broadcast): unlisted blocks blocked, full
@@ -197,7 +209,7 @@ def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     which the Triton kernels run as generated code (``kernels/triton_backend.py``)."""
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     n_q, n_k = -(-Lq // bq), -(-Lk // bk)
-    table = blocks.BlockTable(_kinds(block_mask, n_q, n_k), (bq, bk), (Lq, Lk))
+    table = blocks.BlockTable(_over(_kinds(block_mask, n_q, n_k), B, H), (bq, bk), (Lq, Lk))
     mask_mod = None if block_mask.mask_mod is noop_mask else block_mask.mask_mod
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -212,7 +224,7 @@ def _dense_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int, device:
     graph can trace): table kinds spread to pairs, partial ones from the vmapped mask_mod."""
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     n_q, n_k = -(-Lq // bq), -(-Lk // bk)
-    kinds = _kinds_traced(block_mask, n_q, n_k).to(device)  # (B|1, H|1, n_q, n_k)
+    kinds = _over(_kinds_traced(block_mask, n_q, n_k), B, H).to(device)  # (B|1, H|1, n_q, n_k)
     spread = kinds.repeat_interleave(bq, dim=2)[:, :, :Lq].repeat_interleave(bk, dim=3)[:, :, :, :Lk]
     keep = mods.mask_grid(block_mask.mask_mod, B, H, Lq, Lk, device)  # (B, H, Lq, Lk)
     return (spread == blocks.FULL) | ((spread == blocks.PARTIAL) & keep)
