@@ -531,3 +531,15 @@ def test_a_mod_that_reads_an_input_with_create_graph(how: str) -> None:
 
 def randn_like_qkv(B: int, H: int, L: int, D: int) -> Tensor:
     return torch.randn(B, H, L, D, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash", "triton", "reference"])
+def test_a_mod_that_returns_a_python_number_is_refused_by_what_it_returned(backend: str) -> None:
+    """Every backend says what the reference says; the generated paths blamed "a captured tensor of
+    another dtype" (make_fx had made the number a float64 / int64 tensor)."""
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        absent("backend='triton' needs `pip install triton`")
+    q = torch.randn(1, 2, 16, 8)
+    for number, kind in ((1.0, "float"), (2, "int")):
+        with pytest.raises(mods.ModError, match=f"expected a 0-d torch.Tensor score per pair, got {kind}$"):
+            az.attention(q, q, q, score_mod=lambda s, b, h, i, j, x=number: x, backend=backend)  # type: ignore[arg-type,misc]

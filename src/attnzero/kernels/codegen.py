@@ -896,11 +896,17 @@ def _trace(fn: Callable[..., Any], name: str, device: torch.device) -> torch.fx.
 
     def one_pair(*a: Tensor) -> Tensor:
         with mods.IndexWithTensors(), _ValueReads(reads if reads is not None else []):
-            return fn(*a)
+            out = fn(*a)
+        if not isinstance(out, Tensor):  # (make_fx would make a Python number a float64 / int64 tensor)
+            what = "score" if with_score else "bool"
+            raise mods.ModError(f"{name}: expected a 0-d torch.Tensor {what} per pair, got {type(out).__name__}")
+        return out
 
     try:
         with torch.no_grad():
             return make_fx(one_pair)(*args)
+    except mods.ModError:
+        raise
     except Exception as e:  # data-dependent Python (``if score > 0``, ``.item()``), an op make_fx rejects
         raise NotGenerable(f"{name}: cannot trace it to generate code from ({type(e).__name__}: {e})") from e
 
