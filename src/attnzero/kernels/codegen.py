@@ -160,8 +160,16 @@ def _literal(value: float | int | bool, dtype: torch.dtype) -> str:
         if math.isinf(x):
             return "INF" if x > 0 else "(-INF)"
         return repr(x) if x >= 0 else f"({x!r})"
-    n = int(value)
+    n = wrap_int(int(value), dtype)
     return str(n) if n >= 0 else f"({n})"
+
+
+def wrap_int(n: int, dtype: torch.dtype) -> int:
+    """A Python int as ``dtype`` holds it: torch casts a number beyond an integer dtype's range with
+    wraparound (``i < 2**40`` on int32 indices compares with 0), and so does the generated code."""
+    info = torch.iinfo(dtype)
+    span = 1 << info.bits
+    return (n - info.min) % span + info.min
 
 
 class _Lang:
@@ -406,15 +414,16 @@ class _Emitter:
             a, b = xs[0], xs[1]
             if mode is None:
                 return self.new(f"{self.cast(a, dt)} / {self.cast(b, dt)}", dt, varies)
-            if _is_float(dt):
-                inner = f"{self.cast(a, dt)} / {self.cast(b, dt)}"
-                return self.new(self.lang.fn("floor", inner) if mode == "floor" else f"_trunc({inner})", dt, varies)
+            if _is_float(dt):  # torch's: floor as c10's div_floor_floating (_ffloordiv), trunc of the quotient
+                if mode == "floor":
+                    return self.new(f"_ffloordiv({self.cast(a, dt)}, {self.cast(b, dt)})", dt, varies)
+                return self.new(f"_trunc({self.cast(a, dt)} / {self.cast(b, dt)})", dt, varies)
             fn = "_floordiv" if mode == "floor" else "_truncdiv"
             return self.new(f"{fn}({self.cast(a, dt)}, {self.cast(b, dt)})", dt, varies)
         if op in ("floor_divide", "remainder", "fmod"):
             a, b = self.cast(xs[0], dt), self.cast(xs[1], dt)
             if op == "floor_divide":
-                expr = self.lang.fn("floor", f"{a} / {b}") if _is_float(dt) else f"_floordiv({a}, {b})"
+                expr = f"_ffloordiv({a}, {b})" if _is_float(dt) else f"_floordiv({a}, {b})"
             elif op == "remainder":
                 expr = f"_fremainder({a}, {b})" if _is_float(dt) else f"_remainder({a}, {b})"
             else:
@@ -435,6 +444,8 @@ class _Emitter:
         if op == "bitwise_not":
             inv = self.cast(xs[0], dt)
             return self.new(f"({inv} == 0)" if dt == torch.bool else f"(~{inv})", dt, varies)
+        if op in ("floor", "ceil") and not _is_float(dt):
+            return self.scalar(node, args[0])  # an integer is whole already (torch returns it as it is)
         if op in _UNARY:
             if op in _FLOAT_ONLY and not _is_float(dt):
                 raise self.refuse(node, f"dtype {dt}")
@@ -472,7 +483,7 @@ class _Emitter:
         if isinstance(ex, Scalar) and ex.value is not None and base.value is None:  # x ** n
             expr = _pow_expr(self.lang, self.cast(base, dt), ex.value, dt)
             if expr is None:
-                raise self.refuse(node, "an integer to a negative power")
+                raise self.refuse(node, "an integer to a negative power or one above 16")
             return self.new(expr, dt, varies)
         if base.value is not None and float(base.value) > 0 and _is_float(dt):  # c ** x
             power = f"{self.cast(ex, dt)} * {self.lang.literal(math.log2(base.value), dt)}"
@@ -543,8 +554,10 @@ def _clamp_bounds(op: str, xs: list[Any], kw: dict[str, Any]) -> tuple[Any, Any]
 
 
 def _pow_expr(lang: _Lang, x: str, n: float | int, dt: torch.dtype) -> str | None:
-    """``x ** n`` for a Python number n as an expression, or None (an integer to a negative power)."""
-    if float(n).is_integer() and abs(n) <= 16:
+    """``x ** n`` for a Python number n as an expression, or None (an integer to a negative power or
+    one above 16)."""
+    whole = float(n).is_integer()
+    if whole and abs(n) <= 16:
         k = int(abs(n))
         if k == 0:
             return lang.literal(1, dt)
@@ -552,8 +565,13 @@ def _pow_expr(lang: _Lang, x: str, n: float | int, dt: torch.dtype) -> str | Non
         if n < 0:
             return f"(1.0 / {prod})" if _is_float(dt) else None
         return prod
+    if not _is_float(dt):
+        return None
     if n == 0.5:
         return lang.fn("sqrt", x)
+    if whole:  # |x|ⁿ, negative for a negative x and an odd n (as torch: not NaN)
+        mag = lang.fn("exp2", f"{lang.literal(n, dt)} * {lang.fn('log2', lang.fn('abs', x))}")
+        return lang.where(f"{x} < 0", f"(-{mag})", mag) if int(n) % 2 else mag
     return lang.fn("exp2", f"{lang.literal(n, dt)} * {lang.fn('log2', x)}")
 
 
@@ -709,25 +727,35 @@ class _Backward:
             self.add(a0, f"-{g} * {y.expr} * {y.expr}", dt)
         elif op == "pow":
             base, ex = args[0], args[1]
-            if isinstance(ex, (int, float)) and not isinstance(ex, bool):  # x ** n
-                if ex == 0:
+            n = ex if isinstance(ex, (int, float)) else em.scalar(node, ex).value  # a number, or a 0-d constant's
+            if n is not None and not isinstance(n, bool):  # x ** n
+                if n == 0:
                     return
-                p = _pow_expr(lang, val(0), ex - 1, dt)
-                self.add(base, f"{g} * {lang.literal(ex, dt)} * {p}", dt)
+                p = _pow_expr(lang, val(0), n - 1, dt)
+                if p is None:
+                    raise NotGenerable(f"{em.name}: no derivative written for an integer to a power")
+                self.add(base, f"{g} * {lang.literal(n, dt)} * {p}", dt)
             else:  # c ** x
-                self.add(ex, f"{g} * {y.expr} * {lang.literal(math.log(float(base)), dt)}", dt)
+                c0 = base if isinstance(base, (int, float)) else em.scalar(node, base).value
+                if c0 is None:
+                    raise NotGenerable(f"{em.name}: no derivative written for a tensor to a tensor's power")
+                self.add(ex, f"{g} * {y.expr} * {lang.literal(math.log(float(c0)), dt)}", dt)
         elif op in ("clamp", "clamp_min", "clamp_max"):
+            # torch's: y = min(max(x, lo), hi); x gets dy where lo <= x <= hi, lo where x < lo < hi,
+            # hi where max(x, lo) > hi (all of it where lo > hi: y is hi there)
             x = val(0)
             lo, hi = _clamp_bounds(op, args, kw)
+            lo_e = None if lo is None else em.cast(em.scalar(node, lo), dt)
+            hi_e = None if hi is None else em.cast(em.scalar(node, hi), dt)
             keep = []
-            if lo is not None:
-                lo_e = em.cast(em.scalar(node, lo), dt)
+            if lo_e is not None:
                 keep.append(f"({x} >= {lo_e})")
-                self.add(lo, where(f"{x} < {lo_e}", g, zero), dt)
-            if hi is not None:
-                hi_e = em.cast(em.scalar(node, hi), dt)
+                below = f"({x} < {lo_e})" if hi_e is None else f"_and({x} < {lo_e}, {lo_e} < {hi_e})"
+                self.add(lo, where(below, g, zero), dt)
+            if hi_e is not None:
                 keep.append(f"({x} <= {hi_e})")
-                self.add(hi, where(f"{x} > {hi_e}", g, zero), dt)
+                above = f"({x} > {hi_e})" if lo_e is None else f"_or({x} > {hi_e}, {lo_e} > {hi_e})"
+                self.add(hi, where(above, g, zero), dt)
             for cond in keep:
                 g = where(cond, g, zero)
             self.add(a0, g, dt)
@@ -743,8 +771,8 @@ class _Backward:
             self.add(args[2], where(c, zero, g), dt)
         elif op == "remainder" or op == "fmod":
             self.add(a0, g, dt)
-            ratio = f"{val(0)} / {val(1)}"
-            rounded = lang.fn("floor", ratio) if op == "remainder" else f"_trunc({ratio})"
+            # torch's: d/db of remainder is −(a div b, floor), of fmod −(a div b, trunc)
+            rounded = f"_ffloordiv({val(0)}, {val(1)})" if op == "remainder" else f"_trunc({val(0)} / {val(1)})"
             self.add(args[1], f"-{g} * {rounded}", dt)
         elif op in ("_to_copy", *_IDENTITY):
             self.add(a0, g, dt)
@@ -797,13 +825,27 @@ def _remainder(a, b):
 
 
 @triton.jit
-def _fremainder(a, b):
-    return a - b * tl.floor(a / b)
+def _ffmod(a, b):
+    return a % b  # floats: C's fmod, exact, the sign of a (torch.fmod)
 
 
 @triton.jit
-def _ffmod(a, b):
-    return a - b * _trunc(a / b)
+def _fremainder(a, b):
+    m = a % b
+    return tl.where((m != 0) & ((b < 0) != (m < 0)), m + b, m)  # torch: the sign of b, exact
+
+
+@triton.jit
+def _ffloordiv(a, b):
+    # torch's floor division of floats (c10's div_floor_floating): (a − fmod(a, b)) / b, one less where
+    # the remainder's sign is not b's, rounded to the nearest whole number; b = 0 gives a / b
+    m = a % b
+    d = (a - m) / b
+    d = tl.where((m != 0) & ((b < 0) != (m < 0)), d - 1.0, d)
+    f = tl.floor(d)
+    f = tl.where(d - f > 0.5, f + 1.0, f)
+    f = tl.where(d == 0, tl.where(a / b < 0, -0.0, 0.0), f)
+    return tl.where(b == 0, a / b, f)
 
 
 @triton.jit
