@@ -537,9 +537,96 @@ def randn_like_qkv(B: int, H: int, L: int, D: int) -> Tensor:
 def test_a_mod_that_returns_a_python_number_is_refused_by_what_it_returned(backend: str) -> None:
     """Every backend says what the reference says; the generated paths blamed "a captured tensor of
     another dtype" (make_fx had made the number a float64 / int64 tensor)."""
-    if backend == "triton" and importlib.util.find_spec("triton") is None:
-        absent("backend='triton' needs `pip install triton`")
+    _triton_ok(backend)
     q = torch.randn(1, 2, 16, 8)
     for number, kind in ((1.0, "float"), (2, "int")):
         with pytest.raises(mods.ModError, match=f"expected a 0-d torch.Tensor score per pair, got {kind}$"):
             az.attention(q, q, q, score_mod=lambda s, b, h, i, j, x=number: x, backend=backend)  # type: ignore[arg-type,misc]
+
+
+def _triton_ok(backend: str) -> None:
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        absent("backend='triton' needs `pip install triton`")
+
+
+# the kernel with generated C++ (float32), flash.py (float64), the Triton kernels (interpreted on CPU)
+PATHS = [("auto", torch.float32), ("auto", torch.float64), ("triton", torch.float32)]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
+def test_a_mod_made_in_a_loop_gets_the_gradients_its_forward_computed(backend: str, dtype: torch.dtype) -> None:
+    """Two layers, each a mod made in a loop that reads the loop variable (bound when the mod runs):
+    the backward, which calls the mod again, reads what the forward read (``mods.pin``) — not the
+    loop's last table for every layer (errors of 1e3 before, and the first table got no gradient)."""
+    _triton_ok(backend)
+    torch.manual_seed(0)
+    B, H, L, E = 1, 2, 12, 8
+    x0 = torch.randn(B, H, L, E, dtype=torch.float64)
+    tables0 = [torch.randn(H, 2 * L - 1, dtype=torch.float64) for _ in range(2)]
+
+    def grads(name: str, dt: torch.dtype) -> list[Tensor]:
+        x = x0.to(dt).requires_grad_()
+        tables = [t.to(dt).requires_grad_() for t in tables0]
+        y = x
+        for i in range(2):
+
+            def rel(s: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+                return s * (1 + tables[i][h, qi - kv + L - 1])  # noqa: B023 (the late binding is the point)
+
+            out = az.attention(y, y, y, causal=True, score_mod=rel, backend=name)  # type: ignore[arg-type]
+            assert isinstance(out, Tensor)
+            y = out
+        return list(torch.autograd.grad(y.pow(2).sum(), [x, *tables]))
+
+    want = grads("reference", torch.float64)
+    for g, w in zip(grads(backend, dtype), want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
+def test_a_captured_tensor_changed_in_place_before_the_backward_is_refused(backend: str, dtype: torch.dtype) -> None:
+    """As autograd refuses a saved tensor changed in place (torch's Flex saves what its score_mod
+    captures): before, the backward read the new values and gave other gradients, silently."""
+    _triton_ok(backend)
+    q, k, v = (t.to(dtype).requires_grad_() for t in qkv(1, 2, 2, 10, 10, 8))
+    scale = (torch.rand(2, dtype=dtype) + 0.5).requires_grad_()
+    out = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * scale[h], backend=backend)  # type: ignore[arg-type]
+    assert isinstance(out, Tensor)
+    with torch.no_grad():
+        scale.mul_(3.0)  # an optimiser step, an EMA update
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
+def test_a_mod_whose_tensors_are_rebound_before_the_backward_is_refused_or_right(
+    backend: str, dtype: torch.dtype
+) -> None:
+    """A field the mod reads is given another tensor between the forward and the backward: a backend
+    whose backward calls the mod again refuses (it would differentiate another function); one that
+    keeps the forward's tensors (the generated kernels) gives the forward's gradients — never the
+    gradients of the new table."""
+    _triton_ok(backend)
+
+    class Holder:
+        table: Tensor
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in qkv(1, 2, 2, 10, 10, 8))
+    first = torch.randn(2, 19, dtype=dtype, requires_grad=True)
+    holder = Holder()
+    holder.table = first
+    out = az.attention(
+        q, k, v, score_mod=lambda s, b, h, i, j: s + holder.table[h, i - j + 9], backend=backend  # type: ignore[arg-type]
+    )
+    assert isinstance(out, Tensor)
+    holder.table = torch.randn(2, 19, dtype=dtype, requires_grad=True)
+    try:
+        got = torch.autograd.grad(out.pow(2).sum(), (q, first))
+    except mods.ModError as e:
+        assert "changed between this call's forward and its backward" in str(e)
+        return
+    holder.table = first
+    want = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + holder.table[h, i - j + 9], backend="reference")
+    assert isinstance(want, Tensor)
+    for g, w in zip(got, torch.autograd.grad(want.pow(2).sum(), (q, first))):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -438,11 +438,12 @@ class _ModKernel(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        del captured  # inputs only so that they get gradients (the kernel reads options["mod"]'s pointers)
         out, lse = cpu_kernel.forward(q, k, v, bias=bias, **options["kernel"], mod=options["mod"])
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out, lse = sinks.fold(out, lse, sink)
-        ctx.save_for_backward(q, k, v, bias, sink, out, lse)
+        # the captured tensors: inputs so that they get gradients, saved so that one changed in place
+        # before the backward is refused by autograd (the kernel reads options["mod"]'s pointers)
+        ctx.save_for_backward(q, k, v, bias, sink, out, lse, *captured)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -450,7 +451,7 @@ class _ModKernel(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
-        q, k, v, bias, sink, out, lse = ctx.saved_tensors
+        q, k, v, bias, sink, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
         options, needs = ctx.options, ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
         bound, captured = options["mod"], options["captured"]
         dsink = sinks.grad(dout, out, lse, sink) if sink is not None and needs[4] else None

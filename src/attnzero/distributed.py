@@ -438,16 +438,17 @@ class _RingAttention(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, causal: bool, scale: float,
         softcap: float | None, ring: _Ring, layout: str, backend: ops.Backend, mo: _Mods, *captured: Tensor,
     ) -> Tensor:  # fmt: skip
-        del captured  # inputs only so that they get gradients (the score_mod reads them itself)
         out, lse = _ring_forward(q, k, v, sinks, causal, scale, softcap, ring, layout, backend, mo)
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        # the captured tensors: inputs so that they get gradients, saved so that one changed in place
+        # before the backward is refused by autograd (the score_mod reads them itself)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, *captured)
         ctx.args = (causal, scale, softcap, ring, layout, backend, mo)
         return out
 
     @staticmethod
     @once_differentiable  # a second derivative would need the ring inside autograd: refused clearly
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
         dout = dout.contiguous()
         dq = dk = dv = dsinks = None
         mo: _Mods = ctx.args[-1]
@@ -541,6 +542,7 @@ def ring_attention(
     if lay == "zigzag" and L % 2:
         raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so expected an even length, got {L}")
     fn = mods.check_callable("score_mod", score_mod)
+    fn = None if fn is None else mods.pin(fn)  # the backward reads what this forward read (mods.pin)
     mm = mods.check_callable("mask_mod", mask_mod)
     mo = _Mods(fn, mm, tuple(mods.captured_tensors(fn)) if fn is not None else ())
     ring = _Ring.of(group)

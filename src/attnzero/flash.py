@@ -403,11 +403,12 @@ class _FlashAttention(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        del captured  # inputs only so that they get gradients (the score_mod reads them itself)
         out, lse = forward(q, k, v, bias=bias, **options)
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out, lse = sinks.fold(out, lse, sink)
-        ctx.save_for_backward(q, k, v, bias, sink, out, lse)
+        # the captured tensors: inputs so that they get gradients, saved so that one changed in place
+        # before the backward is refused by autograd (the score_mod reads them itself)
+        ctx.save_for_backward(q, k, v, bias, sink, out, lse, *captured)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -415,7 +416,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
-        q, k, v, bias, sink, out, lse = ctx.saved_tensors
+        q, k, v, bias, sink, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
         needs = ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             options = {key: value for key, value in ctx.options.items() if key != "block"}

@@ -321,7 +321,8 @@ def _attention(
     p = checks.dropout_p(dropout_p)
     name = checks.choice("backend", backend, BACKENDS)
     want_lse = checks.flag("return_lse", return_lse)
-    fn = None if score_mod is None else mods.check_callable("score_mod", score_mod)
+    # pinned: the backward reads what this forward read, not what a loop has rebound since (mods.pin)
+    fn = None if score_mod is None else mods.pin(mods.check_callable("score_mod", score_mod))
     if checks.is_zero(Lk):
         fn = None  # no pair to modify: every row is blocked, as without it (ops.py answers it)
     keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
@@ -948,6 +949,7 @@ def attention_varlen(
                 f"sinks: expected shape (Hq,) = ({Hq},) or (Hq, Tq) = ({Hq}, {Tq}), got {tuple(sinks.shape)}"
             )
     fn = mods.check_callable("score_mod", score_mod)
+    fn = None if fn is None else mods.pin(fn)  # its closure as now, under the per-sequence wrapper
     options: dict[str, Any] = {
         "causal": causal, "window": window, "scale": scale, "softcap": softcap, "dropout_p": dropout_p,
         "backend": backend, "return_lse": True,

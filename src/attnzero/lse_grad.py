@@ -30,14 +30,15 @@ class _Lse(torch.autograd.Function):
         ctx: Any, lse: Tensor, q: Tensor, k: Tensor, bias: Tensor | None, sinks: Tensor | None,
         options: dict[str, Any], *captured: Tensor,
     ) -> Tensor:  # fmt: skip
-        del captured  # inputs only so that they get gradients (the score_mod reads them itself)
-        ctx.save_for_backward(q, k, bias, sinks, lse)
+        # the captured tensors: inputs so that they get gradients, saved so that one changed in place
+        # before the backward is refused by autograd (the score_mod reads them itself)
+        ctx.save_for_backward(q, k, bias, sinks, lse, *captured)
         ctx.options = options
         return lse.clone()
 
     @staticmethod
     def backward(ctx: Any, dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, bias, sinks, lse = ctx.saved_tensors
+        q, k, bias, sinks, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
         needs = ctx.needs_input_grad  # (lse, q, k, bias, sinks, options, *captured)
         if reference.needs_graph(dlse):  # create_graph=True: autograd through the formula's lse
             fn = ctx.options.get("score_mod")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,12 +179,66 @@ def score_block_backward(
     return ds, [next(rest) if t.requires_grad else None for t in captured]
 
 
+def pin(fn: Any) -> Any:
+    """``fn`` as one call's forward saw it, for that call's backward, which calls the mod again. A
+    function gets a copy whose closure cells are its own, holding what the originals hold now: a
+    mod made in a loop that reads the loop variable (Python binds it when the mod runs) reads, in
+    the backward, the value its forward read — not the loop's last. Any other callable is called
+    through such a function. The tensors it reaches through anything else (globals, fields,
+    containers) are recorded, and a backward that finds others there raises (``captured_tensors``)
+    instead of computing the gradients of another function; a captured tensor changed in place is
+    refused by autograd's own check (each backend saves the captured tensors for its backward).
+    Traced by dynamo, ``fn`` as it is: the compiled graph holds what the trace read."""
+    if torch.compiler.is_compiling():
+        return fn
+    if not inspect.isfunction(fn):
+        target = fn
+
+        def calling(*args: Tensor) -> Tensor:
+            return target(*args)  # type: ignore[no-any-return]
+
+        fn = calling
+    cells = tuple(_copy_cell(c) for c in fn.__closure__) if fn.__closure__ else None
+    pinned = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    pinned.__kwdefaults__ = fn.__kwdefaults__
+    pinned.__qualname__, pinned.__module__ = fn.__qualname__, fn.__module__
+    pinned.__dict__.update(fn.__dict__)
+    _PINNED[pinned] = _walk(pinned)[1]
+    return pinned
+
+
+def _copy_cell(cell: Any) -> Any:
+    try:
+        return types.CellType(cell.cell_contents)
+    except ValueError:  # an empty cell (a name bound later in the enclosing function)
+        return types.CellType()
+
+
+# A pinned mod → the tensors it reached when pinned: compared when a backward walks it.
+_PINNED: weakref.WeakKeyDictionary[Any, list[Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _walk_pinned(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
+    """``_walk(fn)``, refused when ``fn`` was pinned and now reaches other tensors."""
+    walked = _walk(fn)
+    if inspect.isfunction(fn):
+        was = _PINNED.get(fn)
+        now = walked[1]
+        if was is not None and (len(was) != len(now) or any(a is not b for a, b in zip(was, now))):
+            raise ModError(
+                "score_mod: the tensors it reads changed between this call's forward and its backward (a global, "
+                "a field or a container rebound); the backward would differentiate another function. Bind what "
+                "it reads when it is made (a default argument such as `i=i`, or a closure)"
+            )
+    return walked
+
+
 def captured_tensors(fn: Any) -> list[Tensor]:
     """The tensors a mod reads besides its arguments, for a backend that must give them gradients
     outside autograd's graph (its own backward, ``score_block_backward``): every tensor ``_walk``
     meets (closures, globals, defaults, partials, containers, objects' and modules' fields —
     parameters, buffers and plain tensor fields), each once, in the order met: ``fingerprint``'s."""
-    return _walk(fn)[1]
+    return _walk_pinned(fn)[1]
 
 
 def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
@@ -193,7 +248,7 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
     container longer than ``_BIG`` (a mod that reaches data: not walked), an object it cannot
     compare — and then nothing may be kept by it. Returns ``(key, tensors)``: the
     captured tensors in the key's order (``captured_tensors``)."""
-    key, tensors, complete = _walk(fn)
+    key, tensors, complete = _walk_pinned(fn)
     return (key if complete else None), tensors
 
 
@@ -399,6 +454,7 @@ __all__ = [
     "mask_block",
     "mask_grid",
     "mask_on",
+    "pin",
     "score_block",
     "score_block_backward",
     "score_grid",

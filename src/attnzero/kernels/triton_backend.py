@@ -1034,7 +1034,6 @@ class _ModAttention(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        del captured  # inputs only so that they get gradients (the generated code reads gen.tensors)
         args, gen, keep_f32 = options["args"], options["gen"], options["keep_f32"]
         run: Any = _forward  # (args: the op arguments of ``_args``)
         mask_gen = options["mask_gen"]
@@ -1042,7 +1041,9 @@ class _ModAttention(torch.autograd.Function):
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out32 = sinks_.fold(out32, lse, sink)[0] if keep_f32 else out32
             out, lse = sinks_.fold(out, lse, sink)
-        ctx.save_for_backward(q, k, v, bias, sink, out32 if keep_f32 else out, lse)
+        # the captured tensors: inputs so that they get gradients, saved so that one changed in place
+        # before the backward is refused by autograd (the generated code reads gen.tensors)
+        ctx.save_for_backward(q, k, v, bias, sink, out32 if keep_f32 else out, lse, *captured)
         ctx.options = options
         ctx.far = _FarRows(lse) if bias is not None or gen is not None else None  # (a mod may write −1e9 too)
         ctx.mark_non_differentiable(lse)
@@ -1051,7 +1052,7 @@ class _ModAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
-        q, k, v, bias, sink, out, lse = ctx.saved_tensors
+        q, k, v, bias, sink, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
         options = ctx.options
         args, gen, captured = options["args"], options["gen"], options["captured"]
         needs = ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
