@@ -184,8 +184,9 @@ def pin(fn: Any) -> Any:
     function gets a copy whose closure cells are its own, holding what the originals hold now: a
     mod made in a loop that reads the loop variable (Python binds it when the mod runs) reads, in
     the backward, the value its forward read — not the loop's last. Any other callable is called
-    through such a function. The tensors it reaches through anything else (globals, fields,
-    containers) are recorded, and a backward that finds others there raises (``captured_tensors``)
+    through such a function. Its walk (``_walk``) is made here, once: the call's forward reads it
+    (``captured_tensors``, ``fingerprint``). The tensors it reaches through anything else (globals,
+    fields, containers) are recorded, and a backward that finds others there raises
     instead of computing the gradients of another function; a captured tensor changed in place is
     refused by autograd's own check (each backend saves the captured tensors for its backward).
     Traced by dynamo, ``fn`` as it is: the compiled graph holds what the trace read."""
@@ -203,7 +204,7 @@ def pin(fn: Any) -> Any:
     pinned.__kwdefaults__ = fn.__kwdefaults__
     pinned.__qualname__, pinned.__module__ = fn.__qualname__, fn.__module__
     pinned.__dict__.update(fn.__dict__)
-    _PINNED[pinned] = _walk(pinned)[1]
+    _PINNED[pinned] = _walk(pinned)
     return pinned
 
 
@@ -214,17 +215,24 @@ def _copy_cell(cell: Any) -> Any:
         return types.CellType()
 
 
-# A pinned mod → the tensors it reached when pinned: compared when a backward walks it.
-_PINNED: weakref.WeakKeyDictionary[Any, list[Tensor]] = weakref.WeakKeyDictionary()
+# A pinned mod → its walk when pinned: the call's forward reads it (no walk again), a backward
+# compares the tensors it reaches then with these.
+_PINNED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[Tensor], bool]] = weakref.WeakKeyDictionary()
+
+# -1 outside a backward (torch.utils.checkpoint asks it too); where torch lacks it, always walk again
+_graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 
 
 def _walk_pinned(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
-    """``_walk(fn)``, refused when ``fn`` was pinned and now reaches other tensors."""
+    """``_walk(fn)`` — for a pinned mod in its call's forward, the pin's; in a backward, refused when
+    it now reaches other tensors than its forward did."""
+    pinned = _PINNED.get(fn) if inspect.isfunction(fn) else None
+    if pinned is not None and _graph_task() == -1:
+        return pinned[0], list(pinned[1]), pinned[2]
     walked = _walk(fn)
-    if inspect.isfunction(fn):
-        was = _PINNED.get(fn)
-        now = walked[1]
-        if was is not None and (len(was) != len(now) or any(a is not b for a, b in zip(was, now))):
+    if pinned is not None:
+        was, now = pinned[1], walked[1]
+        if len(was) != len(now) or any(a is not b for a, b in zip(was, now)):
             raise ModError(
                 "score_mod: the tensors it reads changed between this call's forward and its backward (a global, "
                 "a field or a container rebound); the backward would differentiate another function. Bind what "
