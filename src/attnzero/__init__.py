@@ -8,10 +8,11 @@ go (True / non-zero = attend); a query row with nothing to attend to gives 0, ne
 from . import distributed, masks
 from .cache import KVCache
 from .checks import ArgumentError, ArgumentTypeError
-from .functional import attention, attention_varlen, attention_weights, scaled_dot_product_attention
+from .functional import attention, attention_varlen, attention_weights
 from .masks import Mask
 from .modules import MultiHeadAttention, ScaledDotProductAttention
 from .rotary import RotaryEmbedding
+from .sdpa import scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
