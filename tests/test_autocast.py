@@ -125,3 +125,48 @@ def test_modules_under_autocast_agree_across_backends() -> None:
     assert outs["reference"].dtype == outs["flash"].dtype == w_out.dtype == BF16
     torch.testing.assert_close(outs["flash"], outs["reference"], atol=8e-3, rtol=8e-3)
     assert weights.dtype == BF16
+
+
+def test_modules_take_autocasts_activations_as_torchs_do() -> None:
+    """Under autocast a Linear gives bfloat16, and the next attention layer (or a cross-attention's
+    encoder states) takes it as torch's nn.MultiheadAttention does: the modules refused a dtype
+    other than their weights'. The result equals the float32 input's (autocast casts both)."""
+    torch.manual_seed(0)
+    mha = az.MultiHeadAttention(32, 4, num_kv_heads=2, dropout=0.0).eval()
+    sdpa = az.ScaledDotProductAttention()
+    x = torch.randn(2, 7, 32)
+    with torch.autocast("cpu", dtype=BF16):
+        torch.testing.assert_close(mha(x.to(BF16), causal=True), mha(x, causal=True))
+        torch.testing.assert_close(mha(x, x.to(BF16), x.to(BF16)), mha(x))
+        q = torch.randn(2, 5, 8)
+        out, w = sdpa(q, q.to(BF16), q)
+        want, want_w = sdpa(q, q, q)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(w, want_w)
+    with pytest.raises(az.ArgumentTypeError, match=r"query: dtype torch\.bfloat16 does not match W_q\.weight's"):
+        mha(x.to(BF16))  # outside autocast: refused, naming the argument
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, BF16], ids=["f32", "bf16"])
+def test_decoding_with_a_cache_under_autocast_is_the_full_causal_call(cache_dtype: torch.dtype) -> None:
+    """A cache of the weights' dtype or of autocast's takes autocast's keys and values (stored in its
+    own dtype); token by token equals the whole sequence at once."""
+    torch.manual_seed(0)
+    mha = az.MultiHeadAttention(32, 4, num_kv_heads=2, dropout=0.0, rope=True).eval()
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        full = mha(x, causal=True)
+        cache = az.KVCache(2, 6, 2, 8, dtype=cache_dtype)
+        steps = torch.cat([mha(x[:, t : t + 1], cache=cache) for t in range(6)], dim=1)
+    assert steps.dtype == full.dtype == BF16
+    torch.testing.assert_close(steps, full, atol=2e-2, rtol=2e-2)
+
+
+def test_a_cache_takes_torchs_default_dtype() -> None:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert az.KVCache(1, 4, 1, 8).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(before)
+    assert az.KVCache(1, 4, 1, 8).dtype == before

@@ -59,4 +59,10 @@ _UNCHANGED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 active: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-__all__ = ["active", "as_given", "cast", "is_causal_bias"]
+def on(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``'s type: its tensors may come in other floating dtypes than
+    a module's weights (autocast casts them in each op, as it does for torch's modules)."""
+    return active() and torch.is_autocast_enabled(device.type)
+
+
+__all__ = ["active", "as_given", "cast", "is_causal_bias", "on"]

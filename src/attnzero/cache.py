@@ -31,7 +31,8 @@ class KVCache:
 
     Args:
         batch_size: B. max_len: T, the most tokens it can hold. num_kv_heads: Hkv. head_dim: D.
-        dtype: a floating dtype (the dtype of the keys and values it will store).
+        dtype: a floating dtype (the dtype of the keys and values it will store; default: torch's
+            default dtype, ``torch.get_default_dtype()``).
         device: where the storage lives (default: torch's default device).
 
     Attributes:
@@ -48,7 +49,7 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         for name, val in (
@@ -56,6 +57,7 @@ class KVCache:
         ):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {val!r}")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in checks.FLOAT_DTYPES:
             raise TypeError(f"dtype: expected a floating dtype (float16, bfloat16, float32, float64), got {dtype!r}")
         self.batch_size = batch_size

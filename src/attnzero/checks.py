@@ -86,9 +86,9 @@ def tensor(name: str, x: Any, ndim: int | None = None, layout: str = "", empty_o
     return x
 
 
-def same_kind(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
-    """``x`` has ``ref``'s dtype and device."""
-    if x.dtype != ref.dtype:
+def same_kind(name: str, x: Tensor, ref_name: str, ref: Tensor, *, dtypes_may_differ: bool = False) -> None:
+    """``x`` has ``ref``'s dtype (unless ``dtypes_may_differ``: under autocast) and device."""
+    if x.dtype != ref.dtype and not dtypes_may_differ:
         raise ArgumentTypeError(f"{name}: dtype {x.dtype} does not match {ref_name}'s {ref.dtype}")
     if x.device != ref.device:
         raise ArgumentError(f"{name}: device {x.device} does not match {ref_name}'s {ref.device}")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import checks, mods, rotary
+from . import autocast, checks, mods, rotary
 from .cache import KVCache
 from .functional import BACKENDS, BackendName, attention, attention_weights
 from .masks import Mask
@@ -44,8 +44,9 @@ class ScaledDotProductAttention(nn.Module):
             checks.tensor(name, x)
             if x.ndim < 2:
                 raise ValueError(f"{name}: expected at least 2 dims (..., L, d), got {x.ndim}")
-        checks.same_kind("K", K, "Q", Q)
-        checks.same_kind("V", V, "Q", Q)
+        mixed = autocast.on(Q.device)  # under autocast each op casts its inputs, as torch's modules' ops do
+        checks.same_kind("K", K, "Q", Q, dtypes_may_differ=mixed)
+        checks.same_kind("V", V, "Q", Q, dtypes_may_differ=mixed)
         if K.shape[-1] != Q.shape[-1]:
             raise ValueError(f"K: last dim {K.shape[-1]} does not match Q's {Q.shape[-1]}")
         if V.shape[-2] != K.shape[-2]:
@@ -228,7 +229,8 @@ class MultiHeadAttention(nn.Module):
             # the storage rows this call writes, kept to put back should attention refuse the call
             # (its backend, a score_mod): a call that raises leaves the cache as it was
             old = (cache.k[:, :, past:Lk].clone(), cache.v[:, :, past:Lk].clone())  # (B, Hkv, Lq, d_k) each
-            k, v = cache.update(k, v)  # (B, Hkv, past + Lq, d_k) each: every cached token
+            # in the cache's dtype (under autocast the projections may give another); then every cached token
+            k, v = cache.update(k.to(cache.dtype), v.to(cache.dtype))  # (B, Hkv, past + Lq, d_k) each
         try:
             out = attention(
                 q, k, v, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks,
@@ -253,7 +255,7 @@ class MultiHeadAttention(nn.Module):
             checks.tensor(name, x, 3, "(B, L, d_model)")
             if x.shape[-1] != width:
                 raise ValueError(f"{name}: expected last dim {width}, got {x.shape[-1]}")
-            checks.same_kind(name, x, "W_q.weight", self.W_q.weight)
+            checks.same_kind(name, x, "W_q.weight", self.W_q.weight, dtypes_may_differ=autocast.on(x.device))
         if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
             raise ValueError(
                 f"key, value: batch {key.shape[0]}, {value.shape[0]} do not match query's {query.shape[0]}"
@@ -295,8 +297,10 @@ class MultiHeadAttention(nn.Module):
         ):
             if want != got:
                 raise ValueError(f"cache: expected {what} {want} (the module's / query's), got {got}")
-        if cache.dtype != weight.dtype:
-            raise TypeError(f"cache: expected dtype {weight.dtype} (the module's weights'), got {cache.dtype}")
+        cast_to = torch.get_autocast_dtype(weight.device.type) if autocast.on(weight.device) else None
+        if cache.dtype != weight.dtype and cache.dtype != cast_to:
+            also = f" or {cast_to} (autocast's)" if cast_to is not None else ""
+            raise TypeError(f"cache: expected dtype {weight.dtype} (the module's weights'){also}, got {cache.dtype}")
         if cache.device != weight.device:
             raise ValueError(f"cache: expected device {weight.device} (the module's weights'), got {cache.device}")
         cache.check_room(L)
