@@ -255,3 +255,47 @@ def test_interleaved_samples_gives_every_round_of_every_run() -> None:
     samples = bench.interleaved_samples(runs, 4, warmups=1, clock=lambda: now[0], rotate=True)
     assert samples == {"a": [1.0] * 4, "b": [2.0] * 4}
     assert bench.time_interleaved(runs, 3, clock=lambda: now[0]) == {"a": 1.0, "b": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ladder", "11"], "invalid choice: 11"),
+        (["ladder", "0", "--small", "--out", "{file}"], "--out: cannot make the folder"),
+        (["bench", "--lengths", "64", "--repeats", "-1"], "--repeats: expected a positive int, got -1"),
+        (["bench", "--lengths", "-5"], "--lengths: expected a positive int, got -5"),
+        (["bench", "--lengths", "0"], "--lengths: expected a positive int, got 0"),
+        (["bench", "--lengths", "64", "--impls", "torch", "--out", "{file}"], "--out: cannot make the folder"),
+        (["demo", "--out", "{file}"], "--out: cannot make the folder"),
+        (["demo", "--text", "  "], "--text: expected a sentence, got an empty one"),
+    ],
+    ids=["rung", "ladder_out", "repeats", "negative_length", "zero_length", "bench_out", "demo_out", "empty_text"],
+)
+def test_misuse_is_a_message_and_status_2_before_any_work(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each of these had raised a traceback (a bad --out only after the whole run or the model)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([str(a_file) if a == "{file}" else a for a in argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ladder_docs_write_both_pages_or_neither(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A page that cannot be written leaves both as they were (the first was rewritten, then a
+    traceback)."""
+    from attnzero import ladder
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "ladder.md").write_text("english\n")
+    (docs / "ladder.zh-CN.md").mkdir()  # not a file: cannot be read nor replaced
+    assert ladder.write_docs([0], root=tmp_path) == 2  # (a page that is not a file: refused before running)
+    (docs / "ladder.zh-CN.md").rmdir()
+    (docs / "ladder.zh-CN.md").write_text("chinese\n")
+    (docs / "ladder.zh-CN.md.new").mkdir()  # where its new text would go: the write fails
+    assert ladder.write_docs([0], root=tmp_path) == 2
+    assert (docs / "ladder.md").read_text() == "english\n" and (docs / "ladder.zh-CN.md").read_text() == "chinese\n"
+    assert "the pages are as they were" in capsys.readouterr().out

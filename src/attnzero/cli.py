@@ -18,9 +18,34 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 from . import bench, ladder, selfcheck, tour
 from .demo import command as demo
+
+
+def _positive(text: str) -> int:
+    """An int > 0 (a length, a number of repeats), else argparse's own error (exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {n}")
+    return n
+
+
+def _folder(out: str) -> str | None:
+    """Why ``out`` cannot be the output folder (None: it is one now) — asked before any work, so that
+    a bad ``--out`` costs nothing but a message."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--out: cannot make the folder {out} ({e.strerror or e})"
+    if not path.is_dir():
+        return f"--out: {out} is not a folder"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,16 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="time the backends against torch's SDPA and the naive formula (table, JSON, PNG)")
     p.add_argument("--full", action="store_true", help="L = 512 … 16384, 5 repeats, peak memory too (slow)")
-    p.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 512 … 4096)")
+    p.add_argument("--lengths", type=_positive, nargs="+", help="sequence lengths (default 512 … 4096)")
     p.add_argument("--impls", nargs="+", help="implementations (default: all of attnzero.bench.IMPLS)")
-    p.add_argument("--repeats", type=int, help="timed repeats per case; the median is reported")
+    p.add_argument("--repeats", type=_positive, help="timed repeats per case; the median is reported")
     p.add_argument("--fwd-only", action="store_true", help="forward only")
     p.add_argument("--causal-only", action="store_true", help="causal only")
     p.add_argument("--no-memory", action="store_true", help="with --full: skip the memory measurements")
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png (default: out/bench)")
 
     p = sub.add_parser("ladder", help="from the seeds' formula to the kernel: rungs 0-10, each run, checked and drawn")
-    p.add_argument("rungs", type=int, nargs="*", help=f"the rungs to run (default: all of {sorted(ladder.RUNGS)})")
+    p.add_argument("rungs", type=int, nargs="*", choices=sorted(ladder.RUNGS), metavar="RUNG",
+                   help=f"the rungs to run (default: all of {sorted(ladder.RUNGS)})")
     p.add_argument("--out", default="out/ladder", help="folder for the pictures (default: out/ladder)")
     p.add_argument("--no-pictures", action="store_true", help="run and check only")
     p.add_argument("--small", action="store_true", help="the smallest sizes (what the tests run)")
@@ -61,7 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns its exit status (the installed ``attnzero`` script calls this)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo" and any(not t.strip() for t in args.text or []):
+        parser.error("--text: expected a sentence, got an empty one")
+    writes = args.command in ("demo", "bench") or (args.command == "ladder" and not args.docs and not args.no_pictures)
+    problem = _folder(args.out) if writes else None
+    if problem is not None:
+        parser.error(problem)
     if args.command == "demo":
         return demo.main(args.text, args.focus, args.out)
     if args.command == "tour":

@@ -91,7 +91,19 @@ def write_docs(rungs: list[int] | None = None, root: Path = Path(".")) -> int:
         outputs[n] = result.lines
         status |= 0 if result.ok else 1
         print()
-    for page in pages:
-        page.write_text(docs.refresh(page.read_text(encoding="utf-8"), outputs), encoding="utf-8")
-        print(f"rewrote {page}")
+    texts = {page: docs.refresh(page.read_text(encoding="utf-8"), outputs) for page in pages}
+    written: list[Path] = []
+    try:  # both pages or neither: each written to a new file first, then moved over the old
+        for page, text in texts.items():
+            new = page.with_suffix(".md.new")
+            new.write_text(text, encoding="utf-8")
+            written.append(new)
+        for page, new in zip(pages, written):
+            new.replace(page)
+            print(f"rewrote {page}")
+    except OSError as e:
+        print(f"--docs: cannot write {e.filename}: {e.strerror or e}; the pages are as they were")
+        for new in written:
+            new.unlink(missing_ok=True)
+        return 2
     return status
