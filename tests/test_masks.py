@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -525,3 +526,23 @@ def test_integers_too_large_are_refused_by_name(build: object) -> None:
     """An integer argument at or past 2**63 gives a ValueError naming it, not an OverflowError."""
     with pytest.raises(ValueError, match=r"^(left|right|q_len|kv_len|lengths|ids|kv_ids|num_heads): expected"):
         build()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "message"),
+    [
+        (lambda: az.masks.alibi_slopes(0), ValueError, "num_heads: expected a positive int, got 0"),
+        (lambda: az.masks.alibi_slopes(2.5), ValueError, "num_heads: expected a positive int, got 2.5"),
+        (lambda: az.masks.from_tensor([[1, 0], [1, 1]]), TypeError, "mask: expected a torch.Tensor, got list"),
+        (lambda: az.Mask(lambda b, h, q, kv: q >= kv, (1, 1, -4, 4)), ValueError, "none negative"),
+        (lambda: az.masks.to_string(az.masks.causal(4), max_size=-1), ValueError, "max_size: expected a positive"),
+        (lambda: az.masks.document(cu_seqlens=[0, 2, 4], cu_seqlens_kv=[0, 3]), ValueError,
+         r"cu_seqlens_kv: expected as many sequences as cu_seqlens \(2\), got 1"),
+    ],
+    ids=["slopes_0", "slopes_float", "from_list", "negative_shape", "max_size", "documents_mismatch"],
+)
+def test_mask_helpers_refuse_bad_arguments_by_name(build: Any, error: type[Exception], message: str) -> None:
+    """Each had raised a math domain error, an AttributeError, a failure only when drawn, or was
+    taken (the documents: query document 1 saw nothing, where attention_varlen refuses the pair)."""
+    with pytest.raises(error, match=message):
+        build()

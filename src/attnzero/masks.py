@@ -209,8 +209,8 @@ class Mask:
         parts: tuple[str, list[Mask]] | None = None,
         mod: ModSource | None = None,
     ) -> None:
-        if len(shape) != 4:
-            raise ValueError(f"shape: expected 4 sizes (B, H, Lq, Lk), got {tuple(shape)}")
+        if len(shape) != 4 or any(isinstance(n, int) and n < 0 for n in shape):
+            raise ValueError(f"shape: expected 4 sizes (B, H, Lq, Lk), none negative, got {tuple(shape)}")
         self.keep = keep
         self.shape: Shape4 = (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))
         self.name = name
@@ -508,6 +508,10 @@ def document(
             raise ValueError("cu_seqlens: expected the queries' cumulative lengths too when cu_seqlens_kv is given")
         ids = _ids_from_cu("cu_seqlens", cu_seqlens)
         kv_ids = None if cu_seqlens_kv is None else _ids_from_cu("cu_seqlens_kv", cu_seqlens_kv)
+        n_q = len(torch.as_tensor(cu_seqlens)) - 1
+        n_k = n_q if cu_seqlens_kv is None else len(torch.as_tensor(cu_seqlens_kv)) - 1
+        if n_k != n_q:  # (as attention_varlen refuses it)
+            raise ValueError(f"cu_seqlens_kv: expected as many sequences as cu_seqlens ({n_q}), got {n_k}")
     if ids is None:
         raise ValueError("ids: expected (L,) or (B, L) integer ids (or cu_seqlens), got None")
     q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids")
@@ -532,6 +536,8 @@ def document(
 
 def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
     """Wrap a dense keep-mask (any dtype, non-zero = keep) of up to 4 dims as a Mask."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.ndim > 4:
         raise ValueError(f"mask: expected at most 4 dims (B, H, Lq, Lk), got {mask.ndim}")
     t = (mask if mask.dtype == torch.bool else mask != 0).reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
@@ -686,6 +692,7 @@ def or_(*masks: Mask | Tensor) -> Mask:
 
 def to_string(mask: Mask | Tensor, *, max_size: int = 64) -> str:
     """Draw a keep-mask as a grid: ``■`` = may attend, ``·`` = blocked (one grid per batch/head)."""
+    _check_len("max_size", max_size)
     m = _as_mask(mask)
     dense = m.to_tensor()
     B, H, Lq, Lk = dense.shape
@@ -704,6 +711,7 @@ def to_string(mask: Mask | Tensor, *, max_size: int = 64) -> str:
 def alibi_slopes(num_heads: int) -> Tensor:
     """The ALiBi paper's head slopes: a geometric sequence starting at 2^(-8/n) for the nearest
     power of two n, with the odd-indexed slopes of 2n appended when num_heads is not a power of 2."""
+    _check_len("num_heads", num_heads)
     n = 2 ** math.floor(math.log2(num_heads))
     base = [2 ** (-8 * (i + 1) / n) for i in range(n)]
     extra = [2 ** (-8 * (i + 1) / (2 * n)) for i in range(0, 2 * n, 2)][: num_heads - n]
