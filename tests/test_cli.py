@@ -268,8 +268,10 @@ def test_interleaved_samples_gives_every_round_of_every_run() -> None:
         (["bench", "--lengths", "64", "--impls", "torch", "--out", "{file}"], "--out: cannot make the folder"),
         (["demo", "--out", "{file}"], "--out: cannot make the folder"),
         (["demo", "--text", "  "], "--text: expected a sentence, got an empty one"),
+        (["demo", "--focus", ""], "--focus: expected a word of the sentence, got an empty one"),
     ],
-    ids=["rung", "ladder_out", "repeats", "negative_length", "zero_length", "bench_out", "demo_out", "empty_text"],
+    ids=["rung", "ladder_out", "repeats", "negative_length", "zero_length", "bench_out", "demo_out", "empty_text",
+         "empty_focus"],
 )
 def test_misuse_is_a_message_and_status_2_before_any_work(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -299,3 +301,13 @@ def test_ladder_docs_write_both_pages_or_neither(tmp_path: Path, capsys: pytest.
     assert ladder.write_docs([0], root=tmp_path) == 2
     assert (docs / "ladder.md").read_text() == "english\n" and (docs / "ladder.zh-CN.md").read_text() == "chinese\n"
     assert "the pages are as they were" in capsys.readouterr().out
+
+
+def test_bench_runs_each_implementation_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--impls torch torch`` printed the same row twice."""
+    from attnzero import bench
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(bench, "main", lambda **kw: seen.update(kw) or 0)
+    assert cli.main(["bench", "--impls", "torch", "naive", "torch", "--no-memory"]) == 0
+    assert seen["impls"] == ["torch", "naive"]

@@ -91,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo" and any(not t.strip() for t in args.text or []):
         parser.error("--text: expected a sentence, got an empty one")
+    if args.command == "demo" and args.focus is not None and not args.focus.strip():
+        parser.error("--focus: expected a word of the sentence, got an empty one")
     writes = args.command in ("demo", "bench") or (args.command == "ladder" and not args.docs and not args.no_pictures)
     problem = _folder(args.out) if writes else None
     if problem is not None:
@@ -102,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check":
         return selfcheck.main(quick=args.quick)
     if args.command == "bench":
-        return bench.main(full=args.full, lengths=args.lengths, impls=args.impls, repeats=args.repeats,
+        impls = list(dict.fromkeys(args.impls)) if args.impls else args.impls  # each once, in the order given
+        return bench.main(full=args.full, lengths=args.lengths, impls=impls, repeats=args.repeats,
                           fwd_only=args.fwd_only, causal_only=args.causal_only, no_memory=args.no_memory,
                           out=args.out)
     if args.command == "ladder":
