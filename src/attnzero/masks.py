@@ -508,10 +508,6 @@ def document(
             raise ValueError("cu_seqlens: expected the queries' cumulative lengths too when cu_seqlens_kv is given")
         ids = _ids_from_cu("cu_seqlens", cu_seqlens)
         kv_ids = None if cu_seqlens_kv is None else _ids_from_cu("cu_seqlens_kv", cu_seqlens_kv)
-        n_q = len(torch.as_tensor(cu_seqlens)) - 1
-        n_k = n_q if cu_seqlens_kv is None else len(torch.as_tensor(cu_seqlens_kv)) - 1
-        if n_k != n_q:  # (as attention_varlen refuses it)
-            raise ValueError(f"cu_seqlens_kv: expected as many sequences as cu_seqlens ({n_q}), got {n_k}")
     if ids is None:
         raise ValueError("ids: expected (L,) or (B, L) integer ids (or cu_seqlens), got None")
     q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids")
