@@ -432,3 +432,27 @@ def _check_naive(
 
 def shapes_id(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape))
+
+
+def torch_semantics_mods(device: torch.device) -> dict[str, Callable[..., torch.Tensor]]:
+    """Score mods whose generated code (C++, Triton) must compute what torch computes where C's
+    operators differ (a sweep found each wrong): float // and % near multiples, fmod exact; clamp
+    whose bounds cross (torch: y = hi, its gradient to hi); whole powers above 16 of negative
+    numbers (not NaN), a 0-d constant as base or exponent; uint8's 255 as a divisor; a Python int
+    beyond int32 wraps as torch casts it; floor / ceil of integers. ``lo`` / ``hi``: learnable clamp
+    bounds on ``device``, crossed at 1 and 3."""
+    lo = torch.tensor([-1.0, 1.0, 0.5, 2.0], device=device, requires_grad=True)
+    hi = torch.tensor([1.0, -1.0, 0.5, 0.0], device=device, requires_grad=True)
+    return {
+        "float_floor_rem": lambda s, b, h, i, j: s + (j * 0.1 + 1.0) // 0.1 + torch.div(j * 0.1 + 1.0, 0.1,
+                                                                                        rounding_mode="floor")
+        + 10 * ((j * 0.1 + 1.0) % 0.1) + torch.fmod(j * -0.7, 0.3) + torch.remainder(s, 0.7) + torch.fmod(s, 0.9),
+        "clamp_crossed": lambda s, b, h, i, j: torch.clamp(s, min=lo[j % 4], max=hi[j % 4])
+        + torch.clamp(torch.rsqrt(s.abs() + 0.5), min=s, max=(i / (i.abs() + 1)).float()),
+        "powers": lambda s, b, h, i, j: s + 1e-3 * (s * 0.2) ** 17 + 1e-3 * (s * 0.2) ** 18
+        + 0.1 * s ** torch.tensor(2.0) + torch.tensor(2.0) ** (s * 0.1),
+        "uint8_255": lambda s, b, h, i, j: s + ((j * 37).to(torch.uint8) // (h.to(torch.uint8) | 255)).float()
+        + 0.01 * ((j * 37).to(torch.uint8) % 255).float(),
+        "big_ints_floor": lambda s, b, h, i, j: torch.where(i < 2**40, s, 2 * s) + torch.where(i - j < 10**12, s, s - 3)
+        + (j // 2).floor().float() + (j // 3).ceil().float(),
+    }  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import check_against_golden, need_kernel, qkv
+from conftest import check_against_golden, need_kernel, qkv, torch_semantics_mods
 from torch import Tensor
 
 import attnzero as az
@@ -93,8 +93,6 @@ temperature = torch.tensor(1.5, requires_grad=True)
 doc = torch.tensor([0] * 7 + [1] * 19 + [2] * 14)  # (L,) document ids
 flags = torch.tensor([True, False, True, True])  # (H,) bool
 
-lo = torch.tensor([-1.0, 1.0, 0.5, 2.0], requires_grad=True)  # (4,) clamp bounds, crossed at 1 and 3
-hi = torch.tensor([1.0, -1.0, 0.5, 0.0], requires_grad=True)
 
 ROW_MODS: dict[str, Callable[..., Tensor]] = {
     "alibi": lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(),
@@ -113,23 +111,9 @@ ROW_MODS: dict[str, Callable[..., Tensor]] = {
     "casts_logic": lambda s, b, h, i, j: s + ((i > j) & ~(j == 3) | (h == 2)).float() + (i ^ j).float() * 0.01
     + (b + h).to(torch.float64).float() + s.detach() * 0.5 + flags[h].float(),
     "documents": lambda s, b, h, i, j: torch.where(doc[i] == doc[j], s, -float("inf")),
-    # torch's own semantics where C's differ (a sweep found each wrong): float // and % near multiples,
-    # fmod exact; clamp whose bounds cross (torch: y = hi, its gradient to hi); whole powers above 16
-    # of negative numbers (not NaN), a 0-d constant as base or exponent; uint8's 255 as a divisor; a
-    # Python int beyond int32 wraps as torch casts it; floor / ceil of integers
-    "float_floor_rem": lambda s, b, h, i, j: s + (j * 0.1 + 1.0) // 0.1 + torch.div(j * 0.1 + 1.0, 0.1,
-                                                                                    rounding_mode="floor")
-    + 10 * ((j * 0.1 + 1.0) % 0.1) + torch.fmod(j * -0.7, 0.3) + torch.remainder(s, 0.7) + torch.fmod(s, 0.9),
-    "clamp_crossed": lambda s, b, h, i, j: torch.clamp(s, min=lo[j % 4], max=hi[j % 4])
-    + torch.clamp(torch.rsqrt(s.abs() + 0.5), min=s, max=(i / (i.abs() + 1)).float()),
-    "powers": lambda s, b, h, i, j: s + 1e-3 * (s * 0.2) ** 17 + 1e-3 * (s * 0.2) ** 18 + 0.1 * s ** torch.tensor(2.0)
-    + torch.tensor(2.0) ** (s * 0.1),
-    "uint8_255": lambda s, b, h, i, j: s + ((j * 37).to(torch.uint8) // (h.to(torch.uint8) | 255)).float()
-    + 0.01 * ((j * 37).to(torch.uint8) % 255).float(),
-    "big_ints_floor": lambda s, b, h, i, j: torch.where(i < 2**40, s, 2 * s) + torch.where(i - j < 10**12, s, s - 3)
-    + (j // 2).floor().float() + (j // 3).ceil().float(),
     "negative_index_wraps": lambda s, b, h, i, j: s + table[h, i - j] + table[h, j - 40],
 }  # fmt: skip
+ROW_MODS.update(torch_semantics_mods(torch.device("cpu")))  # where C and torch differ (conftest)
 
 
 @pytest.mark.parametrize("name", list(ROW_MODS))
