@@ -630,3 +630,28 @@ def test_a_mod_whose_tensors_are_rebound_before_the_backward_is_refused_or_right
     assert isinstance(want, Tensor)
     for g, w in zip(got, torch.autograd.grad(want.pow(2).sum(), (q, first))):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
+def test_a_mask_made_in_a_loop_stays_the_mask_it_was_made_as(backend: str, dtype: torch.dtype) -> None:
+    """``az.masks.from_mod`` keeps its mask_mod's closure as it is when the Mask is made: a backward
+    that evaluates the mask again sees each layer's, not the loop's last (masks.from_mod,
+    mods.own_closure)."""
+    _triton_ok(backend)
+    torch.manual_seed(0)
+    n = 24
+    q0 = torch.randn(1, 2, n, 8, dtype=torch.float64)
+
+    def two_layers(name: str, dt: torch.dtype) -> Tensor:
+        q = q0.to(dt).requires_grad_()
+        y = q
+        for w in (0, 5):
+            mm = lambda b, h, i, j: (i - j).abs() <= w  # noqa: B023, E731 (the late binding is the point)
+            out = az.attention(y, y, y, mask=az.masks.from_mod(mm, 1, 1, n, n, block_size=8), backend=name)  # type: ignore[arg-type]
+            assert isinstance(out, Tensor)
+            y = out
+        (grad,) = torch.autograd.grad(y.pow(2).sum(), q)
+        return grad
+
+    torch.testing.assert_close(two_layers(backend, dtype).double(), two_layers("reference", torch.float64),
+                               rtol=1e-3, atol=1e-3)  # fmt: skip

@@ -251,6 +251,48 @@ def test_ring_of_one_with_every_argument(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_a_backward_sees_the_mods_its_forward_saw(tmp_path: Path) -> None:
+    """W = 1 (the same code path as more ranks): two layers whose mask_mod is made in a loop reading
+    the loop variable, then one backward — each layer's mask as its forward had it (the backward
+    rebuilt each piece's mask from the loop's last value: dq off by ~20); and a score_mod reading a
+    global rebound before the backward is refused, as az.attention refuses it (the ring computed
+    with the new table and gave the forward's none)."""
+    import torch.distributed as dist
+
+    import attnzero as az
+    from attnzero.mods import ModError
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        n = 9
+        q0 = torch.randn(1, 2, n, 8, dtype=torch.float64)
+
+        def two_layers(ring: bool) -> Tensor:
+            q = q0.clone().requires_grad_(True)
+            y = q
+            for w in (0, 2):
+                mm = lambda b, h, i, j: (i - j).abs() <= w  # noqa: B023, E731 (the late binding is the point)
+                if ring:
+                    y = az.distributed.ring_attention(y, y, y, mask_mod=mm)
+                else:
+                    y = az.attention(y, y, y, mask=az.masks.from_mod(mm, 1, 1, n, n), backend="reference")
+            (grad,) = torch.autograd.grad(y.pow(2).sum(), q)
+            return grad
+
+        torch.testing.assert_close(two_layers(True), two_layers(False))
+        global _TABLE
+        _TABLE = torch.randn(2, 2 * n - 1, dtype=torch.float64, requires_grad=True)
+        out = az.distributed.ring_attention(q0, q0, q0, score_mod=lambda s, b, h, i, j: s + _TABLE[h, i - j + n - 1])
+        _TABLE = torch.randn(2, 2 * n - 1, dtype=torch.float64, requires_grad=True)
+        with pytest.raises(ModError, match="changed between this call's forward and its backward"):
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+_TABLE: Tensor  # (a global that test_a_backward_sees_the_mods_its_forward_saw rebinds)
+
+
 # ---------------------------------------------------------------------------------------------
 # The worker side
 

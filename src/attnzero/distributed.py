@@ -385,6 +385,8 @@ def _ring_backward(
     travels one hop behind it and reaches its owner after W hops. ``out`` and ``lse`` are the global
     ones, the sink folded in when there is one."""
     B, Hq, L, _ = q.shape
+    if mo.score_mod is not None:  # the pin's check (each piece wraps it anew): it reaches the forward's tensors
+        mods.captured_tensors(mo.score_mod)
     pos_q = _positions(ring.rank, L, ring.world, layout, q.device)  # (L,)
     dcaptured: dict[int, Tensor] = {}  # id(captured tensor) -> its gradient, summed over the pieces
     acc = accum_dtype(q.dtype)
@@ -544,6 +546,7 @@ def ring_attention(
     fn = mods.check_callable("score_mod", score_mod)
     fn = None if fn is None else mods.pin(fn)  # the backward reads what this forward read (mods.pin)
     mm = mods.check_callable("mask_mod", mask_mod)
+    mm = None if mm is None else mods.own_closure(mm)  # each piece's mask, forward and backward, as now
     mo = _Mods(fn, mm, tuple(mods.captured_tensors(fn)) if fn is not None else ())
     ring = _Ring.of(group)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mo.captured))

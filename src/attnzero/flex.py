@@ -210,7 +210,8 @@ def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     n_q, n_k = -(-Lq // bq), -(-Lk // bk)
     table = blocks.BlockTable(_over(_kinds(block_mask, n_q, n_k), B, H), (bq, bk), (Lq, Lk))
-    mask_mod = None if block_mask.mask_mod is noop_mask else block_mask.mask_mod
+    # the mod as it is now, for this call's forward and backward (a loop variable it reads stays)
+    mask_mod = None if block_mask.mask_mod is noop_mask else mods.own_closure(block_mask.mask_mod)
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return table.keep(mask_mod, b, h, q, kv)

@@ -583,6 +583,7 @@ def from_mod(
             f"block_size: expected None, a positive int or a (rows, keys) pair of them, got {block_size!r}"
         )
     dev = torch.device("cpu") if device is None else torch.device(device)
+    mask_mod = mods.own_closure(mask_mod)  # the mask as made: a loop variable it reads stays as it is now
     table = blocks.evaluate(mask_mod, shape, (int(pair[0]), int(pair[1])), dev)
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:

@@ -199,13 +199,29 @@ def pin(fn: Any) -> Any:
             return target(*args)  # type: ignore[no-any-return]
 
         fn = calling
-    cells = tuple(_copy_cell(c) for c in fn.__closure__) if fn.__closure__ else None
-    pinned = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-    pinned.__kwdefaults__ = fn.__kwdefaults__
-    pinned.__qualname__, pinned.__module__ = fn.__qualname__, fn.__module__
-    pinned.__dict__.update(fn.__dict__)
+    pinned = _copy(fn)
     _PINNED[pinned] = _walk(pinned)
     return pinned
+
+
+def own_closure(fn: Any) -> Any:
+    """A function ``fn`` with closure cells of its own, holding what its cells hold now (any other
+    callable, or a function without a closure, as it is): what a ``Mask`` keeps of its mask_mod, so
+    that a mask made in a loop reading the loop variable stays the mask it was made as, in the
+    forward and in the backward that evaluates it again."""
+    if torch.compiler.is_compiling() or not inspect.isfunction(fn) or not fn.__closure__:
+        return fn
+    return _copy(fn)
+
+
+def _copy(fn: types.FunctionType) -> types.FunctionType:
+    """A new function of ``fn``'s code, globals, defaults and attributes, its closure cells copies."""
+    cells = tuple(_copy_cell(c) for c in fn.__closure__) if fn.__closure__ else None
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__, out.__module__ = fn.__qualname__, fn.__module__
+    out.__dict__.update(fn.__dict__)
+    return out
 
 
 def _copy_cell(cell: Any) -> Any:
@@ -462,6 +478,7 @@ __all__ = [
     "mask_block",
     "mask_grid",
     "mask_on",
+    "own_closure",
     "pin",
     "score_block",
     "score_block_backward",
