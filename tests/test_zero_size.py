@@ -154,3 +154,19 @@ def test_no_kv_heads_for_some_query_heads_is_refused() -> None:
         az.scaled_dot_product_attention(
             torch.randn(1, 4, 3, 8), torch.randn(1, 0, 3, 8), torch.randn(1, 0, 3, 8), enable_gqa=True
         )
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "all=0"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_sizes_with_a_score_mod(case: str, backend: str) -> None:
+    """A score_mod changes nothing where there is no pair (B, Hq, Lq or Lk of 0) — Hq = 0 had raised
+    ZeroDivisionError on every backend — and modifies the scores of D = 0 (each 0)."""
+    _need(backend)
+    B, Hq, Hkv, Lq, Lk, D, Dv = CASES[case]
+    q, k, v = torch.randn(B, Hq, Lq, D), torch.randn(B, Hkv, Lk, D), torch.randn(B, Hkv, Lk, Dv)
+    mod = lambda s, b, h, i, j: s + 0.5 * j  # noqa: E731
+    out = az.attention(q, k, v, score_mod=mod, backend=backend)  # type: ignore[arg-type]
+    assert isinstance(out, torch.Tensor) and out.shape == (B, Hq, Lq, Dv)
+    want = az.attention(q.double(), k.double(), v.double(), score_mod=mod, backend="reference")
+    assert isinstance(want, torch.Tensor)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
