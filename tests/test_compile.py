@@ -201,3 +201,33 @@ def test_export_with_a_data_dependent_batch(how: str, strict: bool) -> None:
     for keep in ([True, False, True, True], [False, True, False, False], [False] * 4, [True] * 4):
         k = torch.tensor(keep)
         torch.testing.assert_close(program.module()(x, k, pad), module(x, k, pad))
+
+
+def test_export_takes_every_length_a_shortcut_was_chosen_for() -> None:
+    """Shortcuts that are right either way (torch's top-left causal as attnzero's causal when
+    Lq == Lk; a window side that reaches every key as unbounded) no longer guard on the example's
+    lengths: an exported drop-in refused Lq == Lk at run time, and a window of 128 capped the
+    exportable length at the example's 64."""
+    import torch.nn.functional as F
+
+    class Causal(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return az.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    Lq, Lk = torch.export.Dim("Lq", min=2, max=64), torch.export.Dim("Lk", min=2, max=64)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 9, 8)
+    ep = torch.export.export(Causal(), (q, k, k), dynamic_shapes={"q": {2: Lq}, "k": {2: Lk}, "v": {2: Lk}})
+    for a, b in ((5, 9), (12, 3), (7, 7)):
+        qq, kk = torch.randn(1, 2, a, 8), torch.randn(1, 2, b, 8)
+        torch.testing.assert_close(ep.module()(qq, kk, kk), F.scaled_dot_product_attention(qq, kk, kk, is_causal=True))
+
+    class Window(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = az.attention(x, x, x, window=(128, 0))
+            assert isinstance(out, torch.Tensor)
+            return out
+
+    L = torch.export.Dim("L", min=2, max=4096)
+    ep = torch.export.export(Window(), (torch.randn(1, 2, 64, 8),), dynamic_shapes={"x": {2: L}})
+    x = torch.randn(1, 2, 300, 8)
+    torch.testing.assert_close(ep.module()(x), az.attention(x, x, x, window=(128, 0), backend="reference"))

@@ -63,6 +63,19 @@ def known(cond: Any) -> bool:
     return cond if isinstance(cond, bool) else _guard_or(cond, False)
 
 
+def surely(cond: Any) -> bool:
+    """Whether a shape condition holds for every size a compiled or exported program may see: plain
+    bools as they are; a symbolic one only where it is known without a guard. For a choice that is
+    right either way (a shortcut), which must not cut the sizes the program takes (``known`` would
+    guard on the example's sizes: an exported program then refuses others)."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental import symbolic_shapes
+
+    decide = getattr(symbolic_shapes, "statically_known_true", None)
+    return bool(decide(cond)) if decide is not None else False
+
+
 def is_zero(n: Any) -> bool:
     """Whether a size is known to be 0 (see ``known``: a compiled program whose size depends on
     data learns it when it runs, inside the op; see ``ops.py``)."""
@@ -215,7 +228,7 @@ def window(x: Any, q_len: int | None = None, kv_len: int | None = None) -> tuple
         if w is not None and w < 0:
             raise ArgumentError(f"window: expected {side} >= 0 (or None), got {w}")
         reaches_all = w is not None and (
-            w >= _HUGE or (q_len is not None and kv_len is not None and known(w >= q_len + kv_len))
+            w >= _HUGE or (q_len is not None and kv_len is not None and surely(w >= q_len + kv_len))
         )
         sides.append(None if reaches_all else w)
     return (sides[0], sides[1])

@@ -272,8 +272,10 @@ def run(
     want_lse = checks.flag("return_lse", return_lse)
     # pinned: the backward reads what this forward read, not what a loop has rebound since (mods.pin)
     fn = None if score_mod is None else mods.pin(mods.check_callable("score_mod", score_mod))
-    if checks.is_zero(Lk) or checks.is_zero(B) or checks.is_zero(Hq) or checks.is_zero(Lq):
-        fn = None  # no pair to modify: no row, or every row blocked, as without it (ops.py answers it)
+    if checks.is_zero(Lk):
+        fn = None  # no pair to modify: every row is blocked, as without it (ops.py answers it)
+    elif fn is not None and (checks.surely(B == 0) or checks.surely(Hq == 0) or checks.surely(Lq == 0)):
+        fn = None  # no row: nothing to modify either
     keep, is_causal, win = _fold_band(keep, is_causal, win, Lq, Lk)
 
     def with_grad(lse: Tensor) -> Tensor:

@@ -345,7 +345,7 @@ def _top_left(Lq: int, Lk: int, device: torch.device) -> tuple[Tensor | Mask | N
     causal)`` pair of attnzero: ``causal=True`` when Lq == Lk (the two alignments agree, and backends
     skip the blocked blocks; also when a length is 0, where nothing is attended anyway), else the
     top-left mask — a ``Mask`` in eager mode, its dense (1, 1, Lq, Lk) tensor when compiling."""
-    if checks.is_zero(Lq) or checks.is_zero(Lk) or checks.known(Lq == Lk):
+    if checks.is_zero(Lq) or checks.is_zero(Lk) or checks.surely(Lq == Lk):  # (no guard: any Lq, Lk still run)
         return None, True
     if torch.compiler.is_compiling():
         keep = torch.arange(Lk, device=device) <= torch.arange(Lq, device=device).unsqueeze(1)  # (Lq, Lk)
