@@ -231,3 +231,26 @@ def test_export_takes_every_length_a_shortcut_was_chosen_for() -> None:
     ep = torch.export.export(Window(), (torch.randn(1, 2, 64, 8),), dynamic_shapes={"x": {2: L}})
     x = torch.randn(1, 2, 300, 8)
     torch.testing.assert_close(ep.module()(x), az.attention(x, x, x, window=(128, 0), backend="reference"))
+
+
+@pytest.mark.parametrize("case", ["score_mod", "reference_lse"])
+def test_dropout_traces_without_a_graph_break(case: str) -> None:
+    """Dropout with a score_mod, or on the reference with its lse, traced whole (fullgraph): the seed
+    stays a tensor drawn in the graph (an int read back had broken the graph four times), and the
+    entries dropped are eager's for the same RNG state."""
+    slopes = torch.rand(2)
+
+    def f(q: torch.Tensor) -> torch.Tensor:
+        if case == "score_mod":
+            out = az.attention(q, q, q, dropout_p=0.3, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs())
+            assert isinstance(out, torch.Tensor)
+            return out
+        out, lse = az.attention(q, q, q, dropout_p=0.3, backend="reference", return_lse=True)  # type: ignore[misc]
+        return out + lse.unsqueeze(-1)
+
+    q = torch.randn(1, 2, 12, 8, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    got = compiled(q)
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, f(q))

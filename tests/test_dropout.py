@@ -45,11 +45,14 @@ CASES = [
 @pytest.mark.parametrize("seed", [0, 123, 2**40 + 7, 2**62 - 1])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_mask_matches_the_int64_hash(case, seed, p) -> None:  # type: ignore[no-untyped-def]
+    """With the seed an int, and as a 0-d int64 tensor (what a compiled graph draws: read by tensor
+    ops only, the counters always in int64)."""
     shape, bs, hs, rs, cs = case
-    got = dropout.keep_mask(seed, p, shape, rows=rs, cols=cs, batches=bs, heads=hs)
     want = spec(seed, p, shape, tuple(slice(*r) for r in (bs, hs, rs, cs)))
-    assert got.shape == want.shape
-    assert torch.equal(got, want)
+    for s in (seed, torch.tensor(seed, dtype=torch.int64)):
+        got = dropout.keep_mask(s, p, shape, rows=rs, cols=cs, batches=bs, heads=hs)
+        assert got.shape == want.shape
+        assert torch.equal(got, want)
 
 
 def test_a_block_crossing_two_to_the_32_takes_the_carry_path() -> None:

@@ -56,7 +56,7 @@ def _low32(x: Tensor) -> Tensor:
 
 
 def keep_mask(
-    seed: int,
+    seed: int | Tensor,
     p: float,
     shape: tuple[int, int, int, int],
     rows: tuple[int, int] | None = None,
@@ -71,7 +71,9 @@ def keep_mask(
 
     The counter of a row's columns is ``start + j``: its low 32 bits are computed in int32 (adding
     j wraps as uint32 does) and its high 32 bits are the row's own, unless the row crosses a
-    multiple of 2^32 — then the high bits vary along it and the counters are formed in int64."""
+    multiple of 2^32 — then the high bits vary along it and the counters are formed in int64. A
+    ``seed`` given as a 0-d int64 tensor (``seed_tensor``, drawn inside a compiled graph) is read
+    by tensor ops only, and the counters are then always formed in int64 (no data-dependent test)."""
     B, H, Lq, Lk = shape
     b0, b1 = batches if batches is not None else (0, B)
     h0, h1 = heads if heads is not None else (0, H)
@@ -81,12 +83,13 @@ def keep_mask(
     i = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
     start = (bh.view(b1 - b0, h1 - h0, 1, 1) * Lq + i) * Lk + c0  # counter of each row's first column: (nb, nh, r, 1)
     hi = start >> 32
-    if c1 > c0 and not torch.equal(hi, (start + (c1 - c0 - 1)) >> 32):  # some row crosses a multiple of 2^32
+    traced = isinstance(seed, Tensor)
+    if c1 > c0 and (traced or not torch.equal(hi, (start + (c1 - c0 - 1)) >> 32)):  # a row may cross 2^32
         counter = start + torch.arange(c1 - c0, device=device)  # (nb, nh, r, c) int64
         x, hi = _low32(counter), counter >> 32
     else:
         x = _low32(start) + torch.arange(c1 - c0, dtype=torch.int32, device=device)  # (nb, nh, r, c), wraps
-    x ^= _int32(seed & _M32)
+    x ^= _low32(seed) if isinstance(seed, Tensor) else _int32(seed & _M32)
     tmp = torch.empty_like(x)
     _mix32_(x, tmp)
     x ^= _low32(hi ^ ((seed >> 32) & _M32))

@@ -316,12 +316,13 @@ def run(
             got = _triton_with_mod(q, k, v, keep, add, is_causal, win, sc, cap, p, fn, sink, strict=False)
             if got is not None:
                 return (got[0], with_grad(got[1])) if want_lse else got[0]
-        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        seed = _seed(q.device) if p > 0.0 else 0
         if name in ("auto", "flash") and not special and _takes_kernel(q):
             # The compiled CPU kernel with the mod as C++ generated from it (cpu_mods.py); None: it
             # cannot be generated or built, and flash.py runs it below.
             from . import cpu_mods
 
+            assert not isinstance(seed, Tensor)  # (eager: an int)
             got = cpu_mods.attention(
                 q, k, v, score_mod=fn, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap,
                 dropout_p=p, dropout_seed=seed, sink=sink,
@@ -350,7 +351,7 @@ def run(
         name = "reference"  # an lse that may take a gradient under torch.func: the formula's (batching.py's has none)
     if compiling and name == "reference" and want_lse and 0 not in (q.numel(), k.numel(), v.numel()):
         # traced as the formula's ops (as a score_mod's call is), so that its lse keeps its gradient
-        seed = dropout.draw_seed(q.device) if p > 0.0 else 0
+        seed = _seed(q.device) if p > 0.0 else 0
         out, lse = reference.attention(
             q, k, v, mask=keep, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed,
@@ -384,6 +385,12 @@ def run(
         assert lse is not None  # asked for: every backend gives it
         return out, lse
     return out
+
+
+def _seed(device: torch.device) -> int | Tensor:
+    """Dropout's seed for a call run here: an int, or traced by dynamo a 0-d tensor (an int would be a
+    read-back, a graph break: dropout.keep_mask takes the tensor)."""
+    return dropout.seed_tensor(device) if torch.compiler.is_compiling() else dropout.draw_seed(device)
 
 
 def _triton_with_mod(

@@ -104,7 +104,7 @@ def attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: int = 0,
+    dropout_seed: int | Tensor = 0,
     score_mod: mods.ScoreMod | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))`` of softmax(scale · Q Kᵀ + bias) V (``softcap``,
