@@ -77,7 +77,13 @@ def _nest(fn: Callable[..., Any], with_score: bool) -> Callable[..., Tensor]:
     user = fn
 
     def one_pair(*args: Tensor) -> Tensor:
-        out = user(*args)
+        try:
+            out = user(*args)
+        except TypeError as e:
+            wrong = arity_error(name, user, len(args), e)
+            if wrong is None:
+                raise
+            raise wrong from e
         if not isinstance(out, Tensor):
             raise ModError(f"{name}: expected a 0-d torch.Tensor {what} per pair, got {type(out).__name__}")
         if out.ndim != 0:
@@ -92,6 +98,19 @@ def _nest(fn: Callable[..., Any], with_score: bool) -> Callable[..., Tensor]:
         dims = tuple(0 if i == level else None for i in range(4))
         fn = torch.vmap(fn, in_dims=lead + dims)
     return fn
+
+
+def arity_error(name: str, fn: Any, n: int, e: TypeError) -> ModError | None:
+    """After ``fn(*n args)`` raised ``e``: a ``ModError`` naming the argument (``score_mod`` /
+    ``mask_mod``) when ``fn`` takes another number of arguments, else None (the TypeError is the mod's
+    own)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return ModError(f"{name}: expected a function {SIGNATURES[name]}, got {e}")
+    except ValueError:  # no signature to read (a builtin)
+        return None
+    return None
 
 
 def _indices(batches: Range, heads: Range, rows: Range, cols: Range, device: torch.device) -> list[Tensor]:
