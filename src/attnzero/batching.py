@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import dropout, ops, reference
 from . import sinks as _sinks
@@ -66,9 +67,7 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 def dual(*xs: Any) -> bool:
     """Whether any of ``xs`` carries a tangent of ``torch.autograd.forward_ad`` (``make_dual``): such
     a tensor is not wrapped by torch.func and does not require grad, yet a kernel's output would
-    silently drop its tangent. Free outside a ``dual_level``."""
-    from torch.autograd import forward_ad
-
+    silently drop its tangent. Free outside a ``dual_level`` (asked on every eager call)."""
     if forward_ad._current_level < 0:
         return False
     for x in xs:
@@ -85,8 +84,6 @@ def forward_mode() -> bool:
     jvp = torch._C._functorch.TransformType.Jvp
     if any(i.key() == jvp for i in retrieve_all_functorch_interpreters()):
         return True
-    from torch.autograd import forward_ad
-
     return bool(forward_ad._current_level >= 0)
 
 

@@ -83,8 +83,7 @@ def keep_mask(
     i = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
     start = (bh.view(b1 - b0, h1 - h0, 1, 1) * Lq + i) * Lk + c0  # counter of each row's first column: (nb, nh, r, 1)
     hi = start >> 32
-    traced = isinstance(seed, Tensor)
-    if c1 > c0 and (traced or not torch.equal(hi, (start + (c1 - c0 - 1)) >> 32)):  # a row may cross 2^32
+    if c1 > c0 and (isinstance(seed, Tensor) or not torch.equal(hi, (start + (c1 - c0 - 1)) >> 32)):  # crosses 2^32
         counter = start + torch.arange(c1 - c0, device=device)  # (nb, nh, r, c) int64
         x, hi = _low32(counter), counter >> 32
     else:

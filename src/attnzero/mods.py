@@ -77,15 +77,7 @@ def _nest(fn: Callable[..., Any], with_score: bool) -> Callable[..., Tensor]:
     user = fn
 
     def one_pair(*args: Tensor) -> Tensor:
-        try:
-            out = user(*args)
-        except TypeError as e:
-            wrong = arity_error(name, user, len(args), e)
-            if wrong is None:
-                raise
-            raise wrong from e
-        if not isinstance(out, Tensor):
-            raise ModError(f"{name}: expected a 0-d torch.Tensor {what} per pair, got {type(out).__name__}")
+        out = call_one(name, user, args)
         if out.ndim != 0:
             raise ModError(
                 f"{name}: expected a 0-d tensor {what} per (b, h, q_idx, kv_idx), got shape {tuple(out.shape)}"
@@ -100,17 +92,24 @@ def _nest(fn: Callable[..., Any], with_score: bool) -> Callable[..., Tensor]:
     return fn
 
 
-def arity_error(name: str, fn: Any, n: int, e: TypeError) -> ModError | None:
-    """After ``fn(*n args)`` raised ``e``: a ``ModError`` naming the argument (``score_mod`` /
-    ``mask_mod``) when ``fn`` takes another number of arguments, else None (the TypeError is the mod's
-    own)."""
+def call_one(name: str, fn: Any, args: Sequence[Tensor]) -> Tensor:
+    """``fn(*args)``, the mod ``name`` (``score_mod`` / ``mask_mod``) for one pair, refused unless a
+    tensor comes back (``ModError``); a function of another arity is refused by the argument's name
+    (its signature asked only after a TypeError: one of the mod's own passes as it is)."""
     try:
-        inspect.signature(fn).bind(*range(n))
-    except TypeError:
-        return ModError(f"{name}: expected a function {SIGNATURES[name]}, got {e}")
-    except ValueError:  # no signature to read (a builtin)
-        return None
-    return None
+        out = fn(*args)
+    except TypeError as e:
+        try:
+            inspect.signature(fn).bind(*args)
+        except TypeError:
+            raise ModError(f"{name}: expected a function {SIGNATURES[name]}, got {e}") from e
+        except ValueError:  # no signature to read (a builtin)
+            pass
+        raise
+    if not isinstance(out, Tensor):
+        what = "score" if name == "score_mod" else "bool"
+        raise ModError(f"{name}: expected a 0-d torch.Tensor {what} per pair, got {type(out).__name__}")
+    return out
 
 
 def _indices(batches: Range, heads: Range, rows: Range, cols: Range, device: torch.device) -> list[Tensor]:

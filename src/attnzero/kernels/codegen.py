@@ -938,17 +938,7 @@ def _trace(fn: Callable[..., Any], name: str, device: torch.device) -> torch.fx.
 
     def one_pair(*a: Tensor) -> Tensor:
         with mods.IndexWithTensors(), _ValueReads(reads if reads is not None else []):
-            try:
-                out = fn(*a)
-            except TypeError as e:
-                wrong = mods.arity_error(name, fn, len(a), e)
-                if wrong is None:
-                    raise
-                raise wrong from e
-        if not isinstance(out, Tensor):  # (make_fx would make a Python number a float64 / int64 tensor)
-            what = "score" if with_score else "bool"
-            raise mods.ModError(f"{name}: expected a 0-d torch.Tensor {what} per pair, got {type(out).__name__}")
-        return out
+            return mods.call_one(name, fn, a)  # (a Python number refused: make_fx would make it a tensor)
 
     try:
         with torch.no_grad():
