@@ -228,6 +228,38 @@ def test_decode_with_cache_equals_one_causal_call(backend: str, softcap: float |
     torch.testing.assert_close(w, w_all[:, :, 8:], rtol=1e-10, atol=1e-10)
 
 
+class RelativeBias(torch.nn.Module):
+    """A learned bias per head and distance q_idx − kv_idx (T5-like), read from a table."""
+
+    def __init__(self, heads: int, reach: int = 16) -> None:
+        super().__init__()
+        self.reach = reach
+        self.table = torch.nn.Parameter(torch.randn(heads, 2 * reach - 1, dtype=torch.float64))
+
+    def forward(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                kv_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return score + self.table[h, q_idx - kv_idx + self.reach - 1]
+
+
+@backends
+def test_decode_with_a_score_mod_sees_the_tokens_positions(backend: str) -> None:
+    """With a cache the score_mod's q_idx is the new token's position (len(cache) + i), as kv_idx is
+    the cached key's: decoding with a relative-bias table equals one causal call (it read q_idx from
+    0 on every step, the bias of another distance)."""
+    m = module(backend, 2, score_mod=RelativeBias(4))
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    whole = m(x, causal=True)
+    cache = az.KVCache(2, 16, 2, 8, dtype=torch.float64)
+    with torch.no_grad():
+        parts = [m(x[:, :5], cache=cache)]
+        parts += [m(x[:, i : i + 1], cache=cache) for i in range(5, 9)]
+        cache.truncate(8)
+        _, w = m(x[:, 8:], cache=cache, need_weights=True)
+        _, w_all = m(x, causal=True, need_weights=True)
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=1e-10, atol=1e-10)  # type: ignore[arg-type]
+    torch.testing.assert_close(w, w_all[:, :, 8:], rtol=1e-10, atol=1e-10)
+
+
 @backends
 def test_dropout_in_training_with_sinks_and_softcap(backend: str) -> None:
     """Training-mode dropout with sinks and softcap: the same seed gives the same output, another

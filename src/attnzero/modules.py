@@ -199,7 +199,8 @@ class MultiHeadAttention(nn.Module):
         cached tokens, whatever ``causal`` says; ``mask`` then broadcasts to (B, num_heads, L,
         len(cache)+L). Everything is checked before the cache is written: a call that raises
         leaves it as it was. With ``rope``, queries sit at the bottom-right positions
-        ``Lk - Lq + i`` (after the cached ones) and keys at ``j``.
+        ``Lk - Lq + i`` (after the cached ones) and keys at ``j``; with a cache, a ``score_mod``
+        gets ``q_idx = len(cache) + i`` too.
         """
         if cache is not None:
             self._check_cache(cache, query, key, value, key_padding_mask)
@@ -231,10 +232,13 @@ class MultiHeadAttention(nn.Module):
             old = (cache.k[:, :, past:Lk].clone(), cache.v[:, :, past:Lk].clone())  # (B, Hkv, Lq, d_k) each
             # in the cache's dtype (under autocast the projections may give another); then every cached token
             k, v = cache.update(k.to(cache.dtype), v.to(cache.dtype))  # (B, Hkv, past + Lq, d_k) each
+        score_mod = self.score_mod
+        if score_mod is not None and past > 0:  # q_idx: the new tokens' positions, as kv_idx the keys'
+            score_mod = _from_position(score_mod, past, q.device)
         try:
             out = attention(
                 q, k, v, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks,
-                dropout_p=self.dropout if self.training else 0.0, backend=self.backend, score_mod=self.score_mod,
+                dropout_p=self.dropout if self.training else 0.0, backend=self.backend, score_mod=score_mod,
             )
         except BaseException:
             if cache is not None:
@@ -247,7 +251,7 @@ class MultiHeadAttention(nn.Module):
         if not want_weights:
             return output
         return output, attention_weights(
-            q, k, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks, score_mod=self.score_mod
+            q, k, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks, score_mod=score_mod
         )
 
     def _check_inputs(self, query: Any, key: Any, value: Any, key_padding_mask: Any) -> None:
@@ -339,3 +343,15 @@ class MultiHeadAttention(nn.Module):
         ours.train(mha.training)
         return ours
 
+
+
+def _from_position(score_mod: ScoreMod, first: int, device: torch.device) -> ScoreMod:
+    """``score_mod`` called with each new query's position ``first + q_idx`` (the cached tokens come
+    first), as ``kv_idx`` is each key's position in the cache. The offset is a captured 0-d tensor,
+    not a constant: the generated kernels are not built again for every decoding step."""
+    offset = torch.tensor(first, dtype=mods.INDEX_DTYPE, device=device)  # 0-d: keeps q_idx's dtype
+
+    def at_position(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score_mod(score, b, h, q_idx + offset, kv_idx)
+
+    return at_position
