@@ -257,6 +257,14 @@ def test_interleaved_samples_gives_every_round_of_every_run() -> None:
     assert bench.time_interleaved(runs, 3, clock=lambda: now[0]) == {"a": 1.0, "b": 2.0}
 
 
+@pytest.mark.parametrize("argv", [["ladder"], ["ladder", "--small"], ["ladder", "--no-pictures", "--docs"]])
+def test_ladder_without_rungs_runs_them_all(argv: list[str]) -> None:
+    """No rung named: every rung (Python 3.11's argparse refused the empty list against ``choices``)."""
+    args = cli.build_parser().parse_args(argv)
+    assert args.rungs == []
+    assert cli.build_parser().parse_args([*argv, "3", "10"]).rungs == [3, 10]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

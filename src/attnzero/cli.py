@@ -35,6 +35,14 @@ def _positive(text: str) -> int:
     return n
 
 
+def _rung(text: str) -> int:
+    """A rung's number, else argparse's own error (exit 2). Not ``choices=``: Python 3.11's argparse
+    checks an empty ``nargs="*"`` (every rung) against the choices, and refused it."""
+    if text.strip().isdigit() and int(text) in ladder.RUNGS:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"invalid choice: {text} (choose from {min(ladder.RUNGS)} to {max(ladder.RUNGS)})")
+
+
 def _folder(out: str) -> str | None:
     """Why ``out`` cannot be the output folder (None: it is one now) — asked before any work, so that
     a bad ``--out`` costs nothing but a message."""
@@ -75,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.png (default: out/bench)")
 
     p = sub.add_parser("ladder", help="from the seeds' formula to the kernel: rungs 0-10, each run, checked and drawn")
-    p.add_argument("rungs", type=int, nargs="*", choices=sorted(ladder.RUNGS), metavar="RUNG",
+    p.add_argument("rungs", type=_rung, nargs="*", metavar="RUNG",
                    help=f"the rungs to run (default: all of {sorted(ladder.RUNGS)})")
     p.add_argument("--out", default="out/ladder", help="folder for the pictures (default: out/ladder)")
     p.add_argument("--no-pictures", action="store_true", help="run and check only")
