@@ -171,6 +171,16 @@ def test_decode_loop_equals_causal_attention() -> None:
     full = az.attention(q, k, v, causal=True, backend="flash")
     torch.testing.assert_close(r8_decode.decode_loop(q, k, v, prompt=20), full, rtol=0, atol=1e-12)
     torch.testing.assert_close(r8_decode.decode_loop(q, k, v, prompt=1), full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(r8_decode.decode_loop(q, k, v, prompt=0), full, rtol=0, atol=1e-12)
+
+
+def test_merge_splits_of_a_row_no_split_saw_is_zero() -> None:
+    """Every split's lse -inf (no key anywhere): O = 0, lse = -inf, weights 0 — not NaN."""
+    out_s = torch.randn(3, 2, 4, dtype=torch.float64)  # (S, rows, Dv)
+    lse_s = torch.tensor([[0.5, float("-inf")]] * 3, dtype=torch.float64)  # (S, rows): row 1 saw nothing
+    o, lse, w = r8_decode.merge_splits(out_s, lse_s)
+    assert torch.equal(o[1], torch.zeros(4, dtype=torch.float64)) and lse[1] == float("-inf") and (w[:, 1] == 0).all()
+    torch.testing.assert_close(o[0], out_s[:, 0].mean(0))
 
 
 def test_decode_splits_rejects_bad_values_and_restores() -> None:

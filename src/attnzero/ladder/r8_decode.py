@@ -35,12 +35,14 @@ TITLE = "Decoding: the KV cache, and split-KV with the lse merge"
 def decode_loop(q: Tensor, k: Tensor, v: Tensor, prompt: int) -> Tensor:
     """Causal attention of a whole sequence computed as a decoder does: the prompt at once, then one
     token per step, each step's keys and values appended to a KV cache. q (B, Hq, N, D), k and v
-    (B, Hkv, N, D) are every token's projections; returns the outputs (B, Hq, N, D)."""
+    (B, Hkv, N, D) are every token's projections (a prompt of 0: every token one by one); returns
+    the outputs (B, Hq, N, D)."""
     B, Hkv, N, D = k.shape
     cache = az.KVCache(B, max_len=N, num_kv_heads=Hkv, head_dim=D, dtype=k.dtype)
-    # prefill: the prompt's keys and values go in, its queries attend causally among themselves
-    k_all, v_all = cache.update(k[:, :, :prompt], v[:, :, :prompt])  # (B, Hkv, prompt, D) views
-    outs = [attend(q[:, :, :prompt], k_all, v_all, causal=True, backend="flash")]  # (B, Hq, prompt, D)
+    outs = []
+    if prompt > 0:  # prefill: the prompt's keys and values go in, its queries attend causally among themselves
+        k_all, v_all = cache.update(k[:, :, :prompt], v[:, :, :prompt])  # (B, Hkv, prompt, D) views
+        outs.append(attend(q[:, :, :prompt], k_all, v_all, causal=True, backend="flash"))  # (B, Hq, prompt, D)
     for t in range(prompt, N):
         # one new token: append its key/value, then its one query sees every stored key
         k_all, v_all = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1])  # (B, Hkv, t + 1, D)
@@ -51,9 +53,10 @@ def decode_loop(q: Tensor, k: Tensor, v: Tensor, prompt: int) -> Tensor:
 def merge_splits(out_s: Tensor, lse_s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The split-KV merge in plain PyTorch: partial outputs ``out_s`` (S, ..., Dv) and their
     log-sum-exps ``lse_s`` (S, ...), each over its own keys → ``(O, lse, weights)`` over all keys.
-    A split that saw no key has lse_s = -inf and weight 0."""
+    A split that saw no key has lse_s = -inf and weight 0; a row no split saw, O = 0 and lse = -inf."""
     lse = torch.logsumexp(lse_s, dim=0)  # lse = log Σ_s exp(lse_s): (...)
-    weights = torch.exp(lse_s - lse)  # w_s = exp(lse_s − lse), Σ_s w_s = 1: (S, ...)
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)  # never exp(-inf - (-inf)): a row without keys
+    weights = torch.exp(lse_s - safe)  # w_s = exp(lse_s − lse), Σ_s w_s = 1 (0 without keys): (S, ...)
     out = (weights.unsqueeze(-1) * out_s).sum(dim=0)  # O = Σ_s w_s O_s: (..., Dv)
     return out, lse, weights
 
