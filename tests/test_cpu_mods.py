@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import math
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -430,6 +432,10 @@ def test_fingerprint_sees_a_config_objects_field() -> None:
 class _Cfg:  # a config class: its attributes are read by the mod below as Cfg.alpha
     alpha = 0.5
 
+    @classmethod
+    def scaled(cls) -> float:  # read through a classmethod: cls.alpha
+        return cls.alpha
+
 
 _cfg_module = types.ModuleType("attnzero_test_config")  # a config module: cfg.alpha
 _cfg_module.alpha = 0.5
@@ -442,8 +448,9 @@ _cfg_array = np.array([0.5])
         (lambda s, b, h, i, j: s * _Cfg.alpha, lambda x: setattr(_Cfg, "alpha", x)),
         (lambda s, b, h, i, j: s * _cfg_module.alpha, lambda x: setattr(_cfg_module, "alpha", x)),
         (lambda s, b, h, i, j: s * float(_cfg_array[0]), lambda x: _cfg_array.__setitem__(0, x)),
+        (lambda s, b, h, i, j: s * _Cfg.scaled(), lambda x: setattr(_Cfg, "alpha", x)),
     ],
-    ids=["class", "module", "numpy"],
+    ids=["class", "module", "numpy", "classmethod"],
 )
 def test_a_number_read_through_a_class_a_module_or_an_array_is_read_now(
     mod: mods.ScoreMod, set_alpha: Callable[[float], None], traces: list[int], ran: list[bool]
@@ -564,9 +571,17 @@ def test_fingerprint_refuses_nesting_deeper_than_it_follows() -> None:
     assert mods.fingerprint(_closure(deep, 1, 1))[0] is None
 
 
-def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``t.item()`` or ``bool(t)`` while tracing puts the value in the graph: such code is not kept (the
-    same fingerprint with another value traced again), and each call gets its own value's result."""
+@pytest.mark.parametrize(
+    "read",
+    [lambda t: t.item(), lambda t: float(np.asarray(t)), lambda t: complex(t).real, lambda t: float(f"{t:.3f}")],
+    ids=["item", "numpy", "complex", "format"],
+)
+def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(
+    read: Callable[[Tensor], float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``t.item()``, ``np.asarray(t)``, ``complex(t)``, ``f"{t}"`` while tracing put the value in the
+    graph: such code is not kept (the same fingerprint with another value traced again), and each
+    call gets its own value's result (np.asarray and complex had reused the first value's code)."""
     traces: list[str] = []
     real = codegen._trace
     monkeypatch.setattr(codegen, "_trace", lambda fn, name, device: traces.append(name) or real(fn, name, device))
@@ -574,7 +589,7 @@ def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(monkeypatch: p
 
     def make(t: Tensor) -> Any:
         def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            return s + t.item() * 0.3 * j
+            return s + read(t) * 0.3 * j
 
         return mod
 
@@ -585,6 +600,58 @@ def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(monkeypatch: p
                             backend="reference")  # fmt: skip
         torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
     assert len(traces) == 2
+
+
+class _RelativeAttention(torch.nn.Module):
+    """FlexAttention's usual style: the score_mod a lambda made in ``forward``, reading ``self``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel = torch.nn.Parameter(torch.randn(H))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + self.rel[h])
+        assert isinstance(out, Tensor)
+        return out
+
+
+def test_a_lambda_over_self_made_in_forward_is_traced_once(traces: list[int], ran: list[bool]) -> None:
+    """The walk from ``self`` reaches forward's globals (``az``); attnzero's own functions are not
+    walked further (it reached the whole package and its caches: no key, a trace on every call)."""
+    m = _RelativeAttention()
+    q, k, v = (t.to(F32) for t in qkv(1, 4, 2, 8, 8, 8))
+    with torch.no_grad():
+        for _ in range(3):
+            m(q, k, v)
+    assert len(traces) == 1 and ran == [True] * 3
+    assert len(mods._walk(lambda s, b, h, i, j: s + m.rel[h])[0]) < 200
+
+
+class _Softcap:
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.payload = torch.zeros(1000)  # what a mod object may carry besides its configuration
+
+    def __call__(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return self.cap * torch.tanh(s / self.cap)
+
+
+def test_a_callable_object_made_per_call_is_neither_kept_nor_traced_again(traces: list[int], ran: list[bool]) -> None:
+    """An object hashed by identity is told apart by its fields, not held in the key: a new instance
+    per call with the same fields is the same code, and is freed after the call (the cache held
+    every instance, and all it held, and traced each one)."""
+    q, k, v = (t.to(F32) for t in qkv(1, 4, 2, 8, 8, 8))
+    gone = []
+    with torch.no_grad():
+        for _ in range(3):
+            mod = _Softcap(20.0)
+            gone.append(weakref.ref(mod))
+            az.attention(q, k, v, score_mod=mod)
+            del mod
+        az.attention(q, k, v, score_mod=_Softcap(5.0))  # another field: another trace
+    gc.collect()
+    assert all(r() is None for r in gone)
+    assert len(traces) == 2 and ran == [True] * 4
 
 
 class _Scaled(torch.nn.Module):

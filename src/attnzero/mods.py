@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import sysconfig
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -305,7 +308,9 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     value of every Python number, string and flag (traced in as constants; ``repr`` for floats:
     -0.0 is not 0.0); a numpy array's values; each tensor's shape, dtype, device and requires_grad
     (their values are read when the generated code runs, not traced in); anything else by equality,
-    held in the key. Returns ``(key, tensors in the order met, complete)``."""
+    held in the key — but an object hashed by identity by its fields and class, not itself. A
+    library's function (torch's, attnzero's, Python's, an installed package's: ``_library``) by its
+    code, closure and defaults, not its globals. Returns ``(key, tensors in the order met, complete)``."""
     out: list[Any] = []
     tensors: list[Tensor] = []
     first: dict[int, int] = {}  # id of an object met → its number (the order of first meetings)
@@ -387,7 +392,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             out.append(("S", type(obj), tuple(sorted(repr(x) for x in obj))))
         elif inspect.ismethod(obj):
             out.append(("M",))
-            visit(obj.__self__, depth + 1, names)
+            visit(obj.__self__, depth + 1, _names(obj.__func__.__code__))  # a classmethod's ``cls.alpha``
             visit(obj.__func__, depth + 1, names)
         elif inspect.isfunction(obj):
             own = _names(obj.__code__)
@@ -403,22 +408,36 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             visit(obj.__defaults__, depth + 1, own)
             visit(obj.__kwdefaults__, depth + 1, own)
             visit(dict(vars(obj)), depth + 1, own)  # the function's own attributes (``fn.alpha``)
-            for name in own:
+            for name in own if not _library(obj.__module__) else ():
                 if name in obj.__globals__:
                     out.append(("G", name))
                     visit(obj.__globals__[name], depth + 1, own)
         elif isinstance(obj, (type, types.ModuleType)):
             # a config class or module read as a global: the attributes the code names (``Cfg.alpha``,
             # ``cfg.alpha``), as stored (a property is not run) — not every attribute (``torch``'s thousands)
+            # A class's methods name more of its attributes (a classmethod's ``cls.alpha``): those too.
             out.append(("C", obj))
-            for name in names:
+            todo, seen = list(names), set()
+            while todo:
+                name = todo.pop(0)
                 x = inspect.getattr_static(obj, name, _MISSING)
-                if x is not _MISSING:
-                    out.append(("K", name))
-                    visit(x, depth + 1, names)
+                if x is _MISSING or name in seen:
+                    continue
+                seen.add(name)
+                if isinstance(x, (staticmethod, classmethod)):
+                    x = x.__func__
+                elif isinstance(x, property):
+                    x = x.fget
+                if isinstance(obj, type) and inspect.isfunction(x):
+                    todo += _names(x.__code__)
+                out.append(("K", name))
+                visit(x, depth + 1, names)
         elif callable(obj) or hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
-            # the object itself too, when it can be (a builtin such as torch.exp has no fields to tell it apart)
-            out.append(("O", type(obj), obj) if _hashable(obj) else ("O", type(obj)))
+            # the object itself too where its fields cannot tell it apart (a builtin such as torch.exp);
+            # not one hashed by identity whose fields are walked: each new instance would be a new key,
+            # traced again and held by the cache with all it holds
+            by_fields = type(obj).__hash__ is object.__hash__ and (hasattr(obj, "__dict__") or _slots(obj))
+            out.append(("O", type(obj), obj) if _hashable(obj) and not by_fields else ("O", type(obj)))
             fields(obj, depth, names)
             of_class(obj, depth, names)
         elif _hashable(obj):
@@ -431,6 +450,27 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
 
 
 _MISSING = object()
+
+
+@functools.cache
+def _library(module: str | None) -> bool:
+    """Whether code is a library's — torch's, attnzero's, Python's own or an installed package's —
+    rather than the user's: its globals are the library, not the mod's configuration, and are not
+    walked. (A lambda made in a module's ``forward`` reaches the class, its ``forward``, and from
+    its globals ``az`` or pytest's helpers: the walk reached whole packages and their caches, the key
+    was None and every call traced again.)"""
+    top = (module or "").split(".")[0]
+    if top in ("torch", "attnzero", "builtins") or top in sys.stdlib_module_names:
+        return True
+    file = getattr(sys.modules.get(top), "__file__", None)
+    return file is not None and any(Path(file).resolve().is_relative_to(p) for p in _INSTALLED)
+
+
+_INSTALLED = tuple({Path(sysconfig.get_path(k)).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _slots(obj: Any) -> bool:
+    return any(k not in ("__dict__", "__weakref__") for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()))
 
 
 def _hashable(obj: Any) -> bool:
