@@ -478,3 +478,42 @@ def test_one_key_whose_row_stride_is_less_than_a_row(layout: str, which: str) ->
     k, v = (odd(k) if "k" in which else k), (odd(v) if "v" in which else v)
     assert min(t.stride(2) for t in (k, v)) == row and k.is_contiguous() and v.is_contiguous()
     check_against_golden("flash", torch.float32, q, k, v)
+
+
+@pytest.mark.parametrize("D", [17, 40, 64])
+@pytest.mark.parametrize("which", ["pooled", "one query"])
+def test_rows_a_stride_of_zero_apart(D: int, which: str, calls: dict[str, int]) -> None:
+    """dO with a row stride of 0 (the gradient of ``out.sum(dim=2)``), or one query expanded over L:
+    the backward's products read them as B, whose tile divided by the row stride — a SIGFPE that
+    killed the process for head dims that fill no whole vector."""
+    B, H, L = 2, 3, 33
+    q64 = torch.randn(B, H, 1, D, dtype=F64).expand(B, H, L, D) if which == "one query" else randn(B, H, L, D)
+    k64, v64 = randn(B, H, L, D), randn(B, H, L, D)
+    got, want = [], []
+    for dtype, out_grads in ((torch.float32, got), (F64, want)):
+        q, k, v = (t.to(dtype).requires_grad_() for t in (q64, k64, v64))
+        out = az.attention(q, k, v, backend="flash" if dtype == torch.float32 else "reference")
+        loss = out.sum(dim=2).pow(2).sum()  # dO = 2·(Σ_i O_i) broadcast over the rows: stride 0
+        out_grads += torch.autograd.grad(loss, (q, k, v))
+    assert calls["backward"] == 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("size", [1e4, 1e5])
+def test_scores_near_float32s_range_give_the_references_values(size: float, calls: dict[str, int]) -> None:
+    """|s| ~ 1e8 to 1e10: exp's argument is the rounded s minus the rounded row max (a fused
+    multiply-add kept the exact product: gradients off by hundreds at 1e8, NaN at 1e10)."""
+    x64 = [randn(1, 2, 40, 8) * size, randn(1, 2, 40, 8) * size, randn(1, 2, 40, 8)]
+    dout = randn(1, 2, 40, 8)
+    got, want = [], []
+    for dtype, backend, res in ((torch.float32, "flash", got), (F64, "reference", want)):
+        q, k, v = (t.float().to(dtype).requires_grad_() for t in x64)  # the same float32 values
+        out = az.attention(q, k, v, backend=backend)
+        res += [out, *torch.autograd.grad(out, (q, k, v), dout.to(dtype))]
+    assert calls["forward"] == calls["backward"] == 1
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        # dq, dk: the golden's are 0 (one key per row); the kernel's D_i = dO·O and dp = dO·v_j are
+        # rounded in other orders, a few float32 units of s's gradient scale·|k| (~1e3 to 1e4)
+        tol = 1e-5 * size if name in ("dq", "dk") else 1e-5
+        assert (g.double() - w).abs().max() <= tol, name

@@ -441,22 +441,25 @@ float row_max(const float* x, int64_t n) {
 
 // x_j = exp(f · x_j − shift) in place, returning Σ_j x_j (f = 1 on finished scores; f = scale on a
 // raw product q_i · k_j, the scale folded into the exp's argument instead of a pass of its own).
+// f · x_j is rounded before the shift is taken off, as the row max (the shift) was taken of rounded
+// products: a fused multiply-add kept the exact product, and at |s| ~ 1e8 its difference from the
+// rounded max (half a unit in the last place of s) put exp's argument tens above 0 (1e10: inf, NaN).
 // The exp is at::vec's exp_u20 (a degree-5 polynomial inlined here, within 20 ulp; the one torch's
 // own CPU flash attention uses): Sleef's exp within 1 ulp cost twice as much per element, and
 // p_ij's error is far below what the sums over j already round away.
 float exp_sum(float* x, int64_t n, float f, float shift) {
   const int64_t step = Vec::size();
   int64_t j = 0;
-  const Vec fv(f), sv(-shift);
+  const Vec fv(f), sv(shift);
   Vec acc(0.f);
   for (; j + step <= n; j += step) {
-    Vec e = at::vec::fmadd(Vec::loadu(x + j), fv, sv).exp_u20();
+    Vec e = (Vec::loadu(x + j) * fv - sv).exp_u20();
     e.store(x + j);
     acc = acc + e;
   }
   if (j < n) {  // the last n − j < step entries (5 of ViT's 197 keys): one masked vector, not scalar exps
     const int64_t rest = n - j;
-    const Vec e = at::vec::fmadd(Vec::loadu(x + j, rest), fv, sv).exp_u20();
+    const Vec e = (Vec::loadu(x + j, rest) * fv - sv).exp_u20();
     e.store(x + j, rest);
     acc = acc + Vec::set(Vec(0.f), e, rest);  // the lanes past n add nothing
   }
@@ -523,11 +526,13 @@ at::Tensor unit_rows(const at::Tensor& x) {
 }
 
 // Whether the register tiles read x's rows (q, or dO) where they lie, at their row stride: float32
-// rows of unit stride, one query head per group (so a task's rows are one head's, evenly spaced).
-// Else a task copies them, the group's heads stacked, into dense float32.
+// rows of unit stride, one query head per group (so a task's rows are one head's, evenly spaced),
+// rows apart (a row stride of 0 — one query expanded over L, or dO of out.sum(dim=2) — is a B of
+// the backward's products whose tile divides by it). Else a task copies them, the group's heads
+// stacked, into dense float32.
 template <typename T>
 bool rows_in_place(const Problem& P, const at::Tensor& x) {
-  return std::is_same_v<T, float> && P.tiled() && P.G == 1 && x.stride(3) == 1;
+  return std::is_same_v<T, float> && P.tiled() && P.G == 1 && x.stride(3) == 1 && x.stride(2) > 0;
 }
 
 // Kᵀ of one head in panels (to_panel), the B of S = Q Kᵀ in the forward. A thread keeps the panels
