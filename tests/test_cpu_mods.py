@@ -573,8 +573,9 @@ def test_fingerprint_refuses_nesting_deeper_than_it_follows() -> None:
 
 @pytest.mark.parametrize(
     "read",
-    [lambda t: t.item(), lambda t: float(np.asarray(t)), lambda t: complex(t).real, lambda t: float(f"{t:.3f}")],
-    ids=["item", "numpy", "complex", "format"],
+    [lambda t: t.item(), lambda t: float(np.asarray(t)), lambda t: complex(t).real, lambda t: float(f"{t:.3f}"),
+     lambda t: float(str(t)[7:-1])],
+    ids=["item", "numpy", "complex", "format", "str"],
 )
 def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(
     read: Callable[[Tensor], float], monkeypatch: pytest.MonkeyPatch
@@ -743,11 +744,54 @@ class _WithData(torch.nn.Module):
         return sum(_DATA)
 
 
+class _ReadsData(_WithData):
+    def forward(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * (self.total() > 0) + self.slopes[h] * (j - i)
+
+
 def test_a_mod_that_reaches_big_data_is_not_kept_and_still_captures_its_tensors() -> None:
     """A container longer than the walk follows (here a method's global list of 100k floats) is not
-    walked: the key is None (traced at every call), quickly, and the module's tensor is still captured."""
-    m = _WithData()
+    walked: the key is None (traced at every call), quickly, and the module's tensor is still
+    captured. A method the mod does not call is not walked at all: the key is kept."""
+    m = _ReadsData()
     t0 = time.perf_counter()
     key, tensors = mods.fingerprint(m)
     assert key is None and time.perf_counter() - t0 < 0.05
     assert any(t is m.slopes for t in tensors)
+    m = _WithData()
+    key, tensors = mods.fingerprint(m)
+    assert key is not None and any(t is m.slopes for t in tensors)
+
+
+class _Decoder(torch.nn.Module):
+    """A bound method as the mod, beside fields it never reads that change at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("slopes", torch.rand(H))
+        self.pos = 0  # a decoding position
+        self.stats = np.zeros(1000)  # running statistics
+        self.vocabulary = [str(n) for n in range(5000)]  # longer than the walk follows
+
+    def alibi(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + self.slopes[h] * (j - i)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.pos += 1
+        self.stats += 1.0
+        out = az.attention(q, k, v, score_mod=self.alibi)
+        assert isinstance(out, Tensor)
+        return out
+
+
+def test_fields_the_mod_does_not_read_do_not_key_it(traces: list[int], ran: list[bool]) -> None:
+    """Only what the mod's code names is walked: a step counter, a numpy array changing at every
+    call and a long list beside it are not (each call was traced again, its key holding the array's
+    bytes; the list made the key None)."""
+    m = _Decoder()
+    q, k, v = (t.to(F32) for t in qkv(1, 4, 2, 8, 8, 8))
+    with torch.no_grad():
+        for _ in range(3):
+            m(q, k, v)
+    assert len(traces) == 1 and ran == [True] * 3
+    assert mods.fingerprint(m.alibi)[0] is not None

@@ -317,34 +317,61 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     held: list[Any] = []  # what the walk met, alive until it ends (ids stay unique)
     complete = True
 
-    def of_class(obj: Any, depth: int, names: list[str]) -> None:
-        """A user class's own attributes (not torch's nor Python's): constants, and the code of its
-        methods and properties (they may read other fields, which are walked anyway)."""
+    def reached(obj: Any, names: list[str], called: bool) -> list[str] | None:
+        """The attribute names of ``obj`` the code that reaches it may read: ``names``, its
+        ``__call__`` / ``forward`` when it may be called (not an object reached as a bound method's
+        ``self``: the method is what runs), and the names in the code of the methods and properties
+        of its user classes among them, transitively. Only these are walked: a field no code names
+        (a step counter, a statistics array, a vocabulary) changed the key on every call, was copied
+        into it (numpy's bytes) or made it None (a list longer than _BIG). None (every field) for an
+        object of a library's class (``torch.nn.Linear`` as a mod), whose code is not read."""
+        if _library(type(obj).__module__):
+            return None
+        want = dict.fromkeys([*names, *(("__call__", "forward") if called else ())])
+        todo = list(want)
+        while todo:
+            name = todo.pop()
+            for cls in type(obj).__mro__:
+                x = _unwrap(vars(cls).get(name)) if not _library(cls.__module__) else None
+                if inspect.isfunction(x):
+                    new = [n for n in _names(x.__code__) if n not in want]
+                    want.update(dict.fromkeys(new))
+                    todo += new
+        return list(want)
+
+    def of_class(obj: Any, depth: int, names: list[str] | None) -> None:
+        """A user class's own attributes (not a library's) that the code names: constants, and the
+        code of its methods and properties."""
         for cls in type(obj).__mro__:
-            if cls.__module__ == "builtins" or cls.__module__.split(".")[0] == "torch":
+            if _library(cls.__module__) or names is None:
                 continue
             for k, x in vars(cls).items():
-                if k.startswith("__") and k.endswith("__") and k != "__call__":
-                    continue
-                if isinstance(x, (staticmethod, classmethod)):
-                    x = x.__func__
-                elif isinstance(x, property):
-                    x = x.fget
-                out.append(("CK", cls.__qualname__, k))
-                visit(x, depth + 1, names)
+                if k in names:
+                    out.append(("CK", cls.__qualname__, k))
+                    visit(_unwrap(x), depth + 1, names)
 
-    def fields(obj: Any, depth: int, names: list[str]) -> None:
+    def fields(obj: Any, depth: int, names: list[str] | None, outer: list[str]) -> None:
+        """The fields named (None: all; a module's parameters, buffers and submodules by their
+        names, and ``training``), walked on with the names ``outer``."""
+        module = isinstance(obj, torch.nn.Module)
         for k, x in (vars(obj) if hasattr(obj, "__dict__") else {}).items():
-            if not isinstance(obj, torch.nn.Module) or k not in _MODULE_INTERNALS:
+            if module and k in _MODULE_INTERNALS:
+                continue
+            if module and k in ("_parameters", "_buffers", "_modules"):
+                for n, t in x.items():
+                    if names is None or n in names:
+                        out.append(("K", k, n))
+                        visit(t, depth + 1, outer)
+            elif names is None or k in names or (module and k == "training"):
                 out.append(("K", k))
-                visit(x, depth + 1, names)
+                visit(x, depth + 1, outer)
         for cls in type(obj).__mro__:  # __slots__ fields
             for k in getattr(cls, "__slots__", ()):
-                if k not in ("__dict__", "__weakref__") and hasattr(obj, k):
+                if (names is None or k in names) and k not in ("__dict__", "__weakref__") and hasattr(obj, k):
                     out.append(("K", k))
-                    visit(getattr(obj, k), depth + 1, names)
+                    visit(getattr(obj, k), depth + 1, outer)
 
-    def visit(obj: Any, depth: int, names: list[str]) -> None:
+    def visit(obj: Any, depth: int, names: list[str], called: bool = True) -> None:
         nonlocal complete
         if obj is None or isinstance(obj, (bool, int, str, bytes)):
             out.append(("V", type(obj), obj))
@@ -367,8 +394,9 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
         elif isinstance(obj, torch.nn.Module):
             out.append(("N", type(obj)))
-            fields(obj, depth, names)  # parameters, buffers, submodules, plain fields, ``training``
-            of_class(obj, depth, names)
+            wanted = reached(obj, names, called)
+            fields(obj, depth, wanted, wanted or names)  # parameters, buffers, submodules, fields; ``training``
+            of_class(obj, depth, wanted)
         elif isinstance(obj, functools.partial):
             out.append(("P", len(obj.args)))
             for x in (obj.func, *obj.args):
@@ -392,7 +420,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             out.append(("S", type(obj), tuple(sorted(repr(x) for x in obj))))
         elif inspect.ismethod(obj):
             out.append(("M",))
-            visit(obj.__self__, depth + 1, _names(obj.__func__.__code__))  # a classmethod's ``cls.alpha``
+            visit(obj.__self__, depth + 1, _names(obj.__func__.__code__), called=False)  # ``self.x``, ``cls.alpha``
             visit(obj.__func__, depth + 1, names)
         elif inspect.isfunction(obj):
             own = _names(obj.__code__)
@@ -424,10 +452,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
                 if x is _MISSING or name in seen:
                     continue
                 seen.add(name)
-                if isinstance(x, (staticmethod, classmethod)):
-                    x = x.__func__
-                elif isinstance(x, property):
-                    x = x.fget
+                x = _unwrap(x)
                 if isinstance(obj, type) and inspect.isfunction(x):
                     todo += _names(x.__code__)
                 out.append(("K", name))
@@ -438,8 +463,9 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             # traced again and held by the cache with all it holds
             by_fields = type(obj).__hash__ is object.__hash__ and (hasattr(obj, "__dict__") or _slots(obj))
             out.append(("O", type(obj), obj) if _hashable(obj) and not by_fields else ("O", type(obj)))
-            fields(obj, depth, names)
-            of_class(obj, depth, names)
+            wanted = reached(obj, names, called)
+            fields(obj, depth, wanted, wanted or names)
+            of_class(obj, depth, wanted)
         elif _hashable(obj):
             out.append(("X", type(obj), obj))  # compared by equality (held by the key)
         else:
@@ -450,6 +476,14 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
 
 
 _MISSING = object()
+
+
+def _unwrap(x: Any) -> Any:
+    """A class attribute as the code it runs: a staticmethod's or classmethod's function, a
+    property's getter; anything else as it is."""
+    if isinstance(x, (staticmethod, classmethod)):
+        return x.__func__
+    return x.fget if isinstance(x, property) else x
 
 
 @functools.cache
@@ -485,12 +519,14 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffe
 
 
 def _names(code: Any) -> list[str]:
-    """The global names a code object and the code objects nested in it (lambdas, inner
-    functions) refer to."""
+    """The global and attribute names a code object and the code objects nested in it (lambdas,
+    inner functions) refer to, and its string constants (``getattr(self, "gamma", 1.0)``)."""
     out = list(code.co_names)
     for c in code.co_consts:
         if inspect.iscode(c):
             out += _names(c)
+        elif isinstance(c, str) and c.isidentifier():
+            out.append(c)
     return out
 
 
