@@ -212,6 +212,8 @@ def test_zero_keys_with_sinks(backend: str) -> None:
         ({"softcap": 0.0}, ValueError, "softcap"),
         ({"softcap": -1.0}, ValueError, "softcap"),
         ({"softcap": math.inf}, ValueError, "softcap"),
+        ({"softcap": 1e39}, ValueError, "softcap: expected a float in float32's normal range"),  # inf in float32: NaN
+        ({"softcap": 1e-46}, ValueError, "softcap: expected a float in float32's normal range"),  # 0: no cap at all
         ({"softcap": True}, TypeError, "softcap"),
         ({"softcap": "1"}, TypeError, "softcap"),
         ({"sinks": [0.0, 0.0]}, TypeError, "sinks"),
@@ -224,6 +226,14 @@ def test_bad_softcap_and_sinks_are_refused(kw: dict[str, object], error: type[Ex
     q, k, v = qkv(1, 2, 2, 5, 5, 4)
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         az.attention(q, k, v, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", [1e-30, 1e38], ids=["tiny", "huge"])
+def test_caps_at_float32s_ends(backend: str, cap: float) -> None:
+    """The largest and smallest caps taken: no NaN, the golden's values and gradients."""
+    q, k, v = qkv(1, 2, 2, 7, 9, 8)
+    check_against_golden(backend, torch.float32, q, k, v, softcap=cap)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -285,7 +285,15 @@ def softcap(x: Any) -> float | None:
         raise ArgumentError(f"softcap: expected a finite float > 0, got an integer of {bits} bits") from None
     if not (math.isfinite(value) and value > 0.0):
         raise ArgumentError(f"softcap: expected a finite float > 0 (or None), got {x}")
+    if not _F32_TINY <= value <= _F32_MAX:  # float32 makes a cap beyond these inf or 0: NaN, or no cap
+        raise ArgumentError(
+            f"softcap: expected a float in float32's normal range [{_F32_TINY:.4g}, {_F32_MAX:.4g}] (the "
+            f"scores are float32), got {x}"
+        )
     return value
+
+
+_F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 def sinks(x: Any, B: int, Hq: int, Lq: int, device: torch.device) -> Tensor | None:

@@ -123,9 +123,7 @@ def _build_flags() -> list[str]:
     # -fopenmp at compile time only: the kernel's parallel region is an OpenMP pragma (without the
     # flag it is ignored and every call runs on one thread), and its GOMP_* calls resolve at load to
     # the OpenMP runtime libtorch_cpu links — torch's own thread pool, not a second one.
-    # -ffp-contract=off: each product rounded where the source rounds it (exp_sum); the fused
-    # multiply-adds the kernel wants are written as such (at::vec::fmadd).
-    return ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", *_cpu_flags()]
+    return ["-O3", "-fno-math-errno", "-fopenmp", *_cpu_flags()]
 
 
 def _key(flags: list[str]) -> str:

@@ -420,6 +420,22 @@ struct Problem {
   }
 };
 
+// v as computed, in a register the compiler may not fuse into the next operation (gcc makes
+// x · y − z one fused multiply-add, which skips rounding x · y). The scalar build has no fma.
+inline Vec rounded(Vec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = v;
+  asm("" : "+v"(r));
+  return r;
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r = v;
+  asm("" : "+x"(r));
+  return r;
+#else
+  return v;
+#endif
+}
+
 // Σ of a vector's lanes.
 inline float sum_lanes(const Vec& v) {
   float lanes[Vec::size()];
@@ -441,9 +457,10 @@ float row_max(const float* x, int64_t n) {
 
 // x_j = exp(f · x_j − shift) in place, returning Σ_j x_j (f = 1 on finished scores; f = scale on a
 // raw product q_i · k_j, the scale folded into the exp's argument instead of a pass of its own).
-// f · x_j is rounded before the shift is taken off, as the row max (the shift) was taken of rounded
-// products: a fused multiply-add kept the exact product, and at |s| ~ 1e8 its difference from the
-// rounded max (half a unit in the last place of s) put exp's argument tens above 0 (1e10: inf, NaN).
+// f · x_j is rounded before the shift is taken off (`rounded`), as the row max (the shift) was taken
+// of rounded products: the fused multiply-add gcc made of them kept the exact product, and at
+// |s| ~ 1e8 its difference from the rounded max (half a unit in the last place of s) put exp's
+// argument tens above 0 (1e10: inf, NaN).
 // The exp is at::vec's exp_u20 (a degree-5 polynomial inlined here, within 20 ulp; the one torch's
 // own CPU flash attention uses): Sleef's exp within 1 ulp cost twice as much per element, and
 // p_ij's error is far below what the sums over j already round away.
@@ -453,13 +470,13 @@ float exp_sum(float* x, int64_t n, float f, float shift) {
   const Vec fv(f), sv(shift);
   Vec acc(0.f);
   for (; j + step <= n; j += step) {
-    Vec e = (Vec::loadu(x + j) * fv - sv).exp_u20();
+    Vec e = (rounded(Vec::loadu(x + j) * fv) - sv).exp_u20();
     e.store(x + j);
     acc = acc + e;
   }
   if (j < n) {  // the last n − j < step entries (5 of ViT's 197 keys): one masked vector, not scalar exps
     const int64_t rest = n - j;
-    const Vec e = (Vec::loadu(x + j, rest) * fv - sv).exp_u20();
+    const Vec e = (rounded(Vec::loadu(x + j, rest) * fv) - sv).exp_u20();
     e.store(x + j, rest);
     acc = acc + Vec::set(Vec(0.f), e, rest);  // the lanes past n add nothing
   }
