@@ -100,10 +100,12 @@ def test_sinks_parameter_and_softcap_attribute() -> None:
         ({"sinks": "yes"}, TypeError, r"sinks: expected a bool, got 'yes'"),
         ({"sinks": torch.zeros(4)}, TypeError, r"sinks: expected a bool"),
         ({"sinks": None}, TypeError, r"sinks: expected a bool, got None"),
+        ({"bias": "no"}, TypeError, r"bias: expected a bool, got 'no'"),  # (was taken: a truthy string)
+        ({"bias": None}, TypeError, r"bias: expected a bool, got None"),  # (was taken as False)
     ],
     ids=[
         *("cap0", "cap_neg", "cap_nan", "cap_inf", "cap_huge_int", "cap_bool", "cap_str", "cap_tensor"),
-        *("sinks_int", "sinks_str", "sinks_tensor", "sinks_none"),
+        *("sinks_int", "sinks_str", "sinks_tensor", "sinks_none", "bias_str", "bias_none"),
     ],
 )
 def test_constructor_refuses_bad_softcap_and_sinks(over: dict[str, Any], exc: type[Exception], msg: str) -> None:
@@ -273,3 +275,16 @@ def test_dropout_in_training_with_sinks_and_softcap(backend: str) -> None:
     assert isinstance(a, torch.Tensor) and torch.equal(a, b) and not a.isnan().any()
     m.eval()
     assert not torch.allclose(a, m(x))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("q_len", "k_len", "batch"), [(0, 3, 2), (3, 3, 0), (3, 0, 2)], ids=["Lq0", "B0", "Lk0"])
+def test_modules_take_zero_size_inputs(q_len: int, k_len: int, batch: int) -> None:
+    """Empty inputs give empty outputs, no key gives zeros (DESIGN; torch's modules take them too):
+    both modules refused them."""
+    m = module("auto")
+    q, kv = torch.randn(batch, q_len, 32, dtype=torch.float64), torch.randn(batch, k_len, 32, dtype=torch.float64)
+    out = m(q, kv)
+    assert isinstance(out, torch.Tensor) and out.shape == (batch, q_len, 32) and not out.isnan().any()
+    o, w = az.ScaledDotProductAttention()(q, kv, kv)
+    assert o.shape == (batch, q_len, 32) and w.shape == (batch, q_len, k_len)
+    assert not o.any() or k_len > 0

@@ -41,7 +41,7 @@ class ScaledDotProductAttention(nn.Module):
 
     def forward(self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         for name, x in (("Q", Q), ("K", K), ("V", V)):
-            checks.tensor(name, x)
+            checks.tensor(name, x, empty_ok=True)  # empty: empty outputs (Lk = 0: zeros), as torch's
             if x.ndim < 2:
                 raise ValueError(f"{name}: expected at least 2 dims (..., L, d), got {x.ndim}")
         mixed = autocast.on(Q.device)  # under autocast each op casts its inputs, as torch's modules' ops do
@@ -68,12 +68,14 @@ class ScaledDotProductAttention(nn.Module):
                 raise ValueError(
                     f"mask: shape {tuple(mask.shape)} is not broadcastable to {(*lead, Lq, Lk)}"
                 ) from e
-            mask = mask.reshape(-1, 1, Lq, Lk)  # (N, 1, Lq, Lk), N = prod(leading dims)
+        N = math.prod(lead)  # (not -1 in the reshapes: a size may be 0)
+        if mask is not None:
+            mask = mask.reshape(N, 1, Lq, Lk)  # (N, 1, Lq, Lk), N = prod(leading dims)
 
         # Fold the leading dims into one batch axis: (..., L, d) -> (N, 1, L, d).
-        q = Q.expand(*lead, Lq, d).reshape(-1, 1, Lq, d)
-        k = K.expand(*lead, Lk, d).reshape(-1, 1, Lk, d)
-        v = V.expand(*lead, Lk, V.shape[-1]).reshape(-1, 1, Lk, V.shape[-1])
+        q = Q.expand(*lead, Lq, d).reshape(N, 1, Lq, d)
+        k = K.expand(*lead, Lk, d).reshape(N, 1, Lk, d)
+        v = V.expand(*lead, Lk, V.shape[-1]).reshape(N, 1, Lk, V.shape[-1])
         scale = 1.0 / math.sqrt(self.d_k if self.d_k is not None else d)
         weights = attention_weights(q, k, mask=mask, scale=scale)  # (N, 1, Lq, Lk)
         output = self.dropout(weights) @ v  # (N, 1, Lq, d_v)
@@ -139,6 +141,7 @@ class MultiHeadAttention(nn.Module):
         for name, width in (("kdim", kdim), ("vdim", vdim)):
             if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
                 raise ValueError(f"{name}: expected None or a positive int, got {width!r}")
+        bias = checks.flag("bias", bias)
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = kv_heads
@@ -256,7 +259,7 @@ class MultiHeadAttention(nn.Module):
 
     def _check_inputs(self, query: Any, key: Any, value: Any, key_padding_mask: Any) -> None:
         for name, x, width in (("query", query, self.d_model), ("key", key, self.kdim), ("value", value, self.vdim)):
-            checks.tensor(name, x, 3, "(B, L, d_model)")
+            checks.tensor(name, x, 3, "(B, L, d_model)", empty_ok=True)  # B or L = 0: as torch's module
             if x.shape[-1] != width:
                 raise ValueError(f"{name}: expected last dim {width}, got {x.shape[-1]}")
             checks.same_kind(name, x, "W_q.weight", self.W_q.weight, dtypes_may_differ=autocast.on(x.device))
