@@ -347,3 +347,13 @@ def test_a_top_k_block_map() -> None:
     g2 = torch.autograd.grad(want.sum(), (q, k, v))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+
+
+def test_a_one_element_tensor_scale_is_its_value() -> None:
+    """torch's flex takes ``scale=torch.tensor(0.5)`` (refused before); one asking for a gradient is
+    refused by name, as the scale would get none."""
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    got = flex.flex_attention(q, k, v, scale=torch.tensor(0.5))
+    torch.testing.assert_close(got, flex.flex_attention(q, k, v, scale=0.5))
+    with pytest.raises(ValueError, match="scale: expected a float or a one-element tensor without requires_grad"):
+        flex.flex_attention(q, k, v, scale=torch.tensor(0.5, requires_grad=True))

@@ -54,6 +54,7 @@ from torch.nn.attention.flex_attention import (
 )
 
 from . import blocks, mods
+from .checks import ArgumentError
 from .functional import attention
 from .masks import Mask, ModSource
 
@@ -248,6 +249,19 @@ def _kinds_traced(block_mask: BlockMask, n_q: int, n_k: int) -> Tensor:
     return kinds
 
 
+def _scale(scale: Any) -> Any:
+    """torch's flex also takes a one-element tensor as ``scale`` (its value; attnzero's entry checks
+    the number). One that asks for a gradient is refused: the scale gets none."""
+    if not isinstance(scale, Tensor):
+        return scale
+    if scale.numel() != 1 or scale.requires_grad or scale.is_complex():
+        raise ArgumentError(
+            f"scale: expected a float or a one-element tensor without requires_grad, got a tensor of shape "
+            f"{tuple(scale.shape)}{' that requires grad' if scale.requires_grad else ''}"
+        )
+    return scale.item()
+
+
 def flex_attention(
     query: Tensor,
     key: Tensor,
@@ -286,7 +300,7 @@ def flex_attention(
     key, value = key.to(query.dtype), value.to(query.dtype)
     if key.shape[0] != B:  # Bkv = 1 broadcast against Bq
         key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
-    sc = 1.0 / math.sqrt(E) if scale is None else scale
+    sc = 1.0 / math.sqrt(E) if scale is None else _scale(scale)
     mask: Tensor | Mask | None = None
     if block_mask is not None and tuple(block_mask.BLOCK_SIZE) != (_LARGE, _LARGE) and Lq > 0 and Lk > 0:
         if torch.compiler.is_compiling():
