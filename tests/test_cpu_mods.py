@@ -442,6 +442,19 @@ _cfg_module.alpha = 0.5
 _cfg_array = np.array([0.5])
 
 
+class _Holder:
+    def __init__(self) -> None:
+        self.alpha = 0.5
+        self.step = 0  # not read by any mod
+
+
+_cfg_object = _Holder()
+
+
+def _alpha_of(holder: _Holder) -> float:  # a global function reading a field of what it is given
+    return holder.alpha
+
+
 @pytest.mark.parametrize(
     ("mod", "set_alpha"),
     [
@@ -449,8 +462,9 @@ _cfg_array = np.array([0.5])
         (lambda s, b, h, i, j: s * _cfg_module.alpha, lambda x: setattr(_cfg_module, "alpha", x)),
         (lambda s, b, h, i, j: s * float(_cfg_array[0]), lambda x: _cfg_array.__setitem__(0, x)),
         (lambda s, b, h, i, j: s * _Cfg.scaled(), lambda x: setattr(_Cfg, "alpha", x)),
+        (lambda s, b, h, i, j: s * _alpha_of(_cfg_object), lambda x: setattr(_cfg_object, "alpha", x)),
     ],
-    ids=["class", "module", "numpy", "classmethod"],
+    ids=["class", "module", "numpy", "classmethod", "helper"],
 )
 def test_a_number_read_through_a_class_a_module_or_an_array_is_read_now(
     mod: mods.ScoreMod, set_alpha: Callable[[float], None], traces: list[int], ran: list[bool]

@@ -298,6 +298,21 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
 
 
 def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
+    """``_walk_pass`` until the names its user code reads are all known before an object's fields
+    are chosen: a field skipped on one path but named by code met later (``helper(self)``, a
+    global function reading ``m.alpha``) is walked on the next pass — usually one pass."""
+    pool: frozenset[str] = frozenset()
+    for _ in range(4):
+        key, tensors, complete, seen, skipped = _walk_pass(fn, pool)
+        if not skipped & seen:
+            return key, tensors, complete
+        pool = frozenset(seen)
+    return key, tensors, False
+
+
+def _walk_pass(
+    fn: Any, pool: frozenset[str]
+) -> tuple[tuple[Any, ...], list[Tensor], bool, set[str], set[str]]:
     """Everything a mod reads besides its arguments, as a structure: closures; the globals, defaults
     and own attributes of every function; partials' arguments with their names; dicts' keys and
     values; objects' and modules' fields, slots and class attributes (a user class's constants,
@@ -310,7 +325,12 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     (their values are read when the generated code runs, not traced in); anything else by equality,
     held in the key — but an object hashed by identity by its fields and class, not itself. A
     library's function (torch's, attnzero's, Python's, an installed package's: ``_library``) by its
-    code, closure and defaults, not its globals. Returns ``(key, tensors in the order met, complete)``."""
+    code, closure and defaults, not its globals. Of an object of a user class, the fields and
+    class attributes some code names (``reached``): ``pool``, what the code on the path to it names.
+    Returns ``(key, tensors in the order met, complete, the names the user code met names, the
+    field names skipped)``."""
+    seen: set[str] = set(pool)
+    skipped: set[str] = set()
     out: list[Any] = []
     tensors: list[Tensor] = []
     first: dict[int, int] = {}  # id of an object met → its number (the order of first meetings)
@@ -327,7 +347,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
         object of a library's class (``torch.nn.Linear`` as a mod), whose code is not read."""
         if _library(type(obj).__module__):
             return None
-        want = dict.fromkeys([*names, *(("__call__", "forward") if called else ())])
+        want = dict.fromkeys([*names, *sorted(pool), *(("__call__", "forward") if called else ())])
         todo = list(want)
         while todo:
             name = todo.pop()
@@ -337,6 +357,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
                     new = [n for n in _names(x.__code__) if n not in want]
                     want.update(dict.fromkeys(new))
                     todo += new
+        seen.update(want)
         return list(want)
 
     def of_class(obj: Any, depth: int, names: list[str] | None) -> None:
@@ -362,14 +383,22 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
                     if names is None or n in names:
                         out.append(("K", k, n))
                         visit(t, depth + 1, outer)
+                    else:
+                        skipped.add(n)
             elif names is None or k in names or (module and k == "training"):
                 out.append(("K", k))
                 visit(x, depth + 1, outer)
+            else:
+                skipped.add(k)
         for cls in type(obj).__mro__:  # __slots__ fields
             for k in getattr(cls, "__slots__", ()):
-                if (names is None or k in names) and k not in ("__dict__", "__weakref__") and hasattr(obj, k):
+                if k in ("__dict__", "__weakref__") or not hasattr(obj, k):
+                    continue
+                if names is None or k in names:
                     out.append(("K", k))
                     visit(getattr(obj, k), depth + 1, outer)
+                else:
+                    skipped.add(k)
 
     def visit(obj: Any, depth: int, names: list[str], called: bool = True) -> None:
         nonlocal complete
@@ -424,6 +453,8 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             visit(obj.__func__, depth + 1, names)
         elif inspect.isfunction(obj):
             own = _names(obj.__code__)
+            if not _library(obj.__module__):
+                seen.update(own)
             out.append(("F", obj.__code__, len(obj.__closure__ or ())))
             for cell in obj.__closure__ or ():
                 try:
@@ -445,13 +476,13 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             # ``cfg.alpha``), as stored (a property is not run) — not every attribute (``torch``'s thousands)
             # A class's methods name more of its attributes (a classmethod's ``cls.alpha``): those too.
             out.append(("C", obj))
-            todo, seen = list(names), set()
+            todo, done = list(names), set()
             while todo:
                 name = todo.pop(0)
                 x = inspect.getattr_static(obj, name, _MISSING)
-                if x is _MISSING or name in seen:
+                if x is _MISSING or name in done:
                     continue
-                seen.add(name)
+                done.add(name)
                 x = _unwrap(x)
                 if isinstance(obj, type) and inspect.isfunction(x):
                     todo += _names(x.__code__)
@@ -472,7 +503,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             complete = False
 
     visit(fn, 0, [])
-    return tuple(out), tensors, complete
+    return tuple(out), tensors, complete, seen, skipped
 
 
 _MISSING = object()
