@@ -7,6 +7,7 @@ fails), and the cache that keeps a mod met again from being traced or compiled a
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import gc
@@ -588,8 +589,9 @@ def test_fingerprint_refuses_nesting_deeper_than_it_follows() -> None:
 @pytest.mark.parametrize(
     "read",
     [lambda t: t.item(), lambda t: float(np.asarray(t)), lambda t: complex(t).real, lambda t: float(f"{t:.3f}"),
-     lambda t: float(str(t)[7:-1])],
-    ids=["item", "numpy", "complex", "format", "str"],
+     lambda t: float(str(t)[7:-1]), lambda t: 2.0 if torch.equal(t, torch.tensor(5.0)) else 1.0,
+     lambda t: 2.0 if t.allclose(torch.tensor(5.0)) else 1.0],
+    ids=["item", "numpy", "complex", "format", "str", "equal", "allclose"],
 )
 def test_a_mod_that_reads_a_tensors_value_is_traced_at_every_call(
     read: Callable[[Tensor], float], monkeypatch: pytest.MonkeyPatch
@@ -758,54 +760,90 @@ class _WithData(torch.nn.Module):
         return sum(_DATA)
 
 
-class _ReadsData(_WithData):
-    def forward(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return s * (self.total() > 0) + self.slopes[h] * (j - i)
-
-
 def test_a_mod_that_reaches_big_data_is_not_kept_and_still_captures_its_tensors() -> None:
     """A container longer than the walk follows (here a method's global list of 100k floats) is not
-    walked: the key is None (traced at every call), quickly, and the module's tensor is still
-    captured. A method the mod does not call is not walked at all: the key is kept."""
-    m = _ReadsData()
+    walked: the key is None (traced at every call), quickly, and the module's tensor is still captured."""
+    m = _WithData()
     t0 = time.perf_counter()
     key, tensors = mods.fingerprint(m)
     assert key is None and time.perf_counter() - t0 < 0.05
     assert any(t is m.slopes for t in tensors)
-    m = _WithData()
-    key, tensors = mods.fingerprint(m)
-    assert key is not None and any(t is m.slopes for t in tensors)
 
 
-class _Decoder(torch.nn.Module):
-    """A bound method as the mod, beside fields it never reads that change at every step."""
+class _Scales(collections.UserDict):  # type: ignore[type-arg]
+    """A library container subclassed: its ``data`` field is read by the library's ``__getitem__``."""
 
+
+class _Scaler:
     def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("slopes", torch.rand(H))
-        self.pos = 0  # a decoding position
-        self.stats = np.zeros(1000)  # running statistics
-        self.vocabulary = [str(n) for n in range(5000)]  # longer than the walk follows
+        self.alpha = 0.5
 
-    def alibi(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return s + self.slopes[h] * (j - i)
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.pos += 1
-        self.stats += 1.0
-        out = az.attention(q, k, v, score_mod=self.alibi)
-        assert isinstance(out, Tensor)
-        return out
+    def __float__(self) -> float:  # read by float(obj): a special method, named by no code
+        return self.alpha
 
 
-def test_fields_the_mod_does_not_read_do_not_key_it(traces: list[int], ran: list[bool]) -> None:
-    """Only what the mod's code names is walked: a step counter, a numpy array changing at every
-    call and a long list beside it are not (each call was traced again, its key holding the array's
-    bytes; the list made the key None)."""
-    m = _Decoder()
+_scales = _Scales(alpha=0.5)
+_scaler = _Scaler()
+_table = {"alpha": 0.5}
+_get = _table.get  # a builtin's method bound to the data
+
+
+class _Tagged(list):  # type: ignore[type-arg]
+    pass
+
+
+_tagged = _Tagged([1.0])
+_tagged.alpha = 0.5  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("mod", "set_alpha"),
+    [
+        (lambda s, b, h, i, j: s * _scales["alpha"], lambda x: _scales.__setitem__("alpha", x)),
+        (lambda s, b, h, i, j: s * float(_scaler), lambda x: setattr(_scaler, "alpha", x)),
+        (lambda s, b, h, i, j: s * getattr(_scaler, "al" + "pha"), lambda x: setattr(_scaler, "alpha", x)),
+        (lambda s, b, h, i, j: s * _get("alpha"), lambda x: _table.__setitem__("alpha", x)),
+        (lambda s, b, h, i, j: s * _tagged.alpha, lambda x: setattr(_tagged, "alpha", x)),
+    ],
+    ids=["library_container", "special_method", "computed_name", "bound_builtin", "list_subclass_field"],
+)
+def test_values_read_where_no_code_names_them_are_read_now(
+    mod: mods.ScoreMod, set_alpha: Callable[[float], None], traces: list[int], ran: list[bool]
+) -> None:
+    """Every field of what the mod reaches keys its code, named by its code or not (a walk of the
+    named fields only kept the first value's code for each of these; a bound builtin's data and a
+    list subclass's fields were never walked)."""
     q, k, v = (t.to(F32) for t in qkv(1, 4, 2, 8, 8, 8))
-    with torch.no_grad():
-        for _ in range(3):
-            m(q, k, v)
-    assert len(traces) == 1 and ran == [True] * 3
-    assert mods.fingerprint(m.alibi)[0] is not None
+    try:
+        for alpha in (0.5, 3.0):
+            set_alpha(alpha)
+            got = az.attention(q, k, v, score_mod=mod)
+            torch.testing.assert_close(got, az.attention(q, k, v, scale=alpha / math.sqrt(8)), rtol=1e-5, atol=1e-5)
+    finally:
+        set_alpha(0.5)
+    assert len(traces) == 2
+
+
+def test_a_tensors_layout_type_and_attributes_key_the_code() -> None:
+    """What a trace may read of a captured tensor besides its values: strides, its type, attributes."""
+    t = torch.randn(4, 4)
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * (2.0 if t.is_contiguous() else 1.0) * getattr(t, "gain", 1.0)
+
+    key = mods.fingerprint(mod)[0]
+    t = torch.randn(4, 4).t()
+    assert mods.fingerprint(mod)[0] != key
+    t = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    assert mods.fingerprint(mod)[0] != key
+    t = torch.randn(4, 4)
+    t.gain = 3.0  # type: ignore[attr-defined]
+    assert mods.fingerprint(mod)[0] != key
+
+
+def test_a_modules_hooks_key_its_code() -> None:
+    m = torch.nn.Module()
+    m.forward = lambda s, b, h, i, j: s  # type: ignore[method-assign]
+    key = mods.fingerprint(m)[0]
+    m.register_forward_hook(lambda mod, args, out: out * 2.0)
+    assert mods.fingerprint(m)[0] != key

@@ -298,109 +298,53 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
 
 
 def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
-    """``_walk_pass`` until the names its user code reads are all known before an object's fields
-    are chosen: a field skipped on one path but named by code met later (``helper(self)``, a
-    global function reading ``m.alpha``) is walked on the next pass — usually one pass."""
-    pool: frozenset[str] = frozenset()
-    for _ in range(4):
-        key, tensors, complete, seen, skipped = _walk_pass(fn, pool)
-        if not skipped & seen:
-            return key, tensors, complete
-        pool = frozenset(seen)
-    return key, tensors, False
-
-
-def _walk_pass(
-    fn: Any, pool: frozenset[str]
-) -> tuple[tuple[Any, ...], list[Tensor], bool, set[str], set[str]]:
     """Everything a mod reads besides its arguments, as a structure: closures; the globals, defaults
     and own attributes of every function; partials' arguments with their names; dicts' keys and
     values; objects' and modules' fields, slots and class attributes (a user class's constants,
-    properties and methods; a module's parameters, buffers, submodules and plain fields); and the
-    attributes its code names on a Python module or a class it reads as a global. Each object
+    properties and methods; a module's parameters, buffers, submodules, hooks and plain fields); and
+    the attributes its code names on a Python module or a class it reads as a global. Each object
     once, a later meeting as a reference to the first (``(t1, t1, t2)`` and ``(t1, t2, t2)``
     differ); the code of every function (a lambda made anew with the same code is the same); the
     value of every Python number, string and flag (traced in as constants; ``repr`` for floats:
-    -0.0 is not 0.0); a numpy array's values; each tensor's shape, dtype, device and requires_grad
-    (their values are read when the generated code runs, not traced in); anything else by equality,
-    held in the key — but an object hashed by identity by its fields and class, not itself. A
-    library's function (torch's, attnzero's, Python's, an installed package's: ``_library``) by its
-    code, closure and defaults, not its globals. Of an object of a user class, the fields and
-    class attributes some code names (``reached``): ``pool``, what the code on the path to it names.
-    Returns ``(key, tensors in the order met, complete, the names the user code met names, the
-    field names skipped)``."""
-    seen: set[str] = set(pool)
-    skipped: set[str] = set()
+    -0.0 is not 0.0); a numpy array's values; each tensor's type, shape, strides, dtype, device,
+    requires_grad and Python attributes (their values are read when the generated code runs, not
+    traced in); anything else by equality, held in the key — but an object hashed by identity by its
+    fields and class, not itself. A library's function (torch's, attnzero's, Python's, an installed
+    package's: ``_library``) by its code, closure and defaults, not its globals. Every field of an
+    object counts, named by the mod's code or not: what a trace reads cannot be listed from the code
+    (special methods, ``getattr`` of a computed name, a library reading ``vars(obj)``). Returns
+    ``(key, tensors in the order met, complete)``."""
     out: list[Any] = []
     tensors: list[Tensor] = []
     first: dict[int, int] = {}  # id of an object met → its number (the order of first meetings)
     held: list[Any] = []  # what the walk met, alive until it ends (ids stay unique)
     complete = True
 
-    def reached(obj: Any, names: list[str], called: bool) -> list[str] | None:
-        """The attribute names of ``obj`` the code that reaches it may read: ``names``, its
-        ``__call__`` / ``forward`` when it may be called (not an object reached as a bound method's
-        ``self``: the method is what runs), and the names in the code of the methods and properties
-        of its user classes among them, transitively. Only these are walked: a field no code names
-        (a step counter, a statistics array, a vocabulary) changed the key on every call, was copied
-        into it (numpy's bytes) or made it None (a list longer than _BIG). None (every field) for an
-        object of a library's class (``torch.nn.Linear`` as a mod), whose code is not read."""
-        if _library(type(obj).__module__):
-            return None
-        want = dict.fromkeys([*names, *sorted(pool), *(("__call__", "forward") if called else ())])
-        todo = list(want)
-        while todo:
-            name = todo.pop()
-            for cls in type(obj).__mro__:
-                x = _unwrap(vars(cls).get(name)) if not _library(cls.__module__) else None
-                if inspect.isfunction(x):
-                    new = [n for n in _names(x.__code__) if n not in want]
-                    want.update(dict.fromkeys(new))
-                    todo += new
-        seen.update(want)
-        return list(want)
-
-    def of_class(obj: Any, depth: int, names: list[str] | None) -> None:
-        """A user class's own attributes (not a library's) that the code names: constants, and the
-        code of its methods and properties."""
+    def of_class(obj: Any, depth: int, names: list[str]) -> None:
+        """A user class's own attributes (not a library's): constants, and the code of its methods
+        and properties (they may read other fields, which are walked anyway)."""
         for cls in type(obj).__mro__:
-            if _library(cls.__module__) or names is None:
+            if _library(cls.__module__):
                 continue
             for k, x in vars(cls).items():
-                if k in names:
-                    out.append(("CK", cls.__qualname__, k))
-                    visit(_unwrap(x), depth + 1, names)
+                if k.startswith("__") and k.endswith("__") and k != "__call__":
+                    continue
+                out.append(("CK", cls.__qualname__, k))
+                visit(_unwrap(x), depth + 1, names)
 
-    def fields(obj: Any, depth: int, names: list[str] | None, outer: list[str]) -> None:
-        """The fields named (None: all; a module's parameters, buffers and submodules by their
-        names, and ``training``), walked on with the names ``outer``."""
-        module = isinstance(obj, torch.nn.Module)
+    def fields(obj: Any, depth: int, names: list[str]) -> None:
+        """Every field (a module's parameters, buffers, submodules, hooks, ``training``, plain fields)."""
         for k, x in (vars(obj) if hasattr(obj, "__dict__") else {}).items():
-            if module and k in _MODULE_INTERNALS:
-                continue
-            if module and k in ("_parameters", "_buffers", "_modules"):
-                for n, t in x.items():
-                    if names is None or n in names:
-                        out.append(("K", k, n))
-                        visit(t, depth + 1, outer)
-                    else:
-                        skipped.add(n)
-            elif names is None or k in names or (module and k == "training"):
+            if not isinstance(obj, torch.nn.Module) or k not in _MODULE_INTERNALS:
                 out.append(("K", k))
-                visit(x, depth + 1, outer)
-            else:
-                skipped.add(k)
+                visit(x, depth + 1, names)
         for cls in type(obj).__mro__:  # __slots__ fields
             for k in getattr(cls, "__slots__", ()):
-                if k in ("__dict__", "__weakref__") or not hasattr(obj, k):
-                    continue
-                if names is None or k in names:
+                if k not in ("__dict__", "__weakref__") and hasattr(obj, k):
                     out.append(("K", k))
-                    visit(getattr(obj, k), depth + 1, outer)
-                else:
-                    skipped.add(k)
+                    visit(getattr(obj, k), depth + 1, names)
 
-    def visit(obj: Any, depth: int, names: list[str], called: bool = True) -> None:
+    def visit(obj: Any, depth: int, names: list[str]) -> None:
         nonlocal complete
         if obj is None or isinstance(obj, (bool, int, str, bytes)):
             out.append(("V", type(obj), obj))
@@ -416,16 +360,17 @@ def _walk_pass(
             return
         first[id(obj)] = len(first)
         held.append(obj)
-        if isinstance(obj, Tensor):
-            out.append(("T", tuple(obj.shape), obj.dtype, obj.device, obj.requires_grad))
+        if isinstance(obj, Tensor):  # (a tensor's values are read when the code runs; not its layout)
+            out.append(("T", type(obj), tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad))
             tensors.append(obj)
+            if vars(obj):  # Python attributes set on it (``t.scale``)
+                fields(obj, depth, names)
         elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
             out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
         elif isinstance(obj, torch.nn.Module):
             out.append(("N", type(obj)))
-            wanted = reached(obj, names, called)
-            fields(obj, depth, wanted, wanted or names)  # parameters, buffers, submodules, fields; ``training``
-            of_class(obj, depth, wanted)
+            fields(obj, depth, names)  # parameters, buffers, submodules, hooks, plain fields, ``training``
+            of_class(obj, depth, names)
         elif isinstance(obj, functools.partial):
             out.append(("P", len(obj.args)))
             for x in (obj.func, *obj.args):
@@ -440,21 +385,33 @@ def _walk_pass(
             out.append(("L", type(obj), len(obj)))
             for x in obj:
                 visit(x, depth + 1, names)
+            if type(obj) not in (list, tuple):  # a subclass's fields (``lst.scale``), a namedtuple's none
+                fields(obj, depth, names)
         elif isinstance(obj, dict):
             out.append(("D", type(obj), len(obj)))
             for k, x in obj.items():
                 out.append(("K", k if isinstance(k, (str, int)) else repr(k)))
                 visit(x, depth + 1, names)
+            if type(obj) is not dict:
+                fields(obj, depth, names)
         elif isinstance(obj, (set, frozenset)):
+            if not all(x is None or isinstance(x, (bool, int, float, str, bytes)) for x in obj):
+                complete = False  # objects in no order: their repr would stand for them
             out.append(("S", type(obj), tuple(sorted(repr(x) for x in obj))))
+        elif isinstance(obj, weakref.ref):
+            out.append(("W",))
+            visit(obj(), depth + 1, names)  # what it points to now
+        elif isinstance(obj, types.BuiltinMethodType) and not isinstance(
+            getattr(obj, "__self__", None), (types.ModuleType, type, type(None))
+        ):  # a builtin's method bound to data: ``TAB.get``, ``TAB.__getitem__``
+            out.append(("BM", obj.__name__))
+            visit(obj.__self__, depth + 1, names)
         elif inspect.ismethod(obj):
             out.append(("M",))
-            visit(obj.__self__, depth + 1, _names(obj.__func__.__code__), called=False)  # ``self.x``, ``cls.alpha``
+            visit(obj.__self__, depth + 1, _names(obj.__func__.__code__))  # a classmethod's ``cls.alpha``
             visit(obj.__func__, depth + 1, names)
         elif inspect.isfunction(obj):
             own = _names(obj.__code__)
-            if not _library(obj.__module__):
-                seen.update(own)
             out.append(("F", obj.__code__, len(obj.__closure__ or ())))
             for cell in obj.__closure__ or ():
                 try:
@@ -480,6 +437,9 @@ def _walk_pass(
             while todo:
                 name = todo.pop(0)
                 x = inspect.getattr_static(obj, name, _MISSING)
+                if x is _MISSING and isinstance(obj, types.ModuleType) and name not in done:
+                    x = vars(obj).get("__getattr__", _MISSING)  # PEP 562: the module computes it
+                    name = "__getattr__" if x is not _MISSING else name
                 if x is _MISSING or name in done:
                     continue
                 done.add(name)
@@ -494,16 +454,15 @@ def _walk_pass(
             # traced again and held by the cache with all it holds
             by_fields = type(obj).__hash__ is object.__hash__ and (hasattr(obj, "__dict__") or _slots(obj))
             out.append(("O", type(obj), obj) if _hashable(obj) and not by_fields else ("O", type(obj)))
-            wanted = reached(obj, names, called)
-            fields(obj, depth, wanted, wanted or names)
-            of_class(obj, depth, wanted)
+            fields(obj, depth, names)
+            of_class(obj, depth, names)
         elif _hashable(obj):
             out.append(("X", type(obj), obj))  # compared by equality (held by the key)
         else:
             complete = False
 
     visit(fn, 0, [])
-    return tuple(out), tensors, complete, seen, skipped
+    return tuple(out), tensors, complete
 
 
 _MISSING = object()
@@ -519,16 +478,19 @@ def _unwrap(x: Any) -> Any:
 
 @functools.cache
 def _library(module: str | None) -> bool:
-    """Whether code is a library's — torch's, attnzero's, Python's own or an installed package's —
-    rather than the user's: its globals are the library, not the mod's configuration, and are not
-    walked. (A lambda made in a module's ``forward`` reaches the class, its ``forward``, and from
+    """Whether code is a library's — torch's, attnzero's, Python's own or an installed package's (a
+    file under the interpreter's library folders) — rather than the user's: its globals are the
+    library, not the mod's configuration, and are not walked (an installed package's setting changed
+    at run time is not seen). (A lambda made in a module's ``forward`` reaches the class, its ``forward``, and from
     its globals ``az`` or pytest's helpers: the walk reached whole packages and their caches, the key
     was None and every call traced again.)"""
     top = (module or "").split(".")[0]
-    if top in ("torch", "attnzero", "builtins") or top in sys.stdlib_module_names:
+    if top in ("torch", "attnzero"):
         return True
     file = getattr(sys.modules.get(top), "__file__", None)
-    return file is not None and any(Path(file).resolve().is_relative_to(p) for p in _INSTALLED)
+    if file is None:  # built into the interpreter (builtins, sys) — or made at run time (the user's)
+        return top in sys.builtin_module_names
+    return any(Path(file).resolve().is_relative_to(p) for p in _INSTALLED)  # not a user's sched.py
 
 
 _INSTALLED = tuple({Path(sysconfig.get_path(k)).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")})
@@ -546,7 +508,9 @@ def _hashable(obj: Any) -> bool:
     return True
 
 _BIG = 1000  # a list, dict or set longer than this is not walked: the key is None (nothing kept)
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffers", "_modules", "training"}
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {
+    "_parameters", "_buffers", "_modules", "training", "_forward_hooks", "_forward_pre_hooks"
+}  # fmt: skip
 
 
 def _names(code: Any) -> list[str]:

@@ -891,12 +891,14 @@ def _mini(a, b):
 
 class _ValueReads(TorchFunctionMode):
     """Notes a tensor's value taken into Python while a mod is traced (``t.item()``, ``bool(t)``,
-    ``float(t)``, ``t.tolist()``, ``np.asarray(t)``, ``complex(t)``, ``f"{t:.2f}"``, ``str(t)``): the traced graph
+    ``float(t)``, ``t.tolist()``, ``np.asarray(t)``, ``complex(t)``, ``f"{t:.2f}"``, ``str(t)``,
+    ``torch.equal(t, u)``, ``t.allclose(u)``): the traced graph
     then holds that value as a constant, so it may not be kept for another call (``reads_of_values``)."""
 
     READS: ClassVar[frozenset[Any]] = frozenset(
         {Tensor.item, Tensor.__bool__, Tensor.__float__, Tensor.__int__, Tensor.__index__, Tensor.__complex__,
-         Tensor.tolist, Tensor.numpy, Tensor.__array__, Tensor.__format__, Tensor.__repr__, Tensor.__str__}
+         Tensor.tolist, Tensor.numpy, Tensor.__array__, Tensor.__format__, Tensor.__repr__, Tensor.__str__,
+         torch.equal, Tensor.equal, torch.allclose, Tensor.allclose, torch.is_nonzero, Tensor.is_nonzero}
     )  # fmt: skip
 
     def __init__(self, reads: list[str]) -> None:
