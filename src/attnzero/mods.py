@@ -481,9 +481,9 @@ def _library(module: str | None) -> bool:
     """Whether code is a library's — torch's, attnzero's, Python's own or an installed package's (a
     file under the interpreter's library folders) — rather than the user's: its globals are the
     library, not the mod's configuration, and are not walked (an installed package's setting changed
-    at run time is not seen). (A lambda made in a module's ``forward`` reaches the class, its ``forward``, and from
-    its globals ``az`` or pytest's helpers: the walk reached whole packages and their caches, the key
-    was None and every call traced again.)"""
+    at run time is not seen). A lambda made in a module's ``forward`` reaches the class, its
+    ``forward``, and from its globals ``az`` or pytest's helpers: walked, they took in whole packages
+    and their caches, the key was None and every call traced again."""
     top = (module or "").split(".")[0]
     if top in ("torch", "attnzero"):
         return True
