@@ -326,3 +326,25 @@ def test_forward_ad_duals_keep_their_tangent(backend: str, case: str) -> None:
     primals, tangents = (q.detach().double(), k.double(), table.double()), (tq.double(), tk.double(), tt.double())
     want = torch.func.jvp(lambda a, b, c: f(a, b, c, "reference"), primals, tangents)[1]
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash"])
+def test_transforms_over_a_score_mods_captured_table_only(backend: str) -> None:
+    """grad and vmap over the table a score_mod captures, q, k, v plain: the call takes the formula
+    (the table is seen through the transform). The kernel's Function had been given the wrapped
+    table: "Cannot access data pointer", or vmap's in-place size error."""
+    torch.manual_seed(0)
+    H, L = 2, 6
+    q, k, v = (torch.randn(1, H, L, 8) for _ in range(3))
+
+    def f(t: torch.Tensor, name: str) -> torch.Tensor:
+        out = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + t[h, i - j + L - 1], backend=name)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    table = torch.randn(H, 2 * L - 1)
+    want = grad(lambda t: f(t, "reference").sum())(table)
+    torch.testing.assert_close(grad(lambda t: f(t, backend).sum())(table), want)
+    tables = torch.randn(3, H, 2 * L - 1)
+    want_v = torch.stack([f(t, "reference") for t in tables])
+    torch.testing.assert_close(vmap(lambda t: f(t, backend))(tables), want_v, rtol=1e-5, atol=1e-6)

@@ -294,8 +294,9 @@ def run(
         # A mod that cannot be generated is refused by backend="triton", naming the operation — never
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
-        special = torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink) or empty
-        special = special or batching.dual(q, k, v, add, sink, *mods.captured_tensors(fn))  # forward-mode AD
+        captured = mods.captured_tensors(fn)  # (a table transformed by torch.func / a dual counts too)
+        special = torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink, *captured) or empty
+        special = special or batching.dual(q, k, v, add, sink, *captured)  # forward-mode AD
         # (attention sinks with a mod: each backend's Function folds them into its result and backward)
         if name == "triton" and special and not empty:
             raise ArgumentError(
