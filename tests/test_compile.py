@@ -15,6 +15,7 @@ inductor case sets it to compare with eager.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +25,7 @@ from conftest import absent
 from torch import nn
 
 import attnzero as az
+from attnzero import flex
 
 VOCAB, BLOCK = 32, 16
 
@@ -231,6 +233,42 @@ def test_export_takes_every_length_a_shortcut_was_chosen_for() -> None:
     ep = torch.export.export(Window(), (torch.randn(1, 2, 64, 8),), dynamic_shapes={"x": {2: L}})
     x = torch.randn(1, 2, 300, 8)
     torch.testing.assert_close(ep.module()(x), az.attention(x, x, x, window=(128, 0), backend="reference"))
+
+
+def _alibi_like(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return s + 0.1 * (i - j)
+
+
+def test_export_a_score_mod_with_dynamic_batch_and_length() -> None:
+    """A score_mod's block shape is read as sizes, not len(): len() made an exported B and L
+    constants (torch's flex exports the same module)."""
+
+    class Modded(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = az.attention(q, k, v, score_mod=_alibi_like)
+            assert isinstance(out, torch.Tensor)
+            return out
+
+    B, L = torch.export.Dim("B", max=8), torch.export.Dim("L", min=2, max=32)
+    q = torch.randn(2, 2, 8, 16)
+    ep = torch.export.export(Modded(), (q, q, q), dynamic_shapes={x: {0: B, 2: L} for x in ("q", "k", "v")})
+    x = torch.randn(1, 2, 5, 16)
+    torch.testing.assert_close(ep.module()(x, x, x), az.attention(x, x, x, score_mod=_alibi_like, backend="reference"))
+
+
+def test_a_scale_from_a_traced_size_compiles_with_dynamic_shapes() -> None:
+    """scale = 1 / sqrt(q.shape[-1]) under dynamic shapes is a symbolic float: the finiteness check
+    could not trace it (every fullgraph compile failed), as flex's default scale."""
+
+    def fn(q: torch.Tensor) -> torch.Tensor:
+        out = az.attention(q, q, q, scale=1 / math.sqrt(q.shape[-1]))
+        assert isinstance(out, torch.Tensor)
+        return out + flex.flex_attention(q, q, q)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=True)
+    for D in (8, 16):
+        q = torch.randn(1, 2, 5, D)
+        torch.testing.assert_close(compiled(q), fn(q))
 
 
 @pytest.mark.parametrize("case", ["score_mod", "reference_lse"])

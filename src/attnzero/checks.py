@@ -239,12 +239,16 @@ def scale(x: Any, head_dim: int) -> float:
     finite real number."""
     if x is None:
         return 1.0 if is_zero(head_dim) else 1.0 / math.sqrt(head_dim)
+    if isinstance(x, torch.SymFloat | torch.SymInt):  # from a traced size (1 / sqrt(q.shape[-1])): as traced
+        return x  # type: ignore[return-value]
     if not _real(x):
         raise ArgumentTypeError(f"scale: expected None or a real number, got {x!r}")
     try:
         value = float(x)
     except OverflowError:  # an int beyond float's range
         raise ArgumentError(f"scale: expected a finite float, got an integer of {int(x).bit_length()} bits") from None
+    if torch.compiler.is_compiling():  # dynamo sees a size-derived scale as a float it cannot test
+        return value
     if not math.isfinite(value):
         raise ArgumentError(f"scale: expected a finite number, got {x}")
     return value

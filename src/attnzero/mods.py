@@ -144,7 +144,7 @@ def score_block(score_mod: ScoreMod, s: Tensor, *, batches: Range, heads: Range,
     ``[c0, c1)`` (give global positions where the block sits in a longer sequence). Returns the
     modified scores, same shape and dtype (else ``ModError``); −inf blocks a pair."""
     idx = _indices(batches, heads, rows, cols, s.device)
-    want = tuple(len(i) for i in idx)
+    want = tuple(i.shape[0] for i in idx)  # (not len(): an exported size would be made a constant)
     if tuple(s.shape) != want:  # (a caller's error, not the user's)
         raise ValueError(f"s: expected the block's shape {want}, got {tuple(s.shape)}")
     if s.numel() == 0:
