@@ -357,3 +357,6 @@ def test_a_one_element_tensor_scale_is_its_value() -> None:
     torch.testing.assert_close(got, flex.flex_attention(q, k, v, scale=0.5))
     with pytest.raises(ValueError, match="scale: expected a float or a one-element tensor without requires_grad"):
         flex.flex_attention(q, k, v, scale=torch.tensor(0.5, requires_grad=True))
+    # traced: q times the scale, no graph break (its value read by .item() broke a fullgraph compile)
+    compiled = torch.compile(flex.flex_attention, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, scale=torch.tensor(0.5)), got, rtol=1e-5, atol=1e-6)

@@ -249,17 +249,20 @@ def _kinds_traced(block_mask: BlockMask, n_q: int, n_k: int) -> Tensor:
     return kinds
 
 
-def _scale(scale: Any) -> Any:
-    """torch's flex also takes a one-element tensor as ``scale`` (its value; attnzero's entry checks
-    the number). One that asks for a gradient is refused: the scale gets none."""
+def _scale(scale: Any, query: Tensor) -> tuple[Any, Tensor]:
+    """``(scale, query)`` as attnzero takes them: torch's flex also takes a one-element tensor as
+    ``scale`` — its value, or, traced by torch.compile (where reading it would break the graph),
+    query times it and a scale of 1. One that asks for a gradient is refused: the scale gets none."""
     if not isinstance(scale, Tensor):
-        return scale
+        return scale, query
     if scale.numel() != 1 or scale.requires_grad or scale.is_complex():
         raise ArgumentError(
             f"scale: expected a float or a one-element tensor without requires_grad, got a tensor of shape "
             f"{tuple(scale.shape)}{' that requires grad' if scale.requires_grad else ''}"
         )
-    return scale.item()
+    if torch.compiler.is_compiling():
+        return 1.0, query * scale.reshape(()).to(query.dtype)
+    return scale.item(), query
 
 
 def flex_attention(
@@ -300,7 +303,7 @@ def flex_attention(
     key, value = key.to(query.dtype), value.to(query.dtype)
     if key.shape[0] != B:  # Bkv = 1 broadcast against Bq
         key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
-    sc = 1.0 / math.sqrt(E) if scale is None else _scale(scale)
+    sc, query = (1.0 / math.sqrt(E), query) if scale is None else _scale(scale, query)
     mask: Tensor | Mask | None = None
     if block_mask is not None and tuple(block_mask.BLOCK_SIZE) != (_LARGE, _LARGE) and Lq > 0 and Lk > 0:
         if torch.compiler.is_compiling():
