@@ -256,6 +256,31 @@ def test_export_a_score_mod_with_dynamic_batch_and_length() -> None:
     torch.testing.assert_close(ep.module()(x, x, x), az.attention(x, x, x, score_mod=_alibi_like, backend="reference"))
 
 
+class _TableMod(nn.Module):
+    """A learned per-head bias read by a score_mod made in forward: through self, or a local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4))
+
+    def forward(self, q: torch.Tensor, local: bool) -> torch.Tensor:
+        tab = self.table
+        mod = (lambda s, b, h, i, j: s + tab[h]) if local else (lambda s, b, h, i, j: s + self.table[h])
+        out = az.attention(q, q, q, score_mod=mod)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["self", "local"])
+def test_a_compiled_module_whose_score_mod_reads_its_parameter(local: bool) -> None:
+    """Traced by dynamo the mod is not walked (the walk for torch.func's check, run first, made dynamo
+    trace vars() of a parameter it tracks: InternalTorchDynamoError)."""
+    m = _TableMod()
+    q = torch.randn(1, 4, 6, 8)
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, local), m(q, local))
+
+
 def test_a_scale_from_a_traced_size_compiles_with_dynamic_shapes() -> None:
     """scale = 1 / sqrt(q.shape[-1]) under dynamic shapes is a symbolic float: the finiteness check
     could not trace it (every fullgraph compile failed), as flex's default scale."""

@@ -294,8 +294,9 @@ def run(
         # A mod that cannot be generated is refused by backend="triton", naming the operation — never
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
-        captured = mods.captured_tensors(fn)  # (a table transformed by torch.func / a dual counts too)
-        special = torch.compiler.is_compiling() or batching.wrapped(q, k, v, keep, add, sink, *captured) or empty
+        special = torch.compiler.is_compiling() or empty  # (traced: the mod is not walked — dynamo would trace it)
+        captured = () if special else mods.captured_tensors(fn)  # a table seen through torch.func / a dual counts
+        special = special or batching.wrapped(q, k, v, keep, add, sink, *captured)
         special = special or batching.dual(q, k, v, add, sink, *captured)  # forward-mode AD
         # (attention sinks with a mod: each backend's Function folds them into its result and backward)
         if name == "triton" and special and not empty:
