@@ -847,3 +847,95 @@ def test_a_modules_hooks_key_its_code() -> None:
     key = mods.fingerprint(m)[0]
     m.register_forward_hook(lambda mod, args, out: out * 2.0)
     assert mods.fingerprint(m)[0] != key
+
+
+class _Slotted:
+    """Slots and a __getattr__ that raises KeyError: hasattr() let it escape from the walk."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values = {"alpha": 0.5}
+
+    def __getattr__(self, name: str) -> float:
+        return self.values[name]  # KeyError for an unknown name (as some config classes do)
+
+
+class _Child:
+    def __init__(self, parent: Any) -> None:
+        self.parent = weakref.proxy(parent)  # dead once the parent is collected; the mod never reads it
+        self.t = torch.rand(2)
+
+
+@pytest.mark.parametrize("case", ["getattr_raises", "dead_proxy"])
+def test_the_walk_does_not_fail_a_call_the_mod_runs(case: str) -> None:
+    """The walk only keys the cache: an object whose attribute lookup raises, or a dead weak proxy
+    beside what the mod reads, made every backend raise (KeyError, ReferenceError)."""
+    if case == "getattr_raises":
+        cfg = _Slotted()
+
+        def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s * cfg.alpha
+
+    else:
+
+        class Parent:
+            pass
+
+        child = _Child(Parent())
+        gc.collect()
+
+        def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s + child.t[0]
+
+    q, k, v = (t.to(F32) for t in qkv(1, 2, 2, 8, 8, 8))
+    torch.testing.assert_close(az.attention(q, k, v, score_mod=mod), az.attention(q, k, v, score_mod=mod,
+                               backend="reference"), rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_parameters_behind_a_long_dict_a_deque_or_a_bound_slot_get_their_gradients() -> None:
+    """Tensors the walk reached but did not capture got no gradient on the kernel and flash.py (the
+    reference's autograd gave it): a dict of more than _BIG entries (dict(model.named_parameters())),
+    a deque, a mappingproxy, ``(p,).__getitem__``."""
+    p = torch.nn.Parameter(torch.tensor([0.5, -0.25]))
+    params = {f"x{n}": torch.zeros(1) for n in range(mods._BIG + 5)} | {"slopes": p}
+    holders: list[Callable[[int], Tensor]] = [
+        lambda h: params["slopes"][h],
+        lambda h, d=collections.deque([p]): d[0][h],
+        lambda h, m=types.MappingProxyType({"p": p}): m["p"][h],
+        lambda h, g=(p,).__getitem__: g(0)[h],
+    ]
+    q, k, v = (t.to(F32) for t in qkv(1, 2, 2, 6, 6, 8))
+    for read in holders:
+
+        def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor, read: Any = read) -> Tensor:
+            return s + read(h) * (j - i)
+
+        grads = []
+        for backend in ("auto", "reference"):
+            p.grad = None
+            az.attention(q, k, v, score_mod=mod, backend=backend).sum().backward()
+            assert p.grad is not None, backend
+            grads.append(p.grad.clone())
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
+def test_an_object_keyed_by_its_fields_is_not_held_whatever_its_hash() -> None:
+    """A frozen dataclass (hashable by value, its hash over a tensor's id) was held in the key with
+    all it holds, one cache entry per instance."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        table: Tensor
+        gain: float = 1.0
+
+    q, k, v = (t.to(F32) for t in qkv(1, 2, 2, 6, 6, 8))
+    gone = []
+    for _ in range(3):
+        cfg = Config(torch.randn(2))
+        gone.append(weakref.ref(cfg.table))
+        az.attention(q, k, v, score_mod=lambda s, b, h, i, j, c=cfg: s * c.gain + c.table[h])
+        del cfg
+    gc.collect()
+    assert all(r() is None for r in gone)

@@ -32,6 +32,7 @@ Letters: B batch, H query heads, Lq / Lk query / key length; r, c a block's rows
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import sys
@@ -334,18 +335,27 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
 
     def fields(obj: Any, depth: int, names: list[str]) -> None:
         """Every field (a module's parameters, buffers, submodules, hooks, ``training``, plain fields)."""
-        for k, x in (vars(obj) if hasattr(obj, "__dict__") else {}).items():
+        for k, x in (_own_dict(obj) or {}).items():
             if not isinstance(obj, torch.nn.Module) or k not in _MODULE_INTERNALS:
                 out.append(("K", k))
                 visit(x, depth + 1, names)
         for cls in type(obj).__mro__:  # __slots__ fields
             for k in getattr(cls, "__slots__", ()):
-                if k not in ("__dict__", "__weakref__") and hasattr(obj, k):
+                x = _slot(obj, k) if k not in ("__dict__", "__weakref__") else _MISSING
+                if x is not _MISSING:
                     out.append(("K", k))
-                    visit(getattr(obj, k), depth + 1, names)
+                    visit(x, depth + 1, names)
 
     def visit(obj: Any, depth: int, names: list[str]) -> None:
         nonlocal complete
+        if type(obj) in weakref.ProxyTypes:  # (type(): isinstance asks the referent, a dead one raises)
+            try:
+                referent = obj.__repr__.__self__
+            except ReferenceError:
+                out.append(("DEAD",))
+                return
+            out.append(("WP",))
+            obj = referent
         if obj is None or isinstance(obj, (bool, int, str, bytes)):
             out.append(("V", type(obj), obj))
             return
@@ -378,21 +388,24 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             for k, x in obj.keywords.items():
                 out.append(("K", k))
                 visit(x, depth + 1, names)
-        elif isinstance(obj, (list, tuple, dict, set, frozenset)) and len(obj) > _BIG:
-            complete = False  # data, not configuration: not walked (its tensors are not captured)
-            out.append(("BIG",))
-        elif isinstance(obj, (list, tuple)):
+        elif isinstance(obj, (list, tuple, dict, set, frozenset, collections.deque)) and len(obj) > _BIG:
+            complete = False  # data, not configuration: not walked, but for the tensors it holds
+            out.append(("BIG",))  # (dict(model.named_parameters()): each parameter gets its gradient)
+            for x in obj.values() if isinstance(obj, dict) else obj:
+                if isinstance(x, Tensor):
+                    visit(x, depth + 1, names)
+        elif isinstance(obj, (list, tuple, collections.deque)):
             out.append(("L", type(obj), len(obj)))
             for x in obj:
                 visit(x, depth + 1, names)
             if type(obj) not in (list, tuple):  # a subclass's fields (``lst.scale``), a namedtuple's none
                 fields(obj, depth, names)
-        elif isinstance(obj, dict):
+        elif isinstance(obj, (dict, types.MappingProxyType)):
             out.append(("D", type(obj), len(obj)))
             for k, x in obj.items():
                 out.append(("K", k if isinstance(k, (str, int)) else repr(k)))
                 visit(x, depth + 1, names)
-            if type(obj) is not dict:
+            if type(obj) not in (dict, types.MappingProxyType):
                 fields(obj, depth, names)
         elif isinstance(obj, (set, frozenset)):
             if not all(x is None or isinstance(x, (bool, int, float, str, bytes)) for x in obj):
@@ -401,9 +414,9 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
         elif isinstance(obj, weakref.ref):
             out.append(("W",))
             visit(obj(), depth + 1, names)  # what it points to now
-        elif isinstance(obj, types.BuiltinMethodType) and not isinstance(
+        elif isinstance(obj, types.BuiltinMethodType | types.MethodWrapperType) and not isinstance(
             getattr(obj, "__self__", None), (types.ModuleType, type, type(None))
-        ):  # a builtin's method bound to data: ``TAB.get``, ``TAB.__getitem__``
+        ):  # a builtin's method bound to data: ``TAB.get``, ``TAB.__getitem__``, ``(p,).__getitem__``
             out.append(("BM", obj.__name__))
             visit(obj.__self__, depth + 1, names)
         elif inspect.ismethod(obj):
@@ -448,11 +461,11 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
                     todo += _names(x.__code__)
                 out.append(("K", name))
                 visit(x, depth + 1, names)
-        elif callable(obj) or hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+        elif callable(obj) or _own_dict(obj) is not None or hasattr(type(obj), "__slots__"):
             # the object itself too where its fields cannot tell it apart (a builtin such as torch.exp);
-            # not one hashed by identity whose fields are walked: each new instance would be a new key,
-            # traced again and held by the cache with all it holds
-            by_fields = type(obj).__hash__ is object.__hash__ and (hasattr(obj, "__dict__") or _slots(obj))
+            # not one whose fields are walked: each new instance (a frozen dataclass, a callable made
+            # per call) would be a new key, traced again and held by the cache with all it holds
+            by_fields = _own_dict(obj) is not None or _slots(obj)
             out.append(("O", type(obj), obj) if _hashable(obj) and not by_fields else ("O", type(obj)))
             fields(obj, depth, names)
             of_class(obj, depth, names)
@@ -498,6 +511,24 @@ _INSTALLED = tuple({Path(sysconfig.get_path(k)).resolve() for k in ("stdlib", "p
 
 def _slots(obj: Any) -> bool:
     return any(k not in ("__dict__", "__weakref__") for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()))
+
+
+def _own_dict(obj: Any) -> dict[str, Any] | None:
+    """``obj.__dict__``, or None — also where asking raises (a ``__getattr__`` that raises KeyError, a
+    dead weak proxy): the walk only keys the cache, it must not fail a call the mod itself runs."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except Exception:
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _slot(obj: Any, name: str) -> Any:
+    """A slot's value, or ``_MISSING`` (unset, or asking raises)."""
+    try:
+        return object.__getattribute__(obj, name)
+    except Exception:
+        return _MISSING
 
 
 def _hashable(obj: Any) -> bool:
