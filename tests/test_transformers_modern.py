@@ -604,3 +604,24 @@ def test_inkling2_per_query_sinks_equal_eager() -> None:
         for h in hooks:
             h.remove()
     assert projections and (plain - golden).abs().max() > 1e3 * _bound(golden, eager32)
+
+
+def test_a_compiled_gemma2_on_attnzero_is_one_graph() -> None:
+    """Gemma 2 (sliding window, softcap, padding) compiles with fullgraph=True on attnzero as on
+    eager: the mask hook read a WeakValueDictionary and the attention function a ContextVar, two
+    graph breaks at every layer (13 in two layers)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=6, max_position_embeddings=64,
+        attn_logit_softcapping=5.0, attn_implementation=NAME,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(1, 64, (2, 16))
+    pad = torch.ones(2, 16, dtype=torch.long)
+    pad[1, :3] = 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, attention_mask=pad).logits,
+                                   model(input_ids=ids, attention_mask=pad).logits)  # fmt: skip

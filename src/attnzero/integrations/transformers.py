@@ -154,19 +154,22 @@ def keep_mask(**kwargs: Any) -> Tensor | None:
 
     kwargs.pop("dtype", None)  # eager's float masks need it; a keep-mask is bool
     config = kwargs.pop("config", None)
-    if config is not None and _EXPLICIT_MASKS.get(id(config)) is config:
+    if config is not None and id(config) in _EXPLICIT_MASKS:
         kwargs["allow_is_causal_skip"] = False
         kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(**kwargs)  # type: ignore[no-any-return]
 
 
-#: Configs of models without sdpa support: their masks are always built (see :func:`keep_mask`).
-_EXPLICIT_MASKS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+#: ids of the configs of models without sdpa support: their masks are always built (see
+#: :func:`keep_mask`); an id leaves when its config is collected. A set of ints, which torch.compile
+#: reads in the graph (a WeakValueDictionary's lookup broke it at every mask).
+_EXPLICIT_MASKS: set[int] = set()
 
 
 def _note_mask_needs(model: Any) -> None:
-    if not getattr(type(model), "_supports_sdpa", False):
-        _EXPLICIT_MASKS[id(model.config)] = model.config
+    if not getattr(type(model), "_supports_sdpa", False) and id(model.config) not in _EXPLICIT_MASKS:
+        _EXPLICIT_MASKS.add(id(model.config))
+        weakref.finalize(model.config, _EXPLICIT_MASKS.discard, id(model.config))
 
 
 def _int_tensor(name: str, value: Any) -> Tensor:
@@ -483,7 +486,10 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
 def _collecting_attentions() -> bool:
     """Whether transformers is collecting attention weights in this call. Some models (GPT-2)
     drop ``output_attentions`` before it reaches the attention function and read the weights from
-    its output through a hook; the hook's collector says whether they were asked for."""
+    its output through a hook; the hook's collector says whether they were asked for. Not while
+    torch.compile traces (it cannot read a ContextVar: a graph break at every layer)."""
+    if torch.compiler.is_compiling():
+        return False
     try:
         from transformers.utils.output_capturing import _active_collector
 
