@@ -239,8 +239,6 @@ def scale(x: Any, head_dim: int) -> float:
     finite real number."""
     if x is None:
         return 1.0 if is_zero(head_dim) else 1.0 / math.sqrt(head_dim)
-    if isinstance(x, torch.SymFloat | torch.SymInt):  # from a traced size (1 / sqrt(q.shape[-1])): as traced
-        return x  # type: ignore[return-value]
     if not _real(x):
         raise ArgumentTypeError(f"scale: expected None or a real number, got {x!r}")
     try:

@@ -373,7 +373,7 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
         if isinstance(obj, Tensor):  # (a tensor's values are read when the code runs; not its layout)
             out.append(("T", type(obj), tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad))
             tensors.append(obj)
-            if vars(obj):  # Python attributes set on it (``t.scale``)
+            if _own_dict(obj):  # Python attributes set on it (``t.scale``)
                 fields(obj, depth, names)
         elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
             out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
