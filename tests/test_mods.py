@@ -633,6 +633,53 @@ def test_a_mod_whose_tensors_are_rebound_before_the_backward_is_refused_or_right
 
 
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
+def test_a_module_that_rebinds_a_field_its_mod_does_not_read_keeps_its_gradients(
+    backend: str, dtype: torch.dtype
+) -> None:
+    """The mod is a module's bound method and the module's forward rebinds another tensor field after
+    the call (``self.last = out.detach()``): the backward reaches a tensor the forward did not, which
+    the mod never reads — it gives the forward's gradients (it used to refuse on flash.py). One that
+    rebinds the field the mod reads is still refused, or right, as above."""
+    _triton_ok(backend)
+
+    class Relative(torch.nn.Module):
+        def __init__(self, rebind: str) -> None:
+            super().__init__()
+            self.table, self.rebind = torch.nn.Parameter(torch.randn(2, 19, dtype=dtype)), rebind
+
+        def mod(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s + self.table[h, i - j + 9]
+
+        def forward(self, q: Tensor, k: Tensor, v: Tensor, backend: str) -> Tensor:
+            out = az.attention(q, k, v, score_mod=self.mod, backend=backend)
+            assert isinstance(out, Tensor)
+            if self.rebind == "last":
+                self.last = out.detach()
+            else:
+                self.table = torch.nn.Parameter(self.table.detach() * 2)
+            return out
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in qkv(1, 2, 2, 10, 10, 8))
+    model = Relative("last")
+    want = torch.autograd.grad(model(q, k, v, "reference").pow(2).sum(), (q, model.table))
+    for _ in range(2):  # the first call adds the field, the second rebinds it
+        got = torch.autograd.grad(model(q, k, v, backend).pow(2).sum(), (q, model.table))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    model = Relative("table")
+    table = model.table
+    out = model(q, k, v, backend)
+    try:
+        got = torch.autograd.grad(out.pow(2).sum(), (q, table))
+    except mods.ModError as e:
+        assert "changed between this call's forward and its backward" in str(e)
+        return
+    model.table = table
+    for g, w in zip(got, torch.autograd.grad(model(q, k, v, "reference").pow(2).sum(), (q, table))):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
 def test_a_mask_made_in_a_loop_stays_the_mask_it_was_made_as(backend: str, dtype: torch.dtype) -> None:
     """``az.masks.from_mod`` keeps its mask_mod's closure as it is when the Mask is made: a backward
     that evaluates the mask again sees each layer's, not the loop's last (masks.from_mod,

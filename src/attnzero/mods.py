@@ -207,10 +207,11 @@ def pin(fn: Any) -> Any:
     mod made in a loop that reads the loop variable (Python binds it when the mod runs) reads, in
     the backward, the value its forward read — not the loop's last. Any other callable is called
     through such a function. Its walk (``_walk``) is made here, once: the call's forward reads it
-    (``captured_tensors``, ``fingerprint``). The tensors it reaches through anything else (globals,
-    fields, containers) are recorded, and a backward that finds others there raises
-    instead of computing the gradients of another function; a captured tensor changed in place is
-    refused by autograd's own check (each backend saves the captured tensors for its backward).
+    (``captured_tensors``, ``fingerprint``), and so does the backward: the tensors it reaches through
+    anything else (globals, fields, containers) are recorded, and a backward that finds it reading
+    others raises instead of computing the gradients of another function (``_walk_pinned``); a
+    captured tensor changed in place is refused by autograd's own check (each backend saves the
+    captured tensors for its backward).
     Traced by dynamo, ``fn`` as it is: the compiled graph holds what the trace read."""
     if torch.compiler.is_compiling():
         return fn
@@ -262,21 +263,53 @@ _graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lam
 
 
 def _walk_pinned(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
-    """``_walk(fn)`` — for a pinned mod in its call's forward, the pin's; in a backward, refused when
-    it now reaches other tensors than its forward did."""
+    """``_walk(fn)`` — for a pinned mod, the pin's: its call's forward reads it, and so does the
+    backward, whose gradients go to the tensors the forward captured. A backward first walks the
+    mod again and, if it now reaches tensors the forward did not, calls it once on a one-pair block
+    (``_reads_any``): a mod that reads one of them is refused (the backward would differentiate
+    another function); one that does not — a module whose forward rebinds an unrelated field, such
+    as ``self.last = out.detach()`` — keeps the forward's tensors."""
     pinned = _PINNED.get(fn) if inspect.isfunction(fn) else None
-    if pinned is not None and _graph_task() == -1:
-        return pinned[0], list(pinned[1]), pinned[2]
-    walked = _walk(fn)
-    if pinned is not None:
-        was, now = pinned[1], walked[1]
-        if len(was) != len(now) or any(a is not b for a, b in zip(was, now)):
+    if pinned is None:
+        return _walk(fn)
+    if _graph_task() != -1:
+        was = pinned[1]
+        new = [t for t in _walk(fn)[1] if not any(t is w for w in was)]
+        if new and _reads_any(fn, new):
             raise ModError(
                 "score_mod: the tensors it reads changed between this call's forward and its backward (a global, "
                 "a field or a container rebound); the backward would differentiate another function. Bind what "
                 "it reads when it is made (a default argument such as `i=i`, or a closure)"
             )
-    return walked
+    return pinned[0], list(pinned[1]), pinned[2]
+
+
+class _Reads(TorchFunctionMode):
+    """Records whether any tensor of ``ids`` is an argument of a torch function or tensor method."""
+
+    def __init__(self, ids: set[int]) -> None:
+        super().__init__()
+        self.ids, self.hit = ids, False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.hit = self.hit or any(
+            isinstance(a, Tensor) and id(a) in self.ids for a in torch.utils._pytree.tree_leaves((args, kwargs))
+        )
+        return func(*args, **kwargs)
+
+
+def _reads_any(fn: Any, tensors: list[Tensor]) -> bool:
+    """Whether the score_mod ``fn`` reads one of ``tensors`` when called on a one-pair block (at index
+    0 everywhere); True too when that call fails — the backward cannot vouch for the mod then."""
+    reads = _Reads({id(t) for t in tensors})
+    s = torch.zeros(1, 1, 1, 1, device=tensors[0].device)  # (b, h, q, kv)
+    try:
+        with torch.no_grad(), reads, IndexWithTensors():
+            _nest(fn, True)(s, *_indices((0, 1), (0, 1), (0, 1), (0, 1), s.device))
+    except Exception:  # any failure: refuse, as when it reads them
+        return True
+    return reads.hit
 
 
 def captured_tensors(fn: Any) -> list[Tensor]:
