@@ -360,3 +360,33 @@ def test_a_one_element_tensor_scale_is_its_value() -> None:
     # traced: q times the scale, no graph break (its value read by .item() broke a fullgraph compile)
     compiled = torch.compile(flex.flex_attention, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v, scale=torch.tensor(0.5)), got, rtol=1e-5, atol=1e-6)
+
+
+def test_a_block_mask_serves_many_calls_with_one_mask_until_what_it_reads_changes() -> None:
+    """The same BlockMask call after call is one attnzero Mask (its block table and partial tiles
+    built once: a new one per call cost 30× the attention at L = 128); a document-id tensor its
+    mask_mod reads changed in place, or rebound, gives the new mask's result, as torch's Flex."""
+    L = 64
+    docs = torch.zeros(L, dtype=torch.int64)
+    docs[40:] = 1
+    holder = {"docs": docs}
+
+    def same_doc(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return holder["docs"][q_idx] == holder["docs"][kv_idx]
+
+    bm = flex.create_block_mask(same_doc, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+    q, k, v = (torch.randn(1, 2, L, 8) for _ in range(3))
+
+    def check() -> None:
+        want = TF.flex_attention(q, k, v, block_mask=bm)
+        torch.testing.assert_close(flex.flex_attention(q, k, v, block_mask=bm), want, rtol=1e-5, atol=1e-5)
+
+    check()
+    check()
+    assert len(flex._MASKS[bm]) == 1
+    assert flex._mask_of(bm, 1, 2, L, L) is flex._mask_of(bm, 1, 2, L, L)
+    docs[36:] = 1  # in place, inside the blocks the table lists as partial: another mask there
+    check()
+    holder["docs"] = torch.where(torch.arange(L) < 40, 0, 1)  # rebound
+    docs.zero_()
+    check()

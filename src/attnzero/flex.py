@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -221,6 +222,41 @@ def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     return Mask(keep, (B, H, Lq, Lk), name, table=table, mod=ModSource(mask_mod, gated=True))
 
 
+# A BlockMask's Masks, kept while it lives: one BlockMask usually serves every layer of every step,
+# and a new Mask each call rebuilt the CPU kernel's block table and partial tiles (cpu_kernel's
+# cache is per Mask) — 30× the attention's own time at L = 128. A Mask is reused only while the
+# call's sizes, the BlockMask's tensors and what its mask_mod reads (``mods.fingerprint``: code,
+# numbers, the tensors themselves and their in-place versions) are the same; a few per BlockMask.
+_MASKS: weakref.WeakKeyDictionary[BlockMask, dict[tuple[Any, ...], tuple[Mask, list[Tensor], list[int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_MASKS_PER_BLOCK_MASK = 4
+
+
+def _mask_of(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
+    """``to_mask(block_mask, B, H, Lq, Lk)``, the one made for an earlier call when nothing it
+    depends on changed since (``_MASKS``)."""
+    mask_mod = block_mask.mask_mod
+    fp, reached = (None, []) if mask_mod is noop_mask else mods.fingerprint(mask_mod)
+    if mask_mod is not noop_mask and fp is None:  # the walk cannot vouch for the mod: a new Mask
+        return to_mask(block_mask, B, H, Lq, Lk)
+    parts = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+             block_mask.full_kv_indices)  # fmt: skip
+    tensors = [t for t in (*parts, *reached) if t is not None]
+    versions = [t._version for t in tensors]
+    key = (B, H, Lq, Lk, tuple(block_mask.BLOCK_SIZE), mask_mod, fp)
+    per = _MASKS.setdefault(block_mask, {})
+    got = per.get(key)
+    same = got is not None and len(got[1]) == len(tensors) and all(a is b for a, b in zip(got[1], tensors))
+    if got is not None and same and got[2] == versions:
+        return got[0]
+    if len(per) >= _MASKS_PER_BLOCK_MASK:
+        per.pop(next(iter(per)))
+    mask = to_mask(block_mask, B, H, Lq, Lk)
+    per[key] = (mask, tensors, versions)  # (the tensors held: their ids are not reused while kept)
+    return mask
+
+
 def _dense_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Tensor:
     """The block mask as a dense (B, H, Lq, Lk) bool tensor by tensor ops only (what a compiled
     graph can trace): table kinds spread to pairs, partial ones from the vmapped mask_mod."""
@@ -309,7 +345,7 @@ def flex_attention(
         if torch.compiler.is_compiling():
             mask = _dense_mask(block_mask, B, Hq, Lq, Lk, query.device)
         else:
-            mask = to_mask(block_mask, B, Hq, Lq, Lk)
+            mask = _mask_of(block_mask, B, Hq, Lq, Lk)
     lse_asked = return_lse or (return_aux is not None and bool(return_aux.lse))
     res = attention(query, key, value, mask=mask, scale=sc, score_mod=score_mod, return_lse=lse_asked)
     out, lse = res if isinstance(res, tuple) else (res, None)
