@@ -270,10 +270,13 @@ def test_key_and_value_may_have_another_dtype() -> None:
 def test_kernel_options() -> None:
     q, k, v = _qkv(1, 1, 1, 16, 16, 8)
     base = flex.flex_attention(q, k, v)
-    opts = {"BLOCK_M": 64, "fwd_num_warps": 4, "PRESCALE_QK": True, "BACKEND": "TRITON", "ROWS_GUARANTEED_SAFE": True}
+    opts = {"BLOCK_M": 64, "fwd_num_warps": 4, "PRESCALE_QK": True, "BACKEND": "TRITON", "ROWS_GUARANTEED_SAFE": True,
+            "WRITE_DQ": False}  # fmt: skip
     torch.testing.assert_close(flex.flex_attention(q, k, v, kernel_options=opts), base)
-    with pytest.raises(ValueError, match=r"kernel_options: attnzero\.flex does not take 'WRITE_DQ'"):
-        flex.flex_attention(q, k, v, kernel_options={"WRITE_DQ": False})
+    # every option of torch's FlexKernelOptions is one that cannot change the result
+    assert all(key in flex.IGNORED_KERNEL_OPTIONS for key in TF.FlexKernelOptions.__annotations__)
+    with pytest.raises(ValueError, match=r"kernel_options: attnzero\.flex does not take 'SOME_NEW_OPTION'"):
+        flex.flex_attention(q, k, v, kernel_options={"SOME_NEW_OPTION": False})
     with pytest.raises(ValueError, match="Invalid BACKEND value 'CUTE'"):
         flex.flex_attention(q, k, v, kernel_options={"BACKEND": "CUTE"})
 

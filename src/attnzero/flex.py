@@ -68,6 +68,7 @@ IGNORED_KERNEL_OPTIONS: dict[str, str] = {
     "PRESCALE_QK": "rounding only: q is scaled before the matmul", "USE_TMA": "GPU tuning",
     "ROWS_GUARANTEED_SAFE": "a promise that no row is fully masked: such rows are 0 here anyway",
     "BLOCKS_ARE_CONTIGUOUS": "a promise about the block mask's layout",
+    "WRITE_DQ": "which loop of torch's backward scatters captured tensors' gradients",
     "kpack": "GPU tuning", "matrix_instr_nonkdim": "GPU tuning", "waves_per_eu": "GPU tuning",
     "BACKEND": "which of torch's kernels (attnzero chooses its own)",
     "FORCE_USE_FLEX_ATTENTION": "which of torch's kernels", "SPLIT_KV": "decode split count",
