@@ -201,3 +201,32 @@ def test_choose_takes_decode_only_without_grad(monkeypatch: pytest.MonkeyPatch) 
     assert functional.choose("triton", wide, k, needs_grad=False) == "triton_decode"
     monkeypatch.setattr(tb, "DECODE_MAX_ROWS", 16)
     assert functional.choose("triton", wide, k, needs_grad=False) == "triton"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_view_with_the_negative_bit_is_read_as_its_values(name: str) -> None:
+    """``torch._neg_view(x)`` — what ``z.conj().imag`` of a complex z gives — shares x's storage and
+    carries a sign bit: a backend that reads memory (the CPU kernel, Triton, generated mods) must see
+    −x, in q, k, v, the bias, a score_mod's captured table and the output's gradient, as torch does
+    (the CPU kernel used to compute with +x: silently wrong)."""
+    _runnable(name)
+    dev = _device(name)
+    backend = {"cpu_kernel": "auto"}.get(name, name)
+    q, k, v = (t.to(dev, torch.float32).requires_grad_() for t in qkv(1, 2, 2, 9, 11, 16))
+    bias = torch.randn(1, 2, 9, 11, device=dev)
+    table = torch.randn(2, 20, device=dev)
+    dout = torch.randn(1, 2, 9, 16, device=dev)
+
+    def run(sign: Any) -> list[torch.Tensor]:
+        t = sign(table)
+        out = az.attention(
+            sign(q), sign(k), sign(v), bias=sign(bias), causal=True, backend=backend,
+            score_mod=lambda s, b, h, i, j: s + t[h, i - j + 10],
+        )  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        return [out, *torch.autograd.grad(out, (q, k, v), sign(dout))]
+
+    got = run(torch._neg_view)
+    assert torch._neg_view(q).is_neg()
+    for g, w in zip(got, run(torch.neg)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

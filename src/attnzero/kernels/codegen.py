@@ -1014,8 +1014,8 @@ def _load(source: str) -> Any:
 
 def _as_kernel_arg(t: Tensor) -> Tensor:
     """A captured tensor as the kernels read it: contiguous (the strides written into the source),
-    bool as uint8 (read back ``!= 0``)."""
-    t = t.detach().contiguous()
+    bool as uint8 (read back ``!= 0``), its values in memory (torch's negative bit resolved)."""
+    t = t.detach().resolve_neg().contiguous()
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 

@@ -210,7 +210,10 @@ ROW_ALIGN = 16  # bytes: where the kernels' rows of q, k, v, out and dO start on
 
 def _unit_last(t: Tensor) -> Tensor:
     """``t`` as the kernels read it: unit stride along the head dim (indexed directly) and, on CUDA,
-    rows on ``ROW_ALIGN``-byte boundaries (``aligned_rows``)."""
+    rows on ``ROW_ALIGN``-byte boundaries (``aligned_rows``), and its values in memory (a view with
+    torch's negative bit resolved: the kernels read the storage)."""
+    if t.is_neg():
+        t = t.resolve_neg()
     if t.stride(-1) != 1:
         t = t.contiguous()
     return aligned_rows(t) if t.is_cuda else t
@@ -341,7 +344,7 @@ def _common(
     sides = [0 if wl is None else wl, 0 if wr is None else wr]  # read only where HAS_LEFT / HAS_RIGHT
     scalars = [cap_in, cap_out, *sides, seed_lo, seed_hi, threshold, keep_scale]
     mask_t = mask.view(torch.uint8) if mask is not None else q  # q: a placeholder pointer, never read
-    bias_t = bias if bias is not None else q
+    bias_t = bias.resolve_neg() if bias is not None else q  # (the kernels read its storage)
     return flags, scalars, mask_t, bias_t
 
 
