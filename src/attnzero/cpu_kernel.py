@@ -410,6 +410,13 @@ def backward(
     lse32 = lse if lse.dtype == torch.float32 else lse.to(torch.float32)  # (a .to that changes nothing: ~1 µs)
     extra = mod.backward_args(mod_grad) if mod is not None else _NO_MOD_BACKWARD
     dout, q, k, v, out = unnegated(dout), unnegated(q), unnegated(k), unnegated(v), unnegated(out)
+    if q.dtype != torch.float32 and (want or mod_grad is not None):
+        # 16-bit: D = rowsum(dO · O) from O before its rounding. A bias's or a captured tensor's
+        # gradient sums dS = P (dP − D) over keys, and O's rounding error in D comes back times the
+        # keys summed (a learnt ALiBi slope in bfloat16: 11 % off). q, k, v's gradients do not sum
+        # over keys and keep the rounded O, as FlashAttention does; this costs one float32 forward.
+        unrounded = mod.forward_args() if mod is not None else _NO_MOD_FORWARD
+        out = _state["module"].forward(q.float(), k.float(), v.float(), *args, *unrounded)[0]
     dq, dk, dv, dbias = _state["module"].backward(dout, q, k, v, out, lse32, *args, want, *extra)
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 

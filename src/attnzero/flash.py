@@ -222,10 +222,10 @@ def _forward_block(st: _Softmax, s: Tensor, v: Tensor, z: Tensor | None) -> None
     st.m = m_new
 
 
-def _forward(pb: _Problem) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))``, the lse of the scores as ``score``
-    gives them (less the row shift, if any)."""
-    out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=pb.q.dtype, device=pb.q.device)
+def _forward(pb: _Problem, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv) in q's dtype or ``out_dtype``, lse (B, Hq, Lq))``, the lse of the scores
+    as ``score`` gives them (less the row shift, if any)."""
+    out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=out_dtype or pb.q.dtype, device=pb.q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=pb.q.device)
     for batches in pb.chunks():
         k, v = pb.kv(pb.k, batches), pb.kv(pb.v, batches)  # (N, Lk, D), (N, Lk, Dv)
@@ -336,6 +336,11 @@ def backward(
                   shift=None if shift is None else shift.to(accum_dtype(q.dtype)))  # fmt: skip
     if pb.shift is not None:
         lse = _shifted_lse(pb, lse)
+    if out.dtype != pb.acc and ((bias is not None and bias_grad) or any(t.requires_grad for t in pb.captured)):
+        # D = rowsum(dO · O) from O before its rounding to q's dtype: a bias's or a captured tensor's
+        # gradient sums ds = p (dp − D) over keys, and O's rounding in D comes back times the keys
+        # summed (cpu_kernel.backward does the same; dq, dk, dv keep the rounded O)
+        out = _forward(pb, pb.acc)[0]
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
     dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)

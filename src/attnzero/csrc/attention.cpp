@@ -891,7 +891,12 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   const int64_t NR = G * Lq, R_max = G * P.bm;
   const T* qp = q.data_ptr<T>();
   const T* dop = dout.data_ptr<T>();
-  const T* outp = out.data_ptr<T>();
+  // O in q's dtype, or (16-bit inputs) in float32: cpu_kernel.backward passes the unrounded output
+  // where a gradient sums dS over keys (a bias's, a score_mod's tables), which O's rounding in D
+  // would shift by up to that many times D's error
+  const bool out_f32 = !std::is_same_v<T, float> && out.scalar_type() == at::kFloat;
+  const T* outp = out_f32 ? nullptr : out.data_ptr<T>();
+  const float* outf = out_f32 ? out.data_ptr<float>() : nullptr;
   const float* lp = lse.data_ptr<float>();
   T* dqp = dq.data_ptr<T>();
   T* dkp = dk.data_ptr<T>();
@@ -948,9 +953,10 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
             load_rows(dos + row0 * Dv, dop + go, ni, Dv, dout.stride(2), dout.stride(3));
           }
           const int64_t os2 = out.stride(2), os3 = out.stride(3);
-          const T* o0 = outp + b * out.stride(0) + h * out.stride(1) + i0 * os2;
+          const int64_t o0 = b * out.stride(0) + h * out.stride(1) + i0 * os2;
           for (int64_t ii = 0; ii < ni; ++ii) {  // D_i = Σ_d dO_id · O_id
-            Dr[row0 + ii] = dot(dof + (row0 + ii) * ldo, o0 + ii * os2, Dv, os3);
+            const float* dor = dof + (row0 + ii) * ldo;
+            Dr[row0 + ii] = out_f32 ? dot(dor, outf + o0 + ii * os2, Dv, os3) : dot(dor, outp + o0 + ii * os2, Dv, os3);
             lser[row0 + ii] = lp[b * lse.stride(0) + h * lse.stride(1) + (i0 + ii) * lse.stride(2)];
           }
         }
