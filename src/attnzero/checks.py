@@ -86,6 +86,16 @@ def tensor(name: str, x: Any, ndim: int | None = None, layout: str = "", empty_o
     """``x`` is a floating-point tensor (with ``ndim`` dims when given), non-empty unless ``empty_ok``."""
     if not isinstance(x, Tensor):
         raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if torch._C._get_tracing_state() is not None:
+        raise ArgumentError(
+            "torch.jit.trace: attnzero cannot be traced to TorchScript (its sizes would be traced as tensors); "
+            "use torch.compile or torch.export"
+        )
+    if x.is_nested:
+        raise ArgumentTypeError(
+            f"{name}: expected a dense torch.Tensor, got a nested tensor ({x.layout}); pad the sequences and pass "
+            "a padding mask, or pack them for az.attention_varlen"
+        )
     if ndim is not None and x.ndim != ndim:
         raise ArgumentError(
             f"{name}: expected {ndim} dims {layout}, got {x.ndim} dims of shape {tuple(x.shape)}".replace("  ", " ")

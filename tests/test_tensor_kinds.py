@@ -1,0 +1,126 @@
+"""Tensors that are not plain memory, at the public entry points: fake and meta tensors (shape
+inference, FakeTensorMode, make_fx), ``__torch_dispatch__`` subclasses, dispatch modes, nested
+tensors and torch.jit.trace — each computes as torch's SDPA does, or is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+import attnzero as az
+from attnzero import flex
+from attnzero.checks import ArgumentError, ArgumentTypeError
+
+
+class Logged(torch.Tensor):
+    """A wrapper subclass that runs every op on the tensor it wraps (a logging tensor, as DTensor is)."""
+
+    elem: torch.Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, e: torch.Tensor) -> Logged:
+        r = torch.Tensor._make_wrapper_subclass(cls, e.shape, strides=e.stride(), dtype=e.dtype, device=e.device)
+        r.elem = e
+        return r  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def unwrap(x: Any) -> Any:
+            return x.elem if isinstance(x, Logged) else x
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda x: Logged(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+CALLS = {
+    "attention": lambda q, k, v: az.attention(q, k, v, causal=True),
+    "drop-in": lambda q, k, v: az.scaled_dot_product_attention(q, k, v, is_causal=True),
+    "flex": lambda q, k, v: flex.flex_attention(q, k, v),
+    "score_mod": lambda q, k, v: az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s - (i - j).abs() * 0.1),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_fake_tensors_give_shapes_forward_and_backward(call: str) -> None:
+    """Under FakeTensorMode (what shape inference, torch.export's and make_fx's tracing use) the
+    call goes through the custom ops' fake implementations (the CPU kernel was called with no
+    memory: "The tensor has a non-zero number of elements, but its data is not allocated yet")."""
+    with FakeTensorMode():
+        q = torch.randn(1, 2, 4, 8, requires_grad=True)
+        k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+        out = CALLS[call](q, k, v)
+        (grad,) = torch.autograd.grad(out.sum(), q)
+    assert isinstance(out, FakeTensor) and out.shape == (1, 2, 4, 8)
+    assert isinstance(grad, FakeTensor) and grad.shape == q.shape
+
+
+def test_a_module_in_training_infers_shapes_on_fake_and_meta_tensors() -> None:
+    """MultiHeadAttention's default dropout drew its seed with .item(), which neither a fake nor a
+    meta tensor has; torch's nn.MultiheadAttention gives the shape."""
+    with FakeTensorMode():
+        model = az.MultiHeadAttention(16, 2, dropout=0.1)
+        x = torch.randn(2, 5, 16, requires_grad=True)
+        model(x).sum().backward()
+        assert isinstance(x.grad, FakeTensor)
+    with torch.device("meta"):
+        model = az.MultiHeadAttention(16, 2, dropout=0.1)
+        out = model(torch.randn(2, 5, 16))
+    assert out.is_meta and out.shape == (2, 5, 16)
+    q = torch.randn(2, 4, 5, 16, device="meta")
+    for got in (az.attention(q, q, q, dropout_p=0.1), az.scaled_dot_product_attention(q, q, q, dropout_p=0.1)):
+        assert got.is_meta and got.shape == F.scaled_dot_product_attention(q, q, q, dropout_p=0.1).shape
+
+
+def test_make_fx_traces_the_call_and_the_graph_computes_it() -> None:
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    for mode in ("fake", "symbolic"):
+        graph = make_fx(lambda a, b, c: az.scaled_dot_product_attention(a, b, c, is_causal=True), tracing_mode=mode)(
+            q, k, v
+        )
+        torch.testing.assert_close(graph(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_dispatch_subclass_computes_on_what_it_wraps(call: str) -> None:
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    got = CALLS[call](Logged(q), Logged(k), Logged(v))
+    assert isinstance(got, Logged)
+    torch.testing.assert_close(got.elem, CALLS[call](q, k, v))
+
+
+def test_under_a_dispatch_mode_the_call_is_right_and_its_gradients_too() -> None:
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False):
+        out = az.attention(q, k, v, causal=True)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+    want_out = az.attention(q, k, v, causal=True, backend="reference")
+    want = torch.autograd.grad(want_out.sum(), (q, k, v))
+    torch.testing.assert_close(out, want_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_nested_tensors_are_refused_by_name() -> None:
+    """torch's SDPA takes nested tensors; attnzero refuses them by the argument's name (it failed
+    inside the kernel's block sizes, or in a matmul, with no word of what was wrong)."""
+    seqs = [torch.randn(2, n, 8) for n in (3, 5)]
+    jagged = torch.nested.nested_tensor(seqs, layout=torch.jagged)  # (B, j, H, D) jagged
+    with pytest.raises(ArgumentTypeError, match=r"q: expected a dense torch\.Tensor, got a nested tensor"):
+        az.attention(jagged, jagged, jagged)
+    with pytest.raises(ArgumentTypeError, match=r"query: expected a dense torch\.Tensor, got a nested tensor"):
+        az.scaled_dot_product_attention(jagged, jagged, jagged)
+
+
+def test_torch_jit_trace_is_refused_by_name() -> None:
+    q = torch.randn(1, 2, 4, 8)
+    for fn in (az.attention, az.scaled_dot_product_attention):
+        with pytest.raises(ArgumentError, match=r"torch\.jit\.trace: attnzero cannot be traced to TorchScript"):
+            torch.jit.trace(lambda a: fn(a, a, a), (q,))  # noqa: B023 (called at once)
