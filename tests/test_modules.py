@@ -289,3 +289,27 @@ def test_modules_in_low_precision(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
     out, w = az.ScaledDotProductAttention()(x.to(dtype), x.to(dtype), x.to(dtype))
     assert out.dtype == w.dtype == dtype
+
+
+def test_a_dropout_of_one_drops_every_weight_as_torchs_modules_do() -> None:
+    """torch's nn.MultiheadAttention and nn.Dropout take p = 1 (the modules refused it): in training
+    every attention weight is dropped — the output is the output projection's bias, the gradients
+    reaching q, k, v through attention are 0 — and in eval it changes nothing."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(16, 4, dropout=1.0, batch_first=True)
+    mha = az.MultiHeadAttention.from_torch(ref)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    out = mha(x)
+    torch.testing.assert_close(out, ref(x, x, x, need_weights=False)[0])
+    torch.testing.assert_close(out, mha.W_o.bias.expand_as(out))
+    out.sum().backward()
+    assert x.grad is not None and mha.W_q.weight.grad is not None
+    assert not x.grad.any() and not mha.W_q.weight.grad.any() and not torch.isnan(x.grad).any()
+    mha.eval()
+    torch.testing.assert_close(mha(x), ref.eval()(x, x, x, need_weights=False)[0])
+    sdpa = az.ScaledDotProductAttention(dropout=1.0)
+    q = torch.randn(3, 4, 8)
+    output, weights = sdpa(q, q, q)
+    assert not output.any() and torch.allclose(weights.sum(-1), torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"dropout: expected a float in \[0, 1\], got 1.5"):
+        az.MultiHeadAttention(16, 4, dropout=1.5)

@@ -548,7 +548,7 @@ SDPA_MODULE_CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "dropout",
         lambda: az.ScaledDotProductAttention(4, dropout=1.5),
         ValueError,
-        r"dropout: expected a float in \[0, 1\), got 1\.5",
+        r"dropout: expected a float in \[0, 1\], got 1\.5",
     ),
 ]
 
@@ -581,7 +581,7 @@ CTOR_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("kv_heads_zero", {"num_kv_heads": 0}, ValueError, r"num_kv_heads: expected None or a positive int, got 0"),
     ("kdim_zero", {"kdim": 0}, ValueError, r"kdim: expected None or a positive int, got 0"),
     ("vdim_negative", {"vdim": -1}, ValueError, r"vdim: expected None or a positive int, got -1"),
-    ("dropout", {"dropout": 1.0}, ValueError, r"dropout: expected a float in \[0, 1\), got 1\.0"),
+    ("dropout", {"dropout": 1.5}, ValueError, r"dropout: expected a float in \[0, 1\], got 1\.5"),
     ("backend", {"backend": "fast"}, ValueError, r"backend: expected one of .*got 'fast'"),
 ]
 

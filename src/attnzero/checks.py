@@ -270,11 +270,14 @@ def _real(x: Any) -> bool:
     return type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0 and x.dtype.kind in "iuf"
 
 
-def dropout_p(x: Any, name: str = "dropout_p") -> float:
+def dropout_p(x: Any, name: str = "dropout_p", *, one_ok: bool = False) -> float:
+    """A dropout rate in [0, 1) — or [0, 1] with ``one_ok``: a module's rate, which torch's modules take
+    as 1 (every weight dropped in training)."""
+    span = "[0, 1]" if one_ok else "[0, 1)"
     if not _real(x):
-        raise ArgumentTypeError(f"{name}: expected a float in [0, 1), got {x!r}")
-    if not 0.0 <= x < 1.0:
-        raise ArgumentError(f"{name}: expected a float in [0, 1), got {x}")
+        raise ArgumentTypeError(f"{name}: expected a float in {span}, got {x!r}")
+    if not (0.0 <= x <= 1.0 if one_ok else 0.0 <= x < 1.0):
+        raise ArgumentError(f"{name}: expected a float in {span}, got {x}")
     return float(x)
 
 

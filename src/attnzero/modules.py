@@ -37,7 +37,7 @@ class ScaledDotProductAttention(nn.Module):
         if d_k is not None and (isinstance(d_k, bool) or not isinstance(d_k, int) or d_k <= 0):
             raise ValueError(f"d_k: expected None or a positive int, got {d_k!r}")
         self.d_k = d_k
-        self.dropout = nn.Dropout(checks.dropout_p(dropout, "dropout"))
+        self.dropout = nn.Dropout(checks.dropout_p(dropout, "dropout", one_ok=True))
 
     def forward(self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         for name, x in (("Q", Q), ("K", K), ("V", V)):
@@ -148,7 +148,7 @@ class MultiHeadAttention(nn.Module):
         self.d_k = d_model // num_heads  # head dim
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
-        self.dropout = checks.dropout_p(dropout, "dropout")
+        self.dropout = checks.dropout_p(dropout, "dropout", one_ok=True)  # 1: every weight dropped, as torch's
         self.backend: BackendName = checks.choice("backend", backend, BACKENDS)  # type: ignore[assignment]
 
         self.W_q = nn.Linear(d_model, num_heads * self.d_k, bias=bias)
@@ -238,10 +238,11 @@ class MultiHeadAttention(nn.Module):
         score_mod = self.score_mod
         if score_mod is not None and past > 0:  # q_idx: the new tokens' positions, as kv_idx the keys'
             score_mod = _from_position(score_mod, past, q.device)
+        p = self.dropout if self.training else 0.0
         try:
             out = attention(
                 q, k, v, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks,
-                dropout_p=self.dropout if self.training else 0.0, backend=self.backend, score_mod=score_mod,
+                dropout_p=0.0 if p == 1.0 else p, backend=self.backend, score_mod=score_mod,
             )
         except BaseException:
             if cache is not None:
@@ -249,6 +250,8 @@ class MultiHeadAttention(nn.Module):
                 cache.k[:, :, past:Lk], cache.v[:, :, past:Lk] = old
             raise
         assert isinstance(out, Tensor)
+        if p == 1.0:
+            out = out * 0.0  # every weight dropped: 0, with zero gradients (as nn.MultiheadAttention)
         out = out.transpose(1, 2).reshape(B, Lq, self.num_heads * self.d_k)  # (B, Lq, Hq·d_k)
         output = self.W_o(out)  # (B, Lq, d_model)
         if not want_weights:
