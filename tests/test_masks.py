@@ -545,3 +545,59 @@ def test_mask_helpers_refuse_bad_arguments_by_name(build: Any, error: type[Excep
     masks like any other: a document the other side lacks sees nothing.)"""
     with pytest.raises(error, match=message):
         build()
+
+
+def prefix_lm(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (kv_idx < 3) | (kv_idx <= q_idx)
+
+
+def _packed_batch(_: list[int]) -> Mask:
+    """A DataLoader collate_fn building a packed batch's mask (run in a worker process)."""
+    return az.masks.document(cu_seqlens=[0, 3, 8]) & az.masks.causal(8)
+
+
+def test_masks_pickle_as_the_builder_call_that_made_them() -> None:
+    """A Mask's predicate is a local function, which pickle cannot store: every built-in mask
+    (and their &, |, ~) failed in pickle, torch.save and a DataLoader worker's batch — which hung
+    without a timeout. They are pickled as their builder call, and rebuilt with their structure."""
+    import copy
+    import io
+    import pickle
+
+    made = {
+        "causal": az.masks.causal(5, 7, align="top_left"),
+        "window": az.masks.window(7, 7, 2, 1),
+        "window unbounded": az.masks.window(7, 7, None, None),
+        "padding": az.masks.padding(torch.tensor([3, 7])),
+        "document": az.masks.document([0, 0, 1, 1, 1, 2, 2]),
+        "document cu": az.masks.document(cu_seqlens=[0, 2, 7], cu_seqlens_kv=[0, 4, 7]),
+        "tensor": az.masks.from_tensor(torch.rand(2, 1, 7, 7) > 0.5),
+        "from_mod": az.masks.from_mod(prefix_lm, 1, 2, 7, 7, block_size=4),
+        "and": az.masks.document([0, 0, 1, 1, 1, 2, 2]) & az.masks.causal(7),
+        "or": az.masks.or_(az.masks.window(7, 7, 1, 0), torch.eye(7, dtype=torch.bool)),
+        "not": ~az.masks.causal(7),
+    }
+    for name, mask in made.items():
+        for back in (
+            pickle.loads(pickle.dumps(mask)),
+            torch.load(io.BytesIO(_saved(mask)), weights_only=False),
+            copy.deepcopy(mask),
+        ):
+            assert isinstance(back, Mask), name
+            assert back.shape == mask.shape and back.name == mask.name, name
+            assert torch.equal(back.to_tensor(), mask.to_tensor()), name
+            assert back.band == mask.band and back.exact == mask.exact, name
+            assert (back.segments is None) == (mask.segments is None) and (back.table is None) == (mask.table is None)
+    plain = Mask(lambda b, h, q, kv: q >= kv, (1, 1, 3, 3))  # not a builder's: deepcopy only, as any object
+    assert torch.equal(copy.deepcopy(plain).to_tensor(), plain.to_tensor())
+    loader = torch.utils.data.DataLoader(range(2), batch_size=2, num_workers=1, collate_fn=_packed_batch, timeout=60)
+    (got,) = list(loader)
+    assert torch.equal(got.to_tensor(), _packed_batch([]).to_tensor())
+
+
+def _saved(x: Any) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(x, buffer)
+    return buffer.getvalue()

@@ -53,9 +53,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -222,6 +223,7 @@ class Mask:
         if mod is not None and mod.gated and table is None:
             raise ValueError("mod: a gated ModSource needs the block table that gates it")
         self.mod = mod  # the mask_mod the predicate is (see ModSource), or None
+        self._recipe: tuple[Any, ...] | None = None  # how a builder made it (_made): what pickle stores
 
     # -- block structure (see the module docstring)
 
@@ -358,13 +360,33 @@ class Mask:
         return or_(other, self)
 
     def __invert__(self) -> Mask:  # (no structure: the complement of a band is not a band)
-        return Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, f"not {self.name}")
+        out = Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, f"not {self.name}")
+        return _made(out, operator.invert, self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``, a DataLoader worker's batch) as the builder call that made it —
+        its predicate is a local function, which pickle cannot store — and rebuilt by that call. A
+        Mask made otherwise (``Mask(keep, ...)`` directly) is pickled as any object (``copy.deepcopy``
+        works either way)."""
+        if self._recipe is None:
+            return super().__reduce_ex__(protocol)
+        return self._recipe
 
     def __repr__(self) -> str:
         return f"Mask({self.name}, shape={self.shape})"
 
     def __str__(self) -> str:
         return to_string(self)
+
+
+def _made(mask: Mask, builder: Callable[..., Any], *args: Any, **kwargs: Any) -> Mask:
+    """``mask``, noting that ``builder(*args, **kwargs)`` makes it (``Mask.__reduce_ex__``)."""
+    mask._recipe = (_rebuild, (builder, args, kwargs))
+    return mask
+
+
+def _rebuild(builder: Callable[..., Mask], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Mask:
+    return builder(*args, **kwargs)
 
 
 # Lengths, windows and ids stay below this: index arithmetic on them (q + Lk - Lq, p - left) must
@@ -411,7 +433,8 @@ def causal(
         return geometry.kept(q, kv, placed, Lk, True, None)
 
     band = (None, geometry.offset(placed, Lk))  # j - i <= Lk - Lq (bottom-right) or 0 (top-left)
-    return Mask(keep, (1, 1, Lq, Lk), f"causal ({align.replace('_', '-')})", band=band, exact=True)
+    made = Mask(keep, (1, 1, Lq, Lk), f"causal ({align.replace('_', '-')})", band=band, exact=True)
+    return _made(made, causal, Lq, Lk, align=align)
 
 
 def window(q_len: int, kv_len: int | None = None, left: int | None = None, right: int | None = 0) -> Mask:
@@ -439,8 +462,9 @@ def window(q_len: int, kv_len: int | None = None, left: int | None = None, right
     off = geometry.offset(Lq, Lk)
     band = (None if left is None else off - left, None if right is None else off + right)
     if band == (None, None):  # unbounded both ways: keeps everything, no band to skip by
-        return Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})")
-    return Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})", band=band, exact=True)
+        return _made(Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})"), window, Lq, Lk, left, right)
+    made = Mask(keep, (1, 1, Lq, Lk), f"window (left={left}, right={right})", band=band, exact=True)
+    return _made(made, window, Lq, Lk, left, right)
 
 
 def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
@@ -464,7 +488,7 @@ def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
     k_ids = (torch.arange(Lk).view(1, Lk) >= lens.to("cpu", torch.int64).view(-1, 1)).long()  # (B, Lk)
     shape = (len(lens), 1, 1, Lk)
     segments = Segments(torch.zeros(len(lens), 1, dtype=torch.int64), k_ids, shape)
-    return Mask(keep, shape, "padding", segments=segments, exact=True)
+    return _made(Mask(keep, shape, "padding", segments=segments, exact=True), padding, lens, Lk)
 
 
 def _ids_from_cu(name: str, cu: Tensor | Sequence[int]) -> Tensor:
@@ -527,7 +551,7 @@ def document(
         return qi[bq, q] == ki[bk, kv]
 
     shape = (B, 1, q2.shape[1], k2.shape[1])
-    return Mask(keep, shape, "document", segments=Segments(q2, k2, shape), exact=True)
+    return _made(Mask(keep, shape, "document", segments=Segments(q2, k2, shape), exact=True), document, q2, k2)
 
 
 def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
@@ -542,7 +566,7 @@ def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
         idx = [i if n > 1 else torch.zeros_like(i) for i, n in zip((b, h, q, kv), t.shape)]
         return t.to(kv.device)[idx[0], idx[1], idx[2], idx[3]]
 
-    return Mask(keep, t.shape, name)
+    return _made(Mask(keep, t.shape, name), from_tensor, t, name)
 
 
 def from_mod(
@@ -583,6 +607,7 @@ def from_mod(
             f"block_size: expected None, a positive int or a (rows, keys) pair of them, got {block_size!r}"
         )
     dev = torch.device("cpu") if device is None else torch.device(device)
+    user_mod = mask_mod  # (pickled by name: the copy below is not the function its module holds)
     mask_mod = mods.own_closure(mask_mod)  # the mask as made: a loop variable it reads stays as it is now
     table = blocks.evaluate(mask_mod, shape, (int(pair[0]), int(pair[1])), dev)
 
@@ -590,7 +615,8 @@ def from_mod(
         return table.keep(mask_mod, b, h, q, kv)  # the mod on partial blocks only
 
     name = f"from_mod({getattr(mask_mod, '__name__', type(mask_mod).__name__)})"
-    return Mask(keep, shape, name, table=table, mod=ModSource(mask_mod))
+    made = Mask(keep, shape, name, table=table, mod=ModSource(mask_mod))
+    return _made(made, from_mod, user_mod, *shape, block_size=block_size, device=device)
 
 
 def _as_mask(m: Mask | Tensor) -> Mask:
@@ -679,12 +705,12 @@ def _join(segs: list[Segments], shape: Shape4) -> Segments | None:
 
 def and_(*masks: Mask | Tensor) -> Mask:
     """Keep a pair only where every mask keeps it."""
-    return _combine(masks, torch.logical_and, "and")
+    return _made(_combine(masks, torch.logical_and, "and"), and_, *masks)
 
 
 def or_(*masks: Mask | Tensor) -> Mask:
     """Keep a pair where any mask keeps it."""
-    return _combine(masks, torch.logical_or, "or")
+    return _made(_combine(masks, torch.logical_or, "or"), or_, *masks)
 
 
 def to_string(mask: Mask | Tensor, *, max_size: int = 64) -> str:
