@@ -519,30 +519,43 @@ def test_scores_near_float32s_range_give_the_references_values(size: float, call
         assert (g.double() - w).abs().max() <= tol, name
 
 
+CASES_16 = ["slope and key-constant bias", "lse with a bias", "sinks with a bias", "peaky softmax"]
+
+
+@pytest.mark.parametrize("case", CASES_16)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("path", ["kernel", "flash_py"])
-def test_16_bit_gradients_that_sum_over_keys_take_the_unrounded_output(path: str, dtype: torch.dtype) -> None:
-    """A learnt ALiBi slope read by a score_mod, and a bias constant along the keys: their gradients
-    sum dS = P (dP − D) over every key of a row, so O's rounding to 16 bits in D = rowsum(dO · O)
-    comes back times the keys summed (the slope was 11 % off in bfloat16, 77× the reference's error
-    in the same dtype). Both paths now take D from O before its rounding: within 3× the reference's
-    error, as DESIGN's rule asks."""
+def test_16_bit_gradients_take_the_unrounded_output(path: str, dtype: torch.dtype, case: str) -> None:
+    """D = rowsum(dO · O) from O rounded to 16 bits puts O's rounding into ds = p (dp − D) on every
+    key of a row: a learnt ALiBi slope or a bias constant along keys (whose gradients sum ds over the
+    keys) was 11 % off in bfloat16, 77× the reference's error; a softmax with one p near 1 (large
+    scores) gave dq 10× the reference's. Every path now keeps O in float32 from the forward for the
+    backward — with the sinks folded in, and with the lse's own backward (O = 0) left alone (a first
+    fix, recomputing O in the backward, zeroed the lse's gradient and broke the sinks'). Within 3× the
+    reference's error, as DESIGN's rule asks."""
     if path == "kernel":
         need_kernel()
-    B, H, Lq, Lk, D = 3, 1, 257, 17, 24  # bottom-right causal, Lq > Lk: kept pairs have |i − j| ~ 240
+    B, H, Lq, Lk, D = 3, 2, 257, 17, 24  # bottom-right causal, Lq > Lk: kept pairs have |i − j| ~ 240
     g = torch.Generator().manual_seed(0)
     q64, k64, v64, do64 = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for L in (Lq, Lk, Lk, Lq))
     slopes64 = torch.randn(H, generator=g, dtype=torch.float64)
-    bias64 = torch.randn(B, H, Lq, 1, generator=g, dtype=torch.float64)
+    bias64 = torch.randn(B, H, Lq, 1 if case.startswith("slope") else Lk, generator=g, dtype=torch.float64)
+    sinks = torch.tensor([2.0, 3.0]) if case.startswith("sinks") else None
+    scale = 3.0 if case.startswith("peaky") else None
 
     def grads(backend: str, dt: torch.dtype) -> list[torch.Tensor]:
-        q, k, v, do = (t.to(dt) for t in (q64, k64, v64, do64))
+        q, k, v, do = (t.to(dt).requires_grad_() for t in (q64, k64, v64, do64))
         slopes = slopes64.to(torch.float64 if dt == torch.float64 else torch.float32).requires_grad_()
         bias = bias64.to(dt).requires_grad_()
-        out = az.attention(q, k, v, causal=True, bias=bias, backend=backend,
-                           score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs() * 0.1)  # fmt: skip
-        assert isinstance(out, torch.Tensor)
-        return [x.double() for x in torch.autograd.grad(out, (slopes, bias), do)]
+        mod = (lambda s, b, h, i, j: s - slopes[h] * (i - j).abs() * 0.1) if case.startswith("slope") else None
+        out, lse = az.attention(
+            q, k, v, causal=True, bias=None if case.startswith("peaky") else bias, backend=backend, score_mod=mod,
+            sinks=None if sinks is None else sinks.to(torch.float64 if dt == torch.float64 else torch.float32),
+            scale=scale, return_lse=True,
+        )  # fmt: skip
+        loss = lse.sum() if case.startswith("lse") else (out * do).sum()
+        wrt = [q, k] + ([slopes] if mod is not None else []) + ([] if case.startswith("peaky") else [bias])
+        return [x.double() for x in torch.autograd.grad(loss, wrt)]
 
     gold = grads("reference", torch.float64)
     ref = grads("reference", dtype)
@@ -551,6 +564,6 @@ def test_16_bit_gradients_that_sum_over_keys_take_the_unrounded_output(path: str
             got = grads("flash", dtype)
     else:
         got = grads("auto", dtype)
-    for name, g_got, g_ref, g_gold in zip(("slopes", "bias"), got, ref, gold):
+    for n, (g_got, g_ref, g_gold) in enumerate(zip(got, ref, gold)):
         err, ref_err = (g_got - g_gold).abs().max().item(), (g_ref - g_gold).abs().max().item()
-        assert err <= 3 * ref_err + 1e-6 * g_gold.abs().max().item(), (name, err, ref_err)
+        assert err <= 3 * ref_err + 1e-6 * g_gold.abs().max().item(), (n, err, ref_err)

@@ -388,18 +388,28 @@ def forward(
     return out, lse
 
 
+def unrounded_forward(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> tuple[Tensor, Tensor]:
+    """``forward`` for a call that will take a backward: for 16-bit inputs, out in float32, before
+    its rounding (computed on the inputs in float32, exactly what the kernel reads them as), which
+    the backward takes for D = rowsum(dO · O) — the rounded O puts its error into ds = p (dp − D) on
+    every key of the row (MATH.md, section 4; the Triton kernels keep it the same way)."""
+    if q.dtype == torch.float32:
+        return forward(q, k, v, **options)
+    return forward(q.float(), k.float(), v.float(), **options)
+
+
 def backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, mask: Tensor | Mask | None,
     bias: Tensor | None, causal: bool, window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int,
     bias_grad: bool = True, softcap: float | None = None, mod: Any = None, mod_grad: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """``(dq, dk, dv, dbias)`` from ``out`` and ``lse`` (also those of the same queries over more
-    keys: the ring's), recomputing P block by block; dbias in bias's shape and dtype, None
-    without a bias or when ``bias_grad`` is False. ``mod``: a score_mod built by ``cpu_mods.py``;
-    its captured tensors' gradients are added into ``mod_grad`` (float64, a flat copy per thread).
-    Rows whose lse needs a shift (``flash.row_shift``: a huge bias on every key a row keeps) are not
-    the kernel's: without a mod the whole backward runs on flash.py (``cpu_mods`` sends a mod's there
-    itself)."""
+    """``(dq, dk, dv, dbias)`` from ``out`` (in q's dtype, or float32: ``unrounded_forward``) and
+    ``lse`` (also those of the same queries over more keys: the ring's), recomputing P block by
+    block; dbias in bias's shape and dtype, None without a bias or when ``bias_grad`` is False.
+    ``mod``: a score_mod built by ``cpu_mods.py``; its captured tensors' gradients are added into
+    ``mod_grad`` (float64, a flat copy per thread). Rows whose lse needs a shift (``flash.row_shift``:
+    a huge bias on every key a row keeps) are not the kernel's: without a mod the whole backward runs
+    on flash.py (``cpu_mods`` sends a mod's there itself)."""
     if mod is None and flash.row_shift(lse, bias, None) is not None:
         return flash.backward(
             dout, q, k, v, out, lse, mask=mask, bias=bias, causal=causal, window=window, scale=scale,
@@ -410,13 +420,6 @@ def backward(
     lse32 = lse if lse.dtype == torch.float32 else lse.to(torch.float32)  # (a .to that changes nothing: ~1 µs)
     extra = mod.backward_args(mod_grad) if mod is not None else _NO_MOD_BACKWARD
     dout, q, k, v, out = unnegated(dout), unnegated(q), unnegated(k), unnegated(v), unnegated(out)
-    if q.dtype != torch.float32 and (want or mod_grad is not None):
-        # 16-bit: D = rowsum(dO · O) from O before its rounding. A bias's or a captured tensor's
-        # gradient sums dS = P (dP − D) over keys, and O's rounding error in D comes back times the
-        # keys summed (a learnt ALiBi slope in bfloat16: 11 % off). q, k, v's gradients do not sum
-        # over keys and keep the rounded O, as FlashAttention does; this costs one float32 forward.
-        unrounded = mod.forward_args() if mod is not None else _NO_MOD_FORWARD
-        out = _state["module"].forward(q.float(), k.float(), v.float(), *args, *unrounded)[0]
     dq, dk, dv, dbias = _state["module"].backward(dout, q, k, v, out, lse32, *args, want, *extra)
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 
@@ -438,12 +441,12 @@ class _KernelAttention(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any]
     ) -> tuple[Tensor, Tensor]:
-        out, lse = forward(q, k, v, bias=bias, **options)
+        out, lse = unrounded_forward(q, k, v, bias=bias, **options)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # (no zeros made for the lse's gradient at every backward)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -438,7 +438,7 @@ class _ModKernel(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        out, lse = cpu_kernel.forward(q, k, v, bias=bias, **options["kernel"], mod=options["mod"])
+        out, lse = cpu_kernel.unrounded_forward(q, k, v, bias=bias, **options["kernel"], mod=options["mod"])
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out, lse = sinks.fold(out, lse, sink)
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
@@ -446,7 +446,7 @@ class _ModKernel(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, bias, sink, out, lse, *captured)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -222,6 +222,13 @@ def _forward_block(st: _Softmax, s: Tensor, v: Tensor, z: Tensor | None) -> None
     st.m = m_new
 
 
+def unrounded_dtype(q: Tensor) -> torch.dtype | None:
+    """float32 for 16-bit inputs, else None (q's dtype): the dtype of the O a backward takes for
+    D = rowsum(dO · O) — before its rounding to 16 bits, whose error ``ds = p (dp − D)`` would carry
+    to every key of the row (MATH.md, section 4)."""
+    return torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else None
+
+
 def _forward(pb: _Problem, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype or ``out_dtype``, lse (B, Hq, Lq))``, the lse of the scores
     as ``score`` gives them (less the row shift, if any)."""
@@ -256,12 +263,13 @@ def forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, dropout_seed: int,
     softcap: float | None = None, block: tuple[int, int] | None = None, score_mod: mods.ScoreMod | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))`` by an online softmax over key blocks.
-    A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
+    """``(out (B, Hq, Lq, Dv) in q's dtype or ``out_dtype``, lse (B, Hq, Lq))`` by an online softmax
+    over key blocks. A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
     pb = _Problem(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
                   dropout_p=dropout_p, dropout_seed=dropout_seed, block=block, score_mod=score_mod)  # fmt: skip
-    return _forward(pb)
+    return _forward(pb, out_dtype)
 
 
 def row_shift(lse: Tensor, bias: Tensor | None, score_mod: mods.ScoreMod | None) -> Tensor | None:
@@ -336,11 +344,6 @@ def backward(
                   shift=None if shift is None else shift.to(accum_dtype(q.dtype)))  # fmt: skip
     if pb.shift is not None:
         lse = _shifted_lse(pb, lse)
-    if out.dtype != pb.acc and ((bias is not None and bias_grad) or any(t.requires_grad for t in pb.captured)):
-        # D = rowsum(dO · O) from O before its rounding to q's dtype: a bias's or a captured tensor's
-        # gradient sums ds = p (dp − D) over keys, and O's rounding in D comes back times the keys
-        # summed (cpu_kernel.backward does the same; dq, dk, dv keep the rounded O)
-        out = _forward(pb, pb.acc)[0]
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, D)
     dv = torch.zeros(v.shape, dtype=pb.acc, device=q.device)  # (B, Hkv, Lk, Dv)
@@ -408,7 +411,7 @@ class _FlashAttention(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        out, lse = forward(q, k, v, bias=bias, **options)
+        out, lse = forward(q, k, v, bias=bias, **options, out_dtype=unrounded_dtype(q))
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out, lse = sinks.fold(out, lse, sink)
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
@@ -416,7 +419,7 @@ class _FlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, bias, sink, out, lse, *captured)
         ctx.options = options
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]

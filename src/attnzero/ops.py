@@ -326,12 +326,17 @@ class _WithSinks(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor, name: str,
         options: dict[str, Any],
     ) -> tuple[Tensor, Tensor]:
-        out, lse = backend(name).forward(q, k, v, bias=bias, **options)
+        if name == "cpu_kernel":  # out in float32 for 16-bit inputs: the backward's D from O unrounded
+            out, lse = cpu_kernel.unrounded_forward(q, k, v, bias=bias, **options)
+        elif name == "flash":
+            out, lse = _flash().forward(q, k, v, bias=bias, **options, out_dtype=_flash().unrounded_dtype(q))
+        else:
+            out, lse = backend(name).forward(q, k, v, bias=bias, **options)
         out2, lse2 = _sinks.fold(out, lse, sinks)
         ctx.save_for_backward(q, k, v, bias, sinks, out2, lse2)
         ctx.name, ctx.options = name, options
         ctx.mark_non_differentiable(lse2)
-        return out2, lse2
+        return out2.to(q.dtype), lse2
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
