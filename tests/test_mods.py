@@ -679,6 +679,49 @@ def test_a_module_that_rebinds_a_field_its_mod_does_not_read_keeps_its_gradients
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("how", ["swap", "pick another"])
+@pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
+def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right(
+    backend: str, dtype: torch.dtype, how: str
+) -> None:
+    """Between the forward and the backward the mod's field comes to hold another tensor that the
+    forward's walk also reached (two fields swapped; ``self.cur = self.tables[1]``): a backward that
+    calls the mod again refuses (it gave the gradients of the other table, silently, once it probed
+    only tensors the forward never met); one that keeps the forward's tensors is right."""
+    _triton_ok(backend)
+
+    class Holder:
+        pass
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in qkv(1, 2, 2, 10, 10, 8))
+    a, b = (torch.randn(2, 19, dtype=dtype, requires_grad=True) for _ in range(2))
+    holder = Holder()
+    if how == "swap":
+        holder.a, holder.b = a, b  # type: ignore[attr-defined]
+    else:
+        holder.tables, holder.a = [a, b], a  # type: ignore[attr-defined]
+
+    def mod(s: Tensor, bb: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + holder.a[h, i - j + 9] * 1e3  # type: ignore[attr-defined, no-any-return]
+
+    out = az.attention(q, k, v, score_mod=mod, backend=backend)  # type: ignore[arg-type]
+    assert isinstance(out, Tensor)
+    holder.a = b  # type: ignore[attr-defined]
+    if how == "swap":
+        holder.b = a  # type: ignore[attr-defined]
+    try:
+        got = torch.autograd.grad(out.pow(2).sum(), (q, a), allow_unused=True)
+    except mods.ModError as e:
+        assert "changed between this call's forward and its backward" in str(e)
+        return
+    holder.a = a  # type: ignore[attr-defined]
+    want = az.attention(q, k, v, score_mod=mod, backend="reference")  # type: ignore[arg-type]
+    assert isinstance(want, Tensor)
+    for g, w in zip(got, torch.autograd.grad(want.pow(2).sum(), (q, a))):
+        assert g is not None
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
 def test_a_mask_made_in_a_loop_stays_the_mask_it_was_made_as(backend: str, dtype: torch.dtype) -> None:
     """``az.masks.from_mod`` keeps its mask_mod's closure as it is when the Mask is made: a backward

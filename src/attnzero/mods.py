@@ -223,7 +223,8 @@ def pin(fn: Any) -> Any:
 
         fn = calling
     pinned = _copy(fn)
-    _PINNED[pinned] = _walk(pinned)
+    roles: list[tuple[int, int]] = []
+    _PINNED[pinned] = (*_walk(pinned, roles), roles)
     return pinned
 
 
@@ -256,7 +257,9 @@ def _copy_cell(cell: Any) -> Any:
 
 # A pinned mod → its walk when pinned: the call's forward reads it (no walk again), a backward
 # compares the tensors it reaches then with these.
-_PINNED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[Tensor], bool]] = weakref.WeakKeyDictionary()
+_PINNED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[Tensor], bool, list[tuple[int, int]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 # -1 outside a backward (torch.utils.checkpoint asks it too); where torch lacks it, always walk again
 _graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
@@ -264,24 +267,47 @@ _graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lam
 
 def _walk_pinned(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     """``_walk(fn)`` — for a pinned mod, the pin's: its call's forward reads it, and so does the
-    backward, whose gradients go to the tensors the forward captured. A backward first walks the
-    mod again and, if it now reaches tensors the forward did not, calls it once on a one-pair block
-    (``_reads_any``): a mod that reads one of them is refused (the backward would differentiate
-    another function); one that does not — a module whose forward rebinds an unrelated field, such
-    as ``self.last = out.detach()`` — keeps the forward's tensors."""
+    backward, whose gradients go to the tensors the forward captured. A backward first walks the mod
+    again; where a tensor now stands in another role than in the forward (``_moved``: a field or a
+    global rebound, two fields swapped), it calls the mod once on a one-pair block (``_reads_any``)
+    and refuses one that reads such a tensor (the backward would differentiate another function).
+    One that does not — a module whose forward rebinds a field the mod never reads, such as
+    ``self.last = out.detach()`` — keeps the forward's tensors."""
     pinned = _PINNED.get(fn) if inspect.isfunction(fn) else None
     if pinned is None:
         return _walk(fn)
     if _graph_task() != -1:
-        was = pinned[1]
-        new = [t for t in _walk(fn)[1] if not any(t is w for w in was)]
-        if new and _reads_any(fn, new):
+        roles: list[tuple[int, int]] = []
+        key, tensors, _ = _walk(fn, roles)
+        moved = _moved(pinned[0], pinned[1], pinned[3], key, tensors, roles)
+        if moved and _reads_any(fn, moved, (pinned[1] or moved)[0].device):  # (where the mod's tables live)
             raise ModError(
                 "score_mod: the tensors it reads changed between this call's forward and its backward (a global, "
                 "a field or a container rebound); the backward would differentiate another function. Bind what "
                 "it reads when it is made (a default argument such as `i=i`, or a closure)"
             )
     return pinned[0], list(pinned[1]), pinned[2]
+
+
+def _moved(
+    was_key: tuple[Any, ...], was: list[Tensor], was_roles: list[tuple[int, int]],
+    key: tuple[Any, ...], now: list[Tensor], roles: list[tuple[int, int]],
+) -> list[Tensor]:  # fmt: skip
+    """The tensors of a walk ``(key, now, roles)`` that may stand where the forward's walk had
+    another: before the first place where the two keys differ in structure (a Python number's value
+    is not structure) a position means the same path in both, so a tensor there is moved only if
+    the forward had another one there; from that place on every tensor may be."""
+    split = next(
+        (i for i, (a, b) in enumerate(zip(was_key, key)) if a != b and not (a[0] == b[0] == "V" and a[1] == b[1])),
+        min(len(was_key), len(key)),
+    )
+    before = {pos: was[i] for pos, i in was_roles}
+    moved: list[Tensor] = []
+    for pos, i in roles:
+        t = now[i]
+        if (pos >= split or before.get(pos) is not t) and not any(t is m for m in moved):
+            moved.append(t)
+    return moved
 
 
 class _Reads(TorchFunctionMode):
@@ -299,11 +325,12 @@ class _Reads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _reads_any(fn: Any, tensors: list[Tensor]) -> bool:
-    """Whether the score_mod ``fn`` reads one of ``tensors`` when called on a one-pair block (at index
-    0 everywhere); True too when that call fails — the backward cannot vouch for the mod then."""
+def _reads_any(fn: Any, tensors: list[Tensor], device: torch.device) -> bool:
+    """Whether the score_mod ``fn`` reads one of ``tensors`` when called on a one-pair block on
+    ``device`` (at index 0 everywhere); True too when that call fails — the backward cannot vouch
+    for the mod then."""
     reads = _Reads({id(t) for t in tensors})
-    s = torch.zeros(1, 1, 1, 1, device=tensors[0].device)  # (b, h, q, kv)
+    s = torch.zeros(1, 1, 1, 1, device=device)  # (b, h, q, kv)
     try:
         with torch.no_grad(), reads, IndexWithTensors():
             _nest(fn, True)(s, *_indices((0, 1), (0, 1), (0, 1), (0, 1), s.device))
@@ -331,7 +358,7 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
     return (key if complete else None), tensors
 
 
-def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
+def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     """Everything a mod reads besides its arguments, as a structure: closures; the globals, defaults
     and own attributes of every function; partials' arguments with their names; dicts' keys and
     values; objects' and modules' fields, slots and class attributes (a user class's constants,
@@ -347,7 +374,8 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     package's: ``_library``) by its code, closure and defaults, not its globals. Every field of an
     object counts, named by the mod's code or not: what a trace reads cannot be listed from the code
     (special methods, ``getattr`` of a computed name, a library reading ``vars(obj)``). Returns
-    ``(key, tensors in the order met, complete)``."""
+    ``(key, tensors in the order met, complete)``; ``roles``, when given, gets ``(position in the
+    key, index in tensors)`` for every meeting of a tensor, the first and each later one."""
     out: list[Any] = []
     tensors: list[Tensor] = []
     first: dict[int, int] = {}  # id of an object met → its number (the order of first meetings)
@@ -399,11 +427,15 @@ def _walk(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
             complete = False
             return
         if id(obj) in first:
+            if roles is not None and isinstance(obj, Tensor):
+                roles.append((len(out), next(i for i, t in enumerate(tensors) if t is obj)))
             out.append(("R", first[id(obj)]))
             return
         first[id(obj)] = len(first)
         held.append(obj)
         if isinstance(obj, Tensor):  # (a tensor's values are read when the code runs; not its layout)
+            if roles is not None:
+                roles.append((len(out), len(tensors)))
             out.append(("T", type(obj), tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad))
             tensors.append(obj)
             if _own_dict(obj):  # Python attributes set on it (``t.scale``)
