@@ -386,10 +386,59 @@ def test_a_block_mask_serves_many_calls_with_one_mask_until_what_it_reads_change
 
     check()
     check()
-    assert len(flex._MASKS[bm]) == 1
+    assert len(vars(bm)["_attnzero_masks"]) == 1
     assert flex._mask_of(bm, 1, 2, L, L) is flex._mask_of(bm, 1, 2, L, L)
     docs[36:] = 1  # in place, inside the blocks the table lists as partial: another mask there
     check()
     holder["docs"] = torch.where(torch.arange(L) < 40, 0, 1)  # rebound
     docs.zero_()
     check()
+    holder["docs"].data[38:] = 1  # through .data: no version changes
+    check()
+    holder["docs"].numpy()[39:] = 1  # a numpy view's write (a data loader's buffer)
+    check()
+    import copy
+    import pickle
+
+    twin = copy.deepcopy(bm)  # the cache stays behind, empty
+    assert not vars(twin)["_attnzero_masks"]
+    torch.testing.assert_close(flex.flex_attention(q, k, v, block_mask=twin), TF.flex_attention(q, k, v, block_mask=bm))
+    bm = flex.create_block_mask(_causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
+    flex.flex_attention(q, k, v, block_mask=bm)
+    twin = pickle.loads(pickle.dumps(bm))  # (its Masks' predicates are local functions: not pickled)
+    assert not vars(twin)["_attnzero_masks"]
+    torch.testing.assert_close(flex.flex_attention(q, k, v, block_mask=twin), TF.flex_attention(q, k, v, block_mask=bm))
+
+
+def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return q_idx >= kv_idx
+
+
+def test_a_block_mask_kept_by_a_module_leaves_with_it_and_serves_inference_mode() -> None:
+    """The Masks a BlockMask serves are kept on it: a module whose BlockMask's mask_mod reads the module
+    is collected with it (a table of weak keys kept it for good); inference tensors (no version
+    counter) are served too."""
+    import gc
+    import weakref
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("limit", torch.tensor(5))
+            self.block_mask = flex.create_block_mask(lambda b, h, q, kv: (q >= kv) | (kv < self.limit), None, None,
+                                                     32, 32, device="cpu", BLOCK_SIZE=16)  # fmt: skip
+
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return flex.flex_attention(q, q, q, block_mask=self.block_mask)  # type: ignore[no-any-return]
+
+    model = Model()
+    model(torch.randn(1, 2, 32, 8))
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+    with torch.inference_mode():
+        model = Model()
+        q = torch.randn(1, 2, 32, 8)
+        first, again = model(q), model(q)
+    torch.testing.assert_close(first, again)

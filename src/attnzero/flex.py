@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -223,39 +222,63 @@ def to_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     return Mask(keep, (B, H, Lq, Lk), name, table=table, mod=ModSource(mask_mod, gated=True))
 
 
-# A BlockMask's Masks, kept while it lives: one BlockMask usually serves every layer of every step,
-# and a new Mask each call rebuilt the CPU kernel's block table and partial tiles (cpu_kernel's
-# cache is per Mask) — 30× the attention's own time at L = 128. A Mask is reused only while the
-# call's sizes, the BlockMask's tensors and what its mask_mod reads (``mods.fingerprint``: code,
-# numbers, the tensors themselves and their in-place versions) are the same; a few per BlockMask.
-_MASKS: weakref.WeakKeyDictionary[BlockMask, dict[tuple[Any, ...], tuple[Mask, list[Tensor], list[int]]]] = (
-    weakref.WeakKeyDictionary()
-)
+class _Masks(dict):  # type: ignore[type-arg]
+    """A BlockMask's attnzero Masks (``_mask_of``), kept on the BlockMask itself — one BlockMask
+    usually serves every layer of every step, and a new Mask each call rebuilt the CPU kernel's block
+    table and partial tiles (its cache is per Mask): 30× the attention's own time at L = 128. Kept on
+    it, not in a table of weak keys: the Mask holds the mask_mod, which may hold the module that
+    holds the BlockMask, and such an entry would never be released. A copy or a pickle of the
+    BlockMask starts empty."""
+
+    def __reduce__(self) -> Any:
+        return (_Masks, ())
+
+    def __copy__(self) -> _Masks:
+        return _Masks()
+
+    def __deepcopy__(self, memo: Any) -> _Masks:
+        return _Masks()
+
+
 _MASKS_PER_BLOCK_MASK = 4
+_CACHED_TENSORS_MAX = 1 << 22  # elements a mask_mod may read for its Mask to be kept (compared each call)
 
 
 def _mask_of(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
-    """``to_mask(block_mask, B, H, Lq, Lk)``, the one made for an earlier call when nothing it
-    depends on changed since (``_MASKS``)."""
+    """``to_mask(block_mask, B, H, Lq, Lk)``, the one made for an earlier call when nothing it depends
+    on changed since: the call's sizes, the BlockMask's tensors (the same objects, not changed in
+    place), the mask_mod's code and numbers (``mods.fingerprint``) and the values of the tensors it
+    reads (compared with a copy: a write through ``.data`` or numpy changes no version)."""
     mask_mod = block_mask.mask_mod
     fp, reached = (None, []) if mask_mod is noop_mask else mods.fingerprint(mask_mod)
-    if mask_mod is not noop_mask and fp is None:  # the walk cannot vouch for the mod: a new Mask
-        return to_mask(block_mask, B, H, Lq, Lk)
-    parts = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-             block_mask.full_kv_indices)  # fmt: skip
-    tensors = [t for t in (*parts, *reached) if t is not None]
-    versions = [t._version for t in tensors]
+    if (mask_mod is not noop_mask and fp is None) or sum(t.numel() for t in reached) > _CACHED_TENSORS_MAX:
+        return to_mask(block_mask, B, H, Lq, Lk)  # (the walk cannot vouch for the mod, or too much to compare)
+    parts = [t for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                         block_mask.full_kv_indices) if t is not None]  # fmt: skip
+    versions = [-1 if t.is_inference() else t._version for t in parts]  # (inference tensors have none)
     key = (B, H, Lq, Lk, tuple(block_mask.BLOCK_SIZE), mask_mod, fp)
-    per = _MASKS.setdefault(block_mask, {})
+    per = vars(block_mask).get("_attnzero_masks")
+    if not isinstance(per, _Masks):
+        per = _Masks()
+        block_mask._attnzero_masks = per  # type: ignore[attr-defined]
     got = per.get(key)
-    same = got is not None and len(got[1]) == len(tensors) and all(a is b for a, b in zip(got[1], tensors))
-    if got is not None and same and got[2] == versions:
-        return got[0]
+    if got is not None and _same(got[0], parts) and got[1] == versions and _equal(got[2], reached):
+        return got[3]  # type: ignore[no-any-return]
     if len(per) >= _MASKS_PER_BLOCK_MASK:
         per.pop(next(iter(per)))
     mask = to_mask(block_mask, B, H, Lq, Lk)
-    per[key] = (mask, tensors, versions)  # (the tensors held: their ids are not reused while kept)
+    per[key] = (parts, versions, [t.detach().clone() for t in reached], mask)
     return mask
+
+
+def _same(a: list[Tensor], b: list[Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _equal(copies: list[Tensor], now: list[Tensor]) -> bool:
+    return len(copies) == len(now) and all(
+        c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t.detach()) for c, t in zip(copies, now)
+    )
 
 
 def _dense_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Tensor:
