@@ -230,3 +230,40 @@ def test_a_view_with_the_negative_bit_is_read_as_its_values(name: str) -> None:
     assert torch._neg_view(q).is_neg()
     for g, w in zip(got, run(torch.neg)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "from_tensor", "sinks", "score_mod", "lse"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_mask_changed_in_place_before_the_backward_is_refused_or_right(name: str, kind: str) -> None:
+    """A bool mask flipped in place between the forward and the backward: the gradients are the
+    forward's (the reference, whose graph holds what it used) or the call refuses as autograd refuses a
+    changed saved tensor — the backends that evaluate the mask again gave the new mask's gradients."""
+    _runnable(name)
+    dev = _device(name)
+    backend = {"cpu_kernel": "auto"}.get(name, name)
+    q, k, v = (t.to(dev, torch.float32).requires_grad_() for t in qkv(1, 2, 2, 5, 7, 8))
+    mask = torch.rand(1, 2, 5, 7, device=dev) > 0.3
+    mask[..., 0] = True
+
+    def run(m: torch.Tensor) -> torch.Tensor:
+        kw: dict[str, Any] = {"mask": az.masks.from_tensor(m) if kind == "from_tensor" else m, "backend": backend}
+        if kind == "sinks":
+            kw["sinks"] = torch.zeros(2, device=dev)
+        if kind == "score_mod":
+            kw["score_mod"] = lambda s, b, h, i, j: s * 0.5
+        if kind == "lse":
+            return az.attention(q, k, v, return_lse=True, **kw)[1]  # type: ignore[index, no-any-return]
+        return az.attention(q, k, v, **kw)  # type: ignore[return-value]
+
+    wrt = (q, k) if kind == "lse" else (q, k, v)  # (the lse does not depend on v)
+    want = torch.autograd.grad(run(mask.clone()).sum(), wrt)
+    out = run(mask)
+    mask.logical_not_()
+    mask[..., 0] = True
+    try:
+        got = torch.autograd.grad(out.sum(), wrt)
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        return
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import flash, geometry, reference
-from .masks import Mask
+from .masks import Mask, unchanged, version_of
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 HEADER = SOURCE.with_name("fast_math.h")  # its float32 tanh (shared with cpu_mods.py's generated code)
@@ -443,7 +443,7 @@ class _KernelAttention(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         out, lse = unrounded_forward(q, k, v, bias=bias, **options)
         ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.options = options
+        ctx.options, ctx.mask_seen = options, version_of(options["mask"])
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # (no zeros made for the lse's gradient at every backward)
         return out.to(q.dtype), lse
@@ -452,6 +452,7 @@ class _KernelAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, out, lse = ctx.saved_tensors
+        unchanged(ctx.mask_seen)  # (autograd's check of saved tensors, for the mask)
         if dout is None:  # no gradient reached the output (grads are not materialised): zeros, as autograd gives
             dout = torch.zeros_like(out)
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from . import cpu_kernel, flash, geometry, mods, reference, sinks
 from .kernels import codegen
-from .masks import Mask
+from .masks import Mask, unchanged, version_of
 
 F32 = torch.float32
 _INT_MAX = 2**31 - 1
@@ -444,7 +444,7 @@ class _ModKernel(torch.autograd.Function):
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
         # before the backward is refused by autograd (the kernel reads options["mod"]'s pointers)
         ctx.save_for_backward(q, k, v, bias, sink, out, lse, *captured)
-        ctx.options = options
+        ctx.options, ctx.mask_seen = options, version_of(options["kernel"]["mask"])
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -452,6 +452,7 @@ class _ModKernel(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, sink, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
+        unchanged(ctx.mask_seen)  # (the same check for the mask)
         options, needs = ctx.options, ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
         bound, captured = options["mod"], options["captured"]
         dsink = sinks.grad(dout, out, lse, sink) if sink is not None and needs[4] else None

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import dropout, geometry, mods, reference, sinks, trace
-from .masks import Mask, block_of, keep_block
+from .masks import Mask, block_of, keep_block, unchanged, version_of
 from .reference import accum_dtype
 
 NEG_INF = float("-inf")
@@ -417,7 +417,7 @@ class _FlashAttention(torch.autograd.Function):
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
         # before the backward is refused by autograd (the score_mod reads them itself)
         ctx.save_for_backward(q, k, v, bias, sink, out, lse, *captured)
-        ctx.options = options
+        ctx.options, ctx.mask_seen = options, version_of(options["mask"])
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -425,6 +425,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, sink, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
+        unchanged(ctx.mask_seen)  # (the same check for the mask, which is no input of the graph)
         needs = ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             options = {key: value for key, value in ctx.options.items() if key != "block"}

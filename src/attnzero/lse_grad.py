@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import flash, mods, reference
 from . import sinks as sinks_
+from .masks import unchanged, version_of
 
 
 class _Lse(torch.autograd.Function):
@@ -33,12 +34,13 @@ class _Lse(torch.autograd.Function):
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
         # before the backward is refused by autograd (the score_mod reads them itself)
         ctx.save_for_backward(q, k, bias, sinks, lse, *captured)
-        ctx.options = options
+        ctx.options, ctx.mask_seen = options, version_of(options.get("mask"))
         return lse.clone()
 
     @staticmethod
     def backward(ctx: Any, dlse: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, bias, sinks, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
+        unchanged(ctx.mask_seen)  # (the same check for the mask)
         needs = ctx.needs_input_grad  # (lse, q, k, bias, sinks, options, *captured)
         if reference.needs_graph(dlse):  # create_graph=True: autograd through the formula's lse
             fn = ctx.options.get("score_mod")

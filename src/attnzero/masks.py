@@ -224,6 +224,7 @@ class Mask:
             raise ValueError("mod: a gated ModSource needs the block table that gates it")
         self.mod = mod  # the mask_mod the predicate is (see ModSource), or None
         self._recipe: tuple[Any, ...] | None = None  # how a builder made it (_made): what pickle stores
+        self.tensor: Tensor | None = None  # the dense keep-mask it wraps (``from_tensor``), if any
 
     # -- block structure (see the module docstring)
 
@@ -377,6 +378,28 @@ class Mask:
 
     def __str__(self) -> str:
         return to_string(self)
+
+
+def version_of(mask: Tensor | Mask | None) -> tuple[Tensor, int] | None:
+    """``(tensor, its version)`` for a keep-mask that reads a tensor — a dense one, a ``from_tensor``
+    Mask — which a backward evaluates again: ``unchanged`` then refuses one changed in place since
+    the forward (its gradients would be another mask's). None for others (inference tensors too:
+    they keep no version)."""
+    t = mask if isinstance(mask, Tensor) else None if mask is None else mask.tensor
+    if t is None or t.is_inference():
+        return None
+    return t, t._version
+
+
+def unchanged(seen: tuple[Tensor, int] | None) -> None:
+    """Raises, as autograd does for a saved tensor, when the mask of ``version_of`` changed in place."""
+    if seen is not None and seen[0]._version != seen[1]:
+        t, was = seen
+        raise RuntimeError(
+            f"mask: changed in place between the forward and the backward (version {t._version}, expected {was}): "
+            "the gradients would be another mask's; change it after the backward, or pass a copy. (torch: one of "
+            "the variables needed for gradient computation has been modified by an inplace operation)"
+        )
 
 
 def _made(mask: Mask, builder: Callable[..., Any], *args: Any, **kwargs: Any) -> Mask:
@@ -566,7 +589,9 @@ def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
         idx = [i if n > 1 else torch.zeros_like(i) for i, n in zip((b, h, q, kv), t.shape)]
         return t.to(kv.device)[idx[0], idx[1], idx[2], idx[3]]
 
-    return _made(Mask(keep, t.shape, name), from_tensor, t, name)
+    made = Mask(keep, t.shape, name)
+    made.tensor = t  # (for a backward's check that it did not change since the forward: ``version_of``)
+    return _made(made, from_tensor, t, name)
 
 
 def from_mod(

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from . import cpu_kernel, dropout, lse_grad, reference
 from . import sinks as _sinks
-from .masks import Mask
+from .masks import Mask, unchanged, version_of
 from .reference import accum_dtype
 
 NAMES = ("reference", "flash", "cpu_kernel", "triton", "triton_decode")
@@ -334,7 +334,7 @@ class _WithSinks(torch.autograd.Function):
             out, lse = backend(name).forward(q, k, v, bias=bias, **options)
         out2, lse2 = _sinks.fold(out, lse, sinks)
         ctx.save_for_backward(q, k, v, bias, sinks, out2, lse2)
-        ctx.name, ctx.options = name, options
+        ctx.name, ctx.options, ctx.mask_seen = name, options, version_of(options["mask"])
         ctx.mark_non_differentiable(lse2)
         return out2.to(q.dtype), lse2
 
@@ -342,6 +342,7 @@ class _WithSinks(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # the lse is not differentiable
         q, k, v, bias, sk, out2, lse2 = ctx.saved_tensors
+        unchanged(ctx.mask_seen)  # (autograd's check of saved tensors, for the mask)
         needs = tuple(ctx.needs_input_grad[:5])
         if reference.needs_graph(dout):  # create_graph=True, or a batched dout: autograd through the formula
             return (*reference.backward_with_graph(dout, q, k, v, bias, needs, sinks=sk, **ctx.options), None, None)

@@ -107,7 +107,7 @@ from .. import sinks as sinks_
 from ..blocks import FULL as BLOCK_FULL
 from ..blocks import PARTIAL as BLOCK_PARTIAL
 from ..blocks import SKIP as BLOCK_SKIP
-from ..masks import Mask, Segments
+from ..masks import Mask, Segments, unchanged, version_of
 from . import backward as bwd_k
 from . import decode as dec_k
 from . import forward as fwd_k
@@ -1047,7 +1047,7 @@ class _ModAttention(torch.autograd.Function):
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
         # before the backward is refused by autograd (the generated code reads gen.tensors)
         ctx.save_for_backward(q, k, v, bias, sink, out32 if keep_f32 else out, lse, *captured)
-        ctx.options = options
+        ctx.options, ctx.mask_seen = options, version_of(options["reference"]["mask"])
         ctx.far = _FarRows(lse) if bias is not None or gen is not None else None  # (a mod may write −1e9 too)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -1056,6 +1056,7 @@ class _ModAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         del dlse  # lse is returned as non-differentiable
         q, k, v, bias, sink, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
+        unchanged(ctx.mask_seen)  # (the same check for the mask: the kernels read it again)
         options = ctx.options
         args, gen, captured = options["args"], options["gen"], options["captured"]
         needs = ctx.needs_input_grad  # (q, k, v, bias, sink, options, *captured)
