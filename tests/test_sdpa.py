@@ -188,6 +188,10 @@ def test_dropout_one_and_a_tensor_scale_are_taken_as_torch_takes_them() -> None:
         az.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3)),
         F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3)),  # type: ignore[arg-type]
     )
+    # one that asks for a gradient is refused, as torch refuses it (it would get none: it was read as a float)
+    for attend in (F.scaled_dot_product_attention, az.scaled_dot_product_attention):
+        with pytest.raises(TypeError):
+            attend(q, k, v, scale=torch.tensor(0.3, requires_grad=True))  # type: ignore[arg-type]
 
 
 def test_numpy_scalars_are_taken_as_torch_takes_them() -> None:

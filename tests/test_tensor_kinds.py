@@ -124,3 +124,29 @@ def test_torch_jit_trace_is_refused_by_name() -> None:
     for fn in (az.attention, az.scaled_dot_product_attention):
         with pytest.raises(ArgumentError, match=r"torch\.jit\.trace: attnzero cannot be traced to TorchScript"):
             torch.jit.trace(lambda a: fn(a, a, a), (q,))  # noqa: B023 (called at once)
+
+
+def test_a_double_backward_under_a_dispatch_mode_and_through_zero_sizes() -> None:
+    """The custom ops' backward (eager for zero sizes and the tensors above) had no graph of its own:
+    create_graph=True failed ("no autograd formula was registered"), where torch's SDPA runs it."""
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    inputs = (q, k, v, bias, sinks)
+
+    def twice(backend: str) -> tuple[torch.Tensor, ...]:
+        out, lse = az.attention(q, k, v, causal=True, sinks=sinks, bias=bias, return_lse=True, backend=backend)
+        first = torch.autograd.grad((out**2).sum() + (lse**2).sum(), inputs, create_graph=True)
+        return torch.autograd.grad(sum((g**2).sum() for g in first), inputs)
+
+    want = twice("reference")
+    with FlopCounterMode(display=False):
+        got = twice("auto")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    empty_k = torch.randn(1, 2, 0, 8, dtype=torch.float64, requires_grad=True)
+    for backend in ("reference", "flash", "auto"):
+        out = az.attention(q, empty_k, empty_k, backend=backend)
+        (g,) = torch.autograd.grad(out.sum() + (q**3).sum(), (q,), create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), (q,))
+        torch.testing.assert_close(gg, 6 * q.detach())

@@ -530,10 +530,24 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
         del unused  # the gradients of p, z: not differentiable
         q, k, v, out, lse, p, z, mask, bias, sinks, seed = ctx.saved_tensors
         causal, left, right, scale, softcap = ctx.args
-        dq, dk, dv, dbias, dsinks = bwd(
-            dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, softcap, sinks, ctx.dropout_p,
-            seed, ctx.bias_grad, ctx.sinks_grad, dlse if ctx.lse_grad else None,
-        )  # fmt: skip
+        empty = 0 in (q.numel(), k.numel(), v.numel())  # (no score: gradients that depend on no input)
+        if reference.needs_graph(dout) and not empty:  # create_graph=True: the formula's graph
+            options = {
+                "mask": mask, "causal": causal, "window": window_of(left, right), "scale": scale,
+                "softcap": softcap or None, "dropout_p": ctx.dropout_p, "dropout_seed": int(seed.item()),
+            }  # fmt: skip
+            needs = (*ctx.needs_input_grad[:3], ctx.bias_grad, False)
+            g = reference.mod_backward_with_graph(
+                dout, q, k, v, bias, needs, options, [], sinks=sinks, sinks_need=ctx.sinks_grad,
+                dlse=dlse if ctx.lse_grad else None,
+            )  # fmt: skip
+            dsk = g[-1] if sinks is not None else None
+            return g[0], g[1], g[2], None, g[3], None, None, None, None, None, dsk, None, None, None
+        with torch.no_grad():  # (numbers: with create_graph, an empty problem's gradients depend on no input)
+            dq, dk, dv, dbias, dsinks = bwd(
+                dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, softcap, sinks, ctx.dropout_p,
+                seed, ctx.bias_grad, ctx.sinks_grad, dlse if ctx.lse_grad else None,
+            )  # fmt: skip
         db = dbias if ctx.bias_grad else None
         dsk = dsinks if ctx.sinks_grad else None
         return dq, dk, dv, None, db, None, None, None, None, None, dsk, None, None, None

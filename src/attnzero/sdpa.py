@@ -161,8 +161,8 @@ def _sdpa(
     name this function's arguments (query/key/value/attn_mask, not q/k/v/mask/bias) and carry
     torch's own phrase after "torch:", so that code matching torch's text keeps working."""
     name, x = "query", query  # the argument checked, for torch's words when a check fails
-    if isinstance(scale, Tensor) and scale.ndim == 0:
-        scale = float(scale)  # torch's argument parser takes a 0-d tensor as the float
+    if isinstance(scale, Tensor) and scale.ndim == 0 and not scale.requires_grad:
+        scale = float(scale)  # torch's argument parser takes a 0-d tensor as the float (not one asking for a grad)
     drop_all = dropout_p == 1.0 and not isinstance(dropout_p, bool)  # torch: every entry dropped, the output 0
     try:
         for name, x in (("query", query), ("key", key), ("value", value)):
