@@ -313,3 +313,22 @@ def test_a_dropout_of_one_drops_every_weight_as_torchs_modules_do() -> None:
     assert not output.any() and torch.allclose(weights.sum(-1), torch.ones(3, 4))
     with pytest.raises(ValueError, match=r"dropout: expected a float in \[0, 1\], got 1.5"):
         az.MultiHeadAttention(16, 4, dropout=1.5)
+
+
+def test_a_module_made_on_the_meta_device_is_initialised_by_reset_parameters() -> None:
+    """Meta-device construction, then ``to_empty`` and each module's ``reset_parameters`` (what FSDP
+    does): the sinks were left as uninitialised memory (the module had no reset_parameters)."""
+    with torch.device("meta"):
+        model = az.MultiHeadAttention(16, 4, sinks=True, num_kv_heads=2)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert model.sinks is not None and not model.sinks.any()
+    fresh = az.MultiHeadAttention(16, 4, sinks=True, num_kv_heads=2)
+    for (name, p), (_, p0) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert p.shape == p0.shape and torch.isfinite(p).all(), name
+        if p.ndim == 2:  # nn.Linear's init: uniform within ±1/sqrt(fan_in)
+            assert p.abs().max() <= 1 / math.sqrt(p.shape[1]) + 1e-6, name
+    x = torch.randn(2, 5, 16)
+    assert torch.isfinite(model(x)).all()

@@ -162,6 +162,15 @@ class MultiHeadAttention(nn.Module):
         )  # (num_heads,): exp(0) = 1, one virtual key's worth of weight, as gpt-oss starts
         self.score_mod: ScoreMod | None = mods.check_callable("score_mod", score_mod)  # a Module registers
 
+    def reset_parameters(self) -> None:
+        """The parameters as a new module has them: each projection's own init (``nn.Linear``), the
+        sinks 0 — what meta-device construction asks of a module after ``to_empty`` (FSDP calls it)."""
+        for linear in (self.W_q, self.W_k, self.W_v, self.W_o):
+            linear.reset_parameters()
+        if self.sinks is not None:
+            with torch.no_grad():
+                self.sinks.zero_()
+
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"num_heads={self.num_heads}", f"num_kv_heads={self.num_kv_heads}"]
         if self.softcap is not None:
