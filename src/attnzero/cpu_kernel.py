@@ -377,25 +377,24 @@ _NO_MOD_BACKWARD = (0, 0, None, None, 0)
 def forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int, softcap: float | None = None,
-    mod: Any = None,
+    mod: Any = None, out_f32: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)``; fully blocked rows: 0, −inf.
-    ``mod``: a score_mod built by ``cpu_mods.py`` (its ``forward_args()``), or None."""
+    """``(out (B, Hq, Lq, Dv) in q's dtype — float32 with ``out_f32`` —, lse (B, Hq, Lq) float32)``;
+    fully blocked rows: 0, −inf. ``mod``: a score_mod built by ``cpu_mods.py`` (its
+    ``forward_args()``), or None."""
     args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     extra = mod.forward_args() if mod is not None else _NO_MOD_FORWARD
     q, k, v = unnegated(q), unnegated(k), unnegated(v)
-    out, lse = _state["module"].forward(q, k, v, *args, *extra)  # (no autograd: plain values)
+    out, lse = _state["module"].forward(q, k, v, *args, *extra, out_f32)  # (no autograd: plain values)
     return out, lse
 
 
 def unrounded_forward(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> tuple[Tensor, Tensor]:
     """``forward`` for a call that will take a backward: for 16-bit inputs, out in float32, before
-    its rounding (computed on the inputs in float32, exactly what the kernel reads them as), which
-    the backward takes for D = rowsum(dO · O) — the rounded O puts its error into ds = p (dp − D) on
-    every key of the row (MATH.md, section 4; the Triton kernels keep it the same way)."""
-    if q.dtype == torch.float32:
-        return forward(q, k, v, **options)
-    return forward(q.float(), k.float(), v.float(), **options)
+    its rounding, which the backward takes for D = rowsum(dO · O) — the rounded O puts its error
+    into ds = p (dp − D) on every key of the row (MATH.md, section 4; the Triton kernels keep it the
+    same way)."""
+    return forward(q, k, v, **options, out_f32=q.dtype != torch.float32)
 
 
 def backward(

@@ -586,11 +586,13 @@ struct KPanels {
 // and gradients: x laid out (B, L, H, ·) — one projection split into heads — gives (B, L, H, E), so
 // that merging the heads of O, or the projection's gradient from dQ, dK, dV, needs no transposing
 // copy; else (B, H, L, E).
-at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E) {
+at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E, at::ScalarType dtype) {
   const int64_t B = x.size(0), H = x.size(1), L = x.size(2);
-  return x.stride(1) < x.stride(2) && H > 1 ? at::empty({B, L, H, E}, x.options()).transpose(1, 2)
-                                            : at::empty({B, H, L, E}, x.options());
+  const auto options = x.options().dtype(dtype);
+  return x.stride(1) < x.stride(2) && H > 1 ? at::empty({B, L, H, E}, options).transpose(1, 2)
+                                            : at::empty({B, H, L, E}, options);
 }
+at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E) { return empty_in_order_of(x, E, x.scalar_type()); }
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
@@ -756,7 +758,11 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   const int64_t tasks = P.B * P.Hkv * P.nqb;
   const int64_t R_max = P.G * P.bm, D = P.D, Dv = P.Dv, bn = P.bn;
   const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  // out in q's dtype, or in float32 for 16-bit inputs (cpu_kernel.unrounded_forward: O before its
+  // rounding, which a backward takes for D)
+  const bool out_f32 = !std::is_same_v<T, float> && out.scalar_type() == at::kFloat;
+  T* op = out_f32 ? nullptr : out.data_ptr<T>();
+  float* opf = out_f32 ? out.data_ptr<float>() : nullptr;
   float* lp = lse.data_ptr<float>();
   const bool tiled = P.tiled();
   const bool q_in_place = rows_in_place<T>(P, q);
@@ -846,9 +852,13 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
       for (int64_t r = 0; r < R; ++r) {  // O_i = acc / l, lse_i = m + log(l); a row with no kept key: 0, −inf
         const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        T* orow = op + b * out.stride(0) + h * out.stride(1) + i * out.stride(2);  // (out's rows are unit-stride)
+        const int64_t o0 = b * out.stride(0) + h * out.stride(1) + i * out.stride(2);  // (out's rows are unit-stride)
         const float* ar = acc + r * Dv;
-        for (int64_t d = 0; d < Dv; ++d) orow[d] = static_cast<T>(ar[d] * inv);
+        if (out_f32) {
+          for (int64_t d = 0; d < Dv; ++d) opf[o0 + d] = ar[d] * inv;
+        } else {
+          for (int64_t d = 0; d < Dv; ++d) op[o0 + d] = static_cast<T>(ar[d] * inv);
+        }
         lp[(b * P.Hq + h) * P.Lq + i] = (m[r] == NEG_INF || l[r] == 0.f) ? NEG_INF : m[r] + std::log(l[r]);
       }
     }
@@ -862,13 +872,13 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
                                            double scale, double softcap, double dropout_p, int64_t seed,
                                            int64_t block_q, int64_t block_k, int64_t mod_fwd,
-                                           const std::optional<at::Tensor>& caps) {
+                                           const std::optional<at::Tensor>& caps, bool out_f32) {
   at::NoGradGuard no_grad;  // plain values out (the autograd is cpu_kernel.py's Function)
   const at::Tensor k = unit_rows(k_in), v = unit_rows(v_in);
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, 0, caps, std::nullopt, 0);
-  at::Tensor out = empty_in_order_of(q, P.Dv);
+  at::Tensor out = empty_in_order_of(q, P.Dv, out_f32 ? at::kFloat : q.scalar_type());
   at::Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_forward", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
