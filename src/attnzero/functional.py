@@ -376,6 +376,7 @@ def run(
         out, lse = ops.attention(
             name, q, k, v, mask=dense, bias=add, causal=is_causal, window=win, scale=sc, softcap=cap, sinks=sink,
             dropout_p=p, dropout_seed=seed_t, lse_grad=lse_with_grad,
+            keep_out=torch.is_grad_enabled() and _needs_grad(q, k, v, add, sink),
         )  # fmt: skip
     else:
         seed = dropout.draw_seed(q.device) if p > 0.0 else 0

@@ -367,30 +367,51 @@ def backend(name: str) -> Backend:
     return BACKENDS[name]
 
 
+def _keeps_out(name: str, q: Tensor, v: Tensor, keep_out: bool) -> bool:
+    """Whether backend ``name``'s op keeps O in float32 for its backward (``keep_out``: a 16-bit call
+    that will take one), as the eager Functions do (MATH.md, section 4): the CPU kernel and flash.py."""
+    return keep_out and name in ("cpu_kernel", "flash") and q.dtype in (torch.float16, torch.bfloat16) and (
+        q.shape[3] > 0 and v.shape[3] > 0
+    )
+
+
 def _forward_kept(
-    name: str, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None, **kw: Any
+    name: str, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None, keep_out: bool = False, **kw: Any
 ) -> tuple[Tensor, Tensor, Kept]:
     """A backend's forward inside an op: the reference keeps P and Z for its backward op (and
-    computes sinks in its softmax); the others' results get the sinks folded in (``sinks.py``)."""
+    computes sinks in its softmax); the others' results get the sinks folded in (``sinks.py``), and
+    keep O in float32 where ``_keeps_out``."""
     if name == "reference":
         return _reference_forward(q, k, v, sinks=sinks, **kw)
-    out, lse = backend(name).forward(q, k, v, **kw)
+    unrounded = _keeps_out(name, q, v, keep_out)
+    if unrounded and name == "cpu_kernel":
+        out, lse = cpu_kernel.forward(q, k, v, **kw, out_f32=True)
+    elif unrounded:
+        out, lse = _flash().forward(q, k, v, **kw, out_dtype=torch.float32)
+    else:
+        out, lse = backend(name).forward(q, k, v, **kw)
     if sinks is not None:
         out, lse = _sinks.fold(out, lse, sinks)
+    if unrounded:
+        return out.to(q.dtype), lse, (out, q.new_empty(0, dtype=torch.bool))
     return out, lse, nothing(q)
 
 
 def _backward_kept(name: str, *args: Tensor, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """A backend's backward inside an op, from what ``_forward_kept`` kept."""
+    """A backend's backward inside an op, from what ``_forward_kept`` kept (O in float32: in out's place)."""
     if name == "reference":
         return reference_backward(*args, kept=kept, **kw)
+    if kept[0].dim() == 4:  # (dout, q, k, v, out, lse)
+        args = (*args[:4], kept[0], *args[5:])
     return backend(name).backward(*args, **kw)
 
 
-def _kept_shapes(name: str, q: Tensor, Lk: Any, dropout_p: float) -> Kept:
+def _kept_shapes(name: str, q: Tensor, v: Tensor, Lk: Any, dropout_p: float, keep_out: bool) -> Kept:
     """Empty tensors of the shapes and dtypes of backend ``name``'s ``kept`` (for the fakes, and
     for the zero-size answers)."""
     B, Hq, Lq, _ = q.shape
+    if _keeps_out(name, q, v, keep_out):
+        return q.new_zeros(B, Hq, Lq, v.shape[3], dtype=torch.float32), q.new_empty(0, dtype=torch.bool)
     if name != "reference":
         return nothing(q)
     p = q.new_zeros(B, Hq, Lq, Lk, dtype=accum_dtype(q.dtype))
@@ -408,7 +429,7 @@ def _zero_column(x: Tensor) -> Tensor:
 
 
 def forward(
-    name: str, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None, **kw: Any
+    name: str, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None, keep_out: bool = False, **kw: Any
 ) -> tuple[Tensor, Tensor, Kept]:
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq), kept)`` of backend ``name``, zero sizes answered
     here."""
@@ -419,10 +440,11 @@ def forward(
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
         if sinks is not None:
             lse = torch.logaddexp(lse, _sinks.expand(sinks, lse.dtype))  # a row with no key: lse = sink
-        return out, lse, _kept_shapes(name, q, Lk, kw["dropout_p"])
+        return out, lse, _kept_shapes(name, q, v, Lk, kw["dropout_p"], keep_out)
+    keep_out = _keeps_out(name, q, v, keep_out)  # (before the head dims of 0 become 1)
     if D == 0:  # every score is 0 (+ bias)
         q, k = _zero_column(q), _zero_column(k)
-    out, lse, kept = _forward_kept(name, q, k, v if Dv else _zero_column(v), sinks, **kw)
+    out, lse, kept = _forward_kept(name, q, k, v if Dv else _zero_column(v), sinks, keep_out, **kw)
     return (out if Dv else q.new_zeros(B, Hq, Lq, 0)), lse, kept
 
 
@@ -455,24 +477,26 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     def fwd(
         q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool, left: int,
         right: int, scale: float, softcap: float, sinks: Tensor | None, dropout_p: float, seed: Tensor,
-        lse_grad: bool = False,
+        lse_grad: bool = False, keep_out: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(out, lse, *kept): kept for the backward op, empty unless the backend keeps something.
         ``softcap`` 0.0 = none. ``lse_grad``: the lse is differentiable (the caller asked for it, with
-        a gradient), else a by-product."""
+        a gradient), else a by-product. ``keep_out``: a 16-bit call that will take a backward, which
+        then takes O unrounded from ``kept`` (``_keeps_out``)."""
         del lse_grad  # (read by setup_context)
         with torch.no_grad(), without_autocast(q.device):
             out, lse, kept = forward(
-                name, q, k, v, sinks, mask=mask, bias=bias, causal=causal, window=window_of(left, right),
+                name, q, k, v, sinks, keep_out, mask=mask, bias=bias, causal=causal, window=window_of(left, right),
                 scale=scale, softcap=softcap or None, dropout_p=dropout_p, dropout_seed=int(seed.item()),
             )  # fmt: skip
         return out.contiguous(), lse.contiguous(), kept[0].contiguous(), kept[1].contiguous()  # the fakes' layout
 
     @fwd.register_fake
-    def _(q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed, lse_grad=False):  # type: ignore[no-untyped-def]
+    def _(q, k, v, mask, bias, causal, left, right, scale, softcap, sinks, dropout_p, seed, lse_grad=False,  # type: ignore[no-untyped-def]
+          keep_out=False):  # fmt: skip
         B, Hq, Lq, _ = q.shape
         out, lse = q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=accum_dtype(q.dtype))
-        return out, lse, *_kept_shapes(name, q, k.shape[2], dropout_p)
+        return out, lse, *_kept_shapes(name, q, v, k.shape[2], dropout_p, keep_out)
 
     @torch.library.custom_op(f"attnzero::{name}_attention_backward", mutates_args=())
     def bwd(
@@ -490,7 +514,8 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
                 scale=scale, softcap=softcap or None, dropout_p=dropout_p, dropout_seed=int(seed.item()),
                 bias_grad=bias_grad,
             )  # fmt: skip
-            ds = _sinks.grad(dout, out, lse, sinks) if sinks is not None and sinks_grad else q.new_empty(0)
+            o = p if name != "reference" and p.dim() == 4 else out  # (O unrounded where it was kept)
+            ds = _sinks.grad(dout, o, lse, sinks) if sinks is not None and sinks_grad else q.new_empty(0)
             if dlse is not None and lse.numel() and k.shape[2]:  # (no row or no key: no score)
                 D = q.shape[3]  # D = 0: every score is 0 (+ bias), as the forward computed it
                 lq, lk, lb, ls = lse_grad.of_lse(
@@ -542,7 +567,7 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
                 dlse=dlse if ctx.lse_grad else None,
             )  # fmt: skip
             dsk = g[-1] if sinks is not None else None
-            return g[0], g[1], g[2], None, g[3], None, None, None, None, None, dsk, None, None, None
+            return g[0], g[1], g[2], None, g[3], None, None, None, None, None, dsk, None, None, None, None
         with torch.no_grad():  # (numbers: with create_graph, an empty problem's gradients depend on no input)
             dq, dk, dv, dbias, dsinks = bwd(
                 dout, q, k, v, out, lse, p, z, mask, bias, causal, left, right, scale, softcap, sinks, ctx.dropout_p,
@@ -550,7 +575,7 @@ def _register(name: str) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
             )  # fmt: skip
         db = dbias if ctx.bias_grad else None
         dsk = dsinks if ctx.sinks_grad else None
-        return dq, dk, dv, None, db, None, None, None, None, None, dsk, None, None, None
+        return dq, dk, dv, None, db, None, None, None, None, None, dsk, None, None, None, None
 
     fwd.register_autograd(grad, setup_context=setup_context)
     return fwd
@@ -575,13 +600,15 @@ def attention(
     dropout_p: float,
     dropout_seed: Tensor,
     lse_grad: bool = False,
+    keep_out: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Backend ``name`` through its ops: ``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq))``, differentiable
     in q, k, v, bias and sinks (the lse too with ``lse_grad``). ``mask`` a bool tensor broadcastable to
-    (B, Hq, Lq, Lk), ``dropout_seed`` a 0-d int64 tensor."""
+    (B, Hq, Lq, Lk), ``dropout_seed`` a 0-d int64 tensor; ``keep_out``: the call will take a
+    backward (a 16-bit one keeps O in float32 for it)."""
     left, right = sides(window)
     cap = 0.0 if softcap is None else softcap
     out, lse, _, _ = _OPS[name](
-        q, k, v, mask, bias, causal, left, right, scale, cap, sinks, dropout_p, dropout_seed, lse_grad
+        q, k, v, mask, bias, causal, left, right, scale, cap, sinks, dropout_p, dropout_seed, lse_grad, keep_out
     )
     return out, lse
