@@ -232,7 +232,7 @@ def test_a_view_with_the_negative_bit_is_read_as_its_values(name: str) -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["tensor", "from_tensor", "sinks", "score_mod", "lse"])
+@pytest.mark.parametrize("kind", ["tensor", "from_tensor", "and causal", "sinks", "score_mod", "lse"])
 @pytest.mark.parametrize("name", NAMES)
 def test_a_mask_changed_in_place_before_the_backward_is_refused_or_right(name: str, kind: str) -> None:
     """A bool mask flipped in place between the forward and the backward: the gradients are the
@@ -241,14 +241,17 @@ def test_a_mask_changed_in_place_before_the_backward_is_refused_or_right(name: s
     _runnable(name)
     dev = _device(name)
     backend = {"cpu_kernel": "auto"}.get(name, name)
-    q, k, v = (t.to(dev, torch.float32).requires_grad_() for t in qkv(1, 2, 2, 5, 7, 8))
+    dtype = torch.float32 if name in ("cpu_kernel", "triton") else torch.float64  # (float64: flash.py itself)
+    q, k, v = (t.to(dev, dtype).requires_grad_() for t in qkv(1, 2, 2, 5, 7, 8))
     mask = torch.rand(1, 2, 5, 7, device=dev) > 0.3
     mask[..., 0] = True
 
     def run(m: torch.Tensor) -> torch.Tensor:
         kw: dict[str, Any] = {"mask": az.masks.from_tensor(m) if kind == "from_tensor" else m, "backend": backend}
+        if kind == "and causal":  # a combination reads its parts' tensors
+            kw["mask"] = az.masks.and_(az.masks.from_tensor(m), az.masks.causal(5, 7))
         if kind == "sinks":
-            kw["sinks"] = torch.zeros(2, device=dev)
+            kw["sinks"] = torch.zeros(2, device=dev, dtype=dtype)
         if kind == "score_mod":
             kw["score_mod"] = lambda s, b, h, i, j: s * 0.5
         if kind == "lse":

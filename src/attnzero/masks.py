@@ -224,7 +224,9 @@ class Mask:
             raise ValueError("mod: a gated ModSource needs the block table that gates it")
         self.mod = mod  # the mask_mod the predicate is (see ModSource), or None
         self._recipe: tuple[Any, ...] | None = None  # how a builder made it (_made): what pickle stores
-        self.tensor: Tensor | None = None  # the dense keep-mask it wraps (``from_tensor``), if any
+        # the tensors its predicate reads (a ``from_tensor`` mask's, ids, lengths; a combination's
+        # parts'): a backward that evaluates it again checks they did not change (``version_of``)
+        self.tensors: tuple[Tensor, ...] = ()
 
     # -- block structure (see the module docstring)
 
@@ -239,9 +241,9 @@ class Mask:
         for (a dim of size 1 broadcasts index 0), so it is dropped otherwise."""
         if self.band is None or self.shape[2:] == (q_len, kv_len):
             return self
-        return Mask(
+        return _reading(Mask(
             self.keep, self.shape, self.name, segments=self._segments, table=self.table, parts=self.parts, mod=self.mod
-        )  # (the same predicate: the same mod)
+        ), self)  # (the same predicate: the same mod, the same tensors)
 
     def without_band(self) -> Mask | None:
         """What is left once the band is enforced elsewhere (``attention`` joins it to ``causal`` /
@@ -251,7 +253,7 @@ class Mask:
         seg = self._segments
         if seg is None:
             return None
-        return Mask(seg.keep, self.shape, self.name, segments=seg, exact=True)
+        return _reading(Mask(seg.keep, self.shape, self.name, segments=seg, exact=True), self)
 
     def key_range(self, batches: Range, rows: Range) -> Range:
         """Keys ``[lo, hi)`` outside which no pair of query rows ``rows`` (in any batch of
@@ -362,7 +364,7 @@ class Mask:
 
     def __invert__(self) -> Mask:  # (no structure: the complement of a band is not a band)
         out = Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, f"not {self.name}")
-        return _made(out, operator.invert, self)
+        return _made(_reading(out, self), operator.invert, self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled (``torch.save``, a DataLoader worker's batch) as the builder call that made it —
@@ -380,26 +382,30 @@ class Mask:
         return to_string(self)
 
 
-def version_of(mask: Tensor | Mask | None) -> tuple[Tensor, int] | None:
-    """``(tensor, its version)`` for a keep-mask that reads a tensor — a dense one, a ``from_tensor``
-    Mask — which a backward evaluates again: ``unchanged`` then refuses one changed in place since
-    the forward (its gradients would be another mask's). None for others (inference tensors too:
-    they keep no version)."""
-    t = mask if isinstance(mask, Tensor) else None if mask is None else mask.tensor
-    if t is None or t.is_inference():
-        return None
-    return t, t._version
+def _reading(mask: Mask, *sources: Mask) -> Mask:
+    """``mask``, reading the tensors of ``sources`` (``Mask.tensors``)."""
+    mask.tensors = tuple(t for m in sources for t in m.tensors)
+    return mask
 
 
-def unchanged(seen: tuple[Tensor, int] | None) -> None:
-    """Raises, as autograd does for a saved tensor, when the mask of ``version_of`` changed in place."""
-    if seen is not None and seen[0]._version != seen[1]:
-        t, was = seen
-        raise RuntimeError(
-            f"mask: changed in place between the forward and the backward (version {t._version}, expected {was}): "
-            "the gradients would be another mask's; change it after the backward, or pass a copy. (torch: one of "
-            "the variables needed for gradient computation has been modified by an inplace operation)"
-        )
+def version_of(mask: Tensor | Mask | None) -> list[tuple[Tensor, int]]:
+    """``(tensor, its version)`` for each tensor a keep-mask reads — a dense one; a Mask's
+    ``tensors`` — which a backward evaluates again: ``unchanged`` then refuses one changed in place
+    since the forward (its gradients would be another mask's). Inference tensors keep no version."""
+    ts = (mask,) if isinstance(mask, Tensor) else () if mask is None else mask.tensors
+    return [(t, t._version) for t in ts if not t.is_inference()]
+
+
+def unchanged(seen: list[tuple[Tensor, int]]) -> None:
+    """Raises, as autograd does for a saved tensor, when a tensor of ``version_of`` changed in place."""
+    for t, was in seen:
+        if t._version != was:
+            raise RuntimeError(
+                f"mask: changed in place between the forward and the backward (version {t._version}, expected "
+                f"{was}): the gradients would be another mask's; change it after the backward, or pass a copy. "
+                "(torch: one of the variables needed for gradient computation has been modified by an inplace "
+                "operation)"
+            )
 
 
 def _made(mask: Mask, builder: Callable[..., Any], *args: Any, **kwargs: Any) -> Mask:
@@ -511,7 +517,9 @@ def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
     k_ids = (torch.arange(Lk).view(1, Lk) >= lens.to("cpu", torch.int64).view(-1, 1)).long()  # (B, Lk)
     shape = (len(lens), 1, 1, Lk)
     segments = Segments(torch.zeros(len(lens), 1, dtype=torch.int64), k_ids, shape)
-    return _made(Mask(keep, shape, "padding", segments=segments, exact=True), padding, lens, Lk)
+    made = Mask(keep, shape, "padding", segments=segments, exact=True)
+    made.tensors = (lens,)
+    return _made(made, padding, lens, Lk)
 
 
 def _ids_from_cu(name: str, cu: Tensor | Sequence[int]) -> Tensor:
@@ -574,7 +582,9 @@ def document(
         return qi[bq, q] == ki[bk, kv]
 
     shape = (B, 1, q2.shape[1], k2.shape[1])
-    return _made(Mask(keep, shape, "document", segments=Segments(q2, k2, shape), exact=True), document, q2, k2)
+    made = Mask(keep, shape, "document", segments=Segments(q2, k2, shape), exact=True)
+    made.tensors = (q2, k2)
+    return _made(made, document, q2, k2)
 
 
 def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
@@ -590,7 +600,7 @@ def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
         return t.to(kv.device)[idx[0], idx[1], idx[2], idx[3]]
 
     made = Mask(keep, t.shape, name)
-    made.tensor = t  # (for a backward's check that it did not change since the forward: ``version_of``)
+    made.tensors = (t,)
     return _made(made, from_tensor, t, name)
 
 
@@ -653,6 +663,11 @@ def _as_mask(m: Mask | Tensor) -> Mask:
 
 
 def _combine(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tensor], word: str) -> Mask:
+    ms = [_as_mask(m) for m in masks]
+    return _reading(_combined(ms, op, word), *ms)
+
+
+def _combined(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tensor], word: str) -> Mask:
     if not masks:
         raise ValueError(f"{word}_: expected at least one mask, got none")
     ms = [_as_mask(m) for m in masks]
