@@ -679,6 +679,52 @@ def test_a_module_that_rebinds_a_field_its_mod_does_not_read_keeps_its_gradients
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("change", ["buffer", "hook", "submodule buffer", "counter", "field"])
+def test_a_closure_over_a_model_whose_forward_adds_state_keeps_its_gradients(change: str) -> None:
+    """A score_mod closure reading ``model.alibi.slopes``; the model's forward registers a buffer or a
+    hook, or sets a field, after the call (flash.py's backward, float64): the walk's key shifts where
+    the new entry lands, but the table the mod reads did not change — its gradients are the forward's
+    (a buffer or hook was refused: every tensor after the first difference counted as moved)."""
+
+    class Alibi(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.slopes = torch.nn.Parameter(torch.rand(2, dtype=torch.float64))
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.alibi, self.calls = Alibi(), 0
+
+        def forward(self, q: Tensor, k: Tensor, v: Tensor, backend: str) -> Tensor:
+            model = self
+
+            def mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+                return score - model.alibi.slopes[h] * (i - j).abs()
+
+            out = az.attention(q, k, v, score_mod=mod, backend=backend)
+            assert isinstance(out, Tensor)
+            if change == "buffer":
+                self.register_buffer("last", out.detach())
+            elif change == "hook":
+                self.register_forward_hook(lambda *args: None)
+            elif change == "submodule buffer":
+                self.alibi.register_buffer("seen", out.detach())
+            elif change == "counter":
+                self.calls += 1
+            else:
+                self.last_out = out.detach()
+            return out
+
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    got_model, want_model = Model(), Model()
+    want_model.load_state_dict(got_model.state_dict())
+    got = torch.autograd.grad(got_model(q, k, v, "auto").sum(), (q, got_model.alibi.slopes))
+    want = torch.autograd.grad(want_model(q, k, v, "reference").sum(), (q, want_model.alibi.slopes))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("how", ["swap", "pick another"])
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
 def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right(

@@ -33,6 +33,7 @@ Letters: B batch, H query heads, Lq / Lk query / key length; r, c a block's rows
 from __future__ import annotations
 
 import collections
+import difflib
 import functools
 import inspect
 import sys
@@ -294,18 +295,19 @@ def _moved(
     key: tuple[Any, ...], now: list[Tensor], roles: list[tuple[int, int]],
 ) -> list[Tensor]:  # fmt: skip
     """The tensors of a walk ``(key, now, roles)`` that may stand where the forward's walk had
-    another: before the first place where the two keys differ in structure (a Python number's value
-    is not structure) a position means the same path in both, so a tensor there is moved only if
-    the forward had another one there; from that place on every tensor may be."""
-    split = next(
-        (i for i, (a, b) in enumerate(zip(was_key, key)) if a != b and not (a[0] == b[0] == "V" and a[1] == b[1])),
-        min(len(was_key), len(key)),
-    )
+    another. The two keys are aligned (``difflib``: what a field, buffer or hook added or removed
+    shifts is matched again past it); a tensor met at a matched position is moved only if the
+    forward had another there, one met at a position the forward's key does not match (a new field,
+    a reference to another object) may be."""
+    match: dict[int, int] = {}  # position in key → position in was_key
+    for a, b, n in difflib.SequenceMatcher(None, was_key, key, autojunk=False).get_matching_blocks():
+        match.update((b + i, a + i) for i in range(n))
     before = {pos: was[i] for pos, i in was_roles}
     moved: list[Tensor] = []
     for pos, i in roles:
         t = now[i]
-        if (pos >= split or before.get(pos) is not t) and not any(t is m for m in moved):
+        at = match.get(pos)
+        if (at is None or before.get(at) is not t) and not any(t is m for m in moved):
             moved.append(t)
     return moved
 
