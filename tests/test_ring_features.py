@@ -42,6 +42,11 @@ CASES: list[Case] = [
     ("float32", "contiguous", True, 1, 4, 1, 9, 16, 16, 5.0, "head"),
     ("float32", "zigzag", True, 1, 4, 2, 8, 40, 40, 2.0, "query"),
     ("bfloat16", "zigzag", True, 1, 4, 2, 6, 16, 16, 2.0, "head"),  # 16-bit: float32 merges and sums
+    # 16-bit, small: each piece's result was rounded before the merge (up to 5.6x the reference's error)
+    ("bfloat16", "zigzag", True, 1, 2, 1, 4, 8, 8, None, "none"),
+    ("bfloat16", "contiguous", True, 2, 2, 1, 4, 8, 8, None, "none"),
+    ("bfloat16", "contiguous", False, 2, 4, 2, 4, 8, 8, None, "head"),
+    ("float16", "zigzag", True, 2, 2, 1, 4, 8, 8, None, "query"),
 ]
 
 # "auto" (flash on the CPU), the reference backend and the triton backend (interpreter; float64
