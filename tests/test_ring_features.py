@@ -296,6 +296,22 @@ def test_ring_of_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sinks: str
         dist.destroy_process_group()
 
 
+def test_a_rank_outside_the_group_is_told_so(tmp_path: Path) -> None:
+    """torch's new_group gives a rank outside it a placeholder (GroupMember.NON_GROUP_MEMBER, an int):
+    passed on as ``group=``, it was refused as a wrong type instead of as a group without this rank."""
+    import torch.distributed as dist
+
+    import attnzero as az
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        q = torch.randn(1, 2, 4, 8)
+        with pytest.raises(ValueError, match="group: expected a process group that this rank belongs to"):
+            az.distributed.ring_attention(q, q, q, group=dist.GroupMember.NON_GROUP_MEMBER)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 # The worker side
 

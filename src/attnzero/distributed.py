@@ -106,9 +106,10 @@ class _Ring:
                 "group: expected an initialised torch.distributed process group "
                 "(call torch.distributed.init_process_group first), got none"
             )
-        if group is not None and not isinstance(group, dist.ProcessGroup):
+        outside = getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())  # what new_group gives a rank outside it
+        if group is not None and not isinstance(group, dist.ProcessGroup) and group != outside:
             raise TypeError(f"group: expected None or a torch.distributed ProcessGroup, got {type(group).__name__}")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world = (-1, 0) if group == outside else (dist.get_rank(group), dist.get_world_size(group))
         if rank < 0:
             raise ValueError("group: expected a process group that this rank belongs to, got one without it")
 
