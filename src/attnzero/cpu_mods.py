@@ -505,8 +505,10 @@ def attention(
         "dropout_seed": dropout_seed,
     }  # fmt: skip
     if not needs_grad:
-        out, lse = cpu_kernel.forward(q, k, v, bias=bias, **kernel, mod=bound)
-        return (out, lse) if sink is None else sinks.fold(out, lse, sink)
+        if sink is None:
+            return cpu_kernel.forward(q, k, v, bias=bias, **kernel, mod=bound)
+        out, lse = sinks.fold(*cpu_kernel.unrounded_forward(q, k, v, bias=bias, **kernel, mod=bound), sink)
+        return out.to(q.dtype), lse  # (rounded once, after the fold: as with a gradient)
     ref = {**kernel, "score_mod": score_mod}
     options = {"kernel": kernel, "mod": bound, "captured": captured, "reference": ref}
     out, lse = _ModKernel.apply(q, k, v, bias, sink, options, *captured)

@@ -223,9 +223,7 @@ def _forward_block(st: _Softmax, s: Tensor, v: Tensor, z: Tensor | None) -> None
 
 
 def unrounded_dtype(q: Tensor) -> torch.dtype | None:
-    """float32 for 16-bit inputs, else None (q's dtype): the dtype of the O a backward takes for
-    D = rowsum(dO · O) — before its rounding to 16 bits, whose error ``ds = p (dp − D)`` would carry
-    to every key of the row (MATH.md, section 4)."""
+    """float32 for 16-bit inputs, else None (q's): O for a backward's D, not rounded (MATH.md, 4)."""
     return torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else None
 
 
@@ -461,8 +459,10 @@ def attention(
         captured = mods.captured_tensors(score_mod)
     inputs = (q, k, v, bias, sink, *captured)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
-        out, lse = forward(q, k, v, bias=bias, **options)
-        return (out, lse) if sink is None else sinks.fold(out, lse, sink)
+        if sink is None:
+            return forward(q, k, v, bias=bias, **options)
+        out, lse = sinks.fold(*forward(q, k, v, bias=bias, **options, out_dtype=unrounded_dtype(q)), sink)
+        return out.to(q.dtype), lse  # (rounded once, after the fold: as with a gradient)
     out, lse = _FlashAttention.apply(q, k, v, bias, sink, options, *captured)
     return out, lse
 
