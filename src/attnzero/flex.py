@@ -348,7 +348,7 @@ def flex_attention(
             "Cannot specify both return_lse and return_aux. return_lse is deprecated, please use "
             "return_aux=AuxRequest(lse=True) instead."
         )
-    if return_lse:
+    if return_lse and not torch.compiler.is_compiling():  # (as torch's: dynamo cannot trace a warning)
         warnings.warn(
             "return_lse is deprecated and will be removed in v2.10. Please use return_aux=AuxRequest(lse=True) "
             "instead.",

@@ -383,7 +383,8 @@ def _forward_kept(
     keep O in float32 where ``_keeps_out``."""
     if name == "reference":
         return _reference_forward(q, k, v, sinks=sinks, **kw)
-    unrounded = _keeps_out(name, q, v, keep_out)
+    kept_out = _keeps_out(name, q, v, keep_out)
+    unrounded = kept_out or (sinks is not None and _keeps_out(name, q, v, True))  # (sinks: folded, then rounded once)
     if unrounded and name == "cpu_kernel":
         out, lse = cpu_kernel.forward(q, k, v, **kw, out_f32=True)
     elif unrounded:
@@ -392,9 +393,9 @@ def _forward_kept(
         out, lse = backend(name).forward(q, k, v, **kw)
     if sinks is not None:
         out, lse = _sinks.fold(out, lse, sinks)
-    if unrounded:
+    if kept_out:
         return out.to(q.dtype), lse, (out, q.new_empty(0, dtype=torch.bool))
-    return out, lse, nothing(q)
+    return out.to(q.dtype), lse, nothing(q)
 
 
 def _backward_kept(name: str, *args: Tensor, kept: Kept, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
