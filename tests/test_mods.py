@@ -725,7 +725,7 @@ def test_a_closure_over_a_model_whose_forward_adds_state_keeps_its_gradients(cha
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("how", ["swap", "pick another"])
+@pytest.mark.parametrize("how", ["swap", "pick another", "reverse a list", "swap dict values"])
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
 def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right(
     backend: str, dtype: torch.dtype, how: str
@@ -740,32 +740,44 @@ def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right
         pass
 
     q, k, v = (t.to(dtype).requires_grad_() for t in qkv(1, 2, 2, 10, 10, 8))
-    a, b = (torch.randn(2, 19, dtype=dtype, requires_grad=True) for _ in range(2))
+    # (tables of two shapes: a walk's key then differs where they trade places, not only its tensors)
+    a, b = (torch.randn(2, n, dtype=dtype, requires_grad=True) for n in (19, 21))
     holder = Holder()
     if how == "swap":
         holder.a, holder.b = a, b  # type: ignore[attr-defined]
-    else:
+    elif how == "pick another":
         holder.tables, holder.a = [a, b], a  # type: ignore[attr-defined]
+    tables, named = [a, b], {"first": a, "second": b}
 
     def mod(s: Tensor, bb: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        if how == "reverse a list":
+            return s + tables[1][h, i - j + 9] * 1e3
+        if how == "swap dict values":
+            return s + named["second"][h, i - j + 9] * 1e3
         return s + holder.a[h, i - j + 9] * 1e3  # type: ignore[attr-defined, no-any-return]
 
     out = az.attention(q, k, v, score_mod=mod, backend=backend)  # type: ignore[arg-type]
     assert isinstance(out, Tensor)
-    holder.a = b  # type: ignore[attr-defined]
+    if how == "reverse a list":
+        tables.reverse()
+    elif how == "swap dict values":
+        named["first"], named["second"] = b, a
+    else:
+        holder.a = b  # type: ignore[attr-defined]
     if how == "swap":
         holder.b = a  # type: ignore[attr-defined]
     try:
-        got = torch.autograd.grad(out.pow(2).sum(), (q, a), allow_unused=True)
+        got = torch.autograd.grad(out.pow(2).sum(), (q, a, b), allow_unused=True)
     except mods.ModError as e:
         assert "changed between this call's forward and its backward" in str(e)
         return
-    holder.a = a  # type: ignore[attr-defined]
+    holder.a, tables[:], named["first"], named["second"] = a, [a, b], a, b  # type: ignore[attr-defined]
     want = az.attention(q, k, v, score_mod=mod, backend="reference")  # type: ignore[arg-type]
     assert isinstance(want, Tensor)
-    for g, w in zip(got, torch.autograd.grad(want.pow(2).sum(), (q, a))):
-        assert g is not None
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    for g, w in zip(got, torch.autograd.grad(want.pow(2).sum(), (q, a, b), allow_unused=True)):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])

@@ -295,19 +295,21 @@ def _moved(
     key: tuple[Any, ...], now: list[Tensor], roles: list[tuple[int, int]],
 ) -> list[Tensor]:  # fmt: skip
     """The tensors of a walk ``(key, now, roles)`` that may stand where the forward's walk had
-    another. The two keys are aligned (``difflib``: what a field, buffer or hook added or removed
-    shifts is matched again past it); a tensor met at a matched position is moved only if the
-    forward had another there, one met at a position the forward's key does not match (a new field,
-    a reference to another object) may be."""
-    match: dict[int, int] = {}  # position in key → position in was_key
-    for a, b, n in difflib.SequenceMatcher(None, was_key, key, autojunk=False).get_matching_blocks():
-        match.update((b + i, a + i) for i in range(n))
-    before = {pos: was[i] for pos, i in was_roles}
+    another. The two walks' meetings of tensors are aligned by identity (``difflib`` on the
+    sequences of tensors met: what a field, buffer or hook added or removed is skipped over); a
+    meeting is in its place when the same tensor was met there, in the same order relative to the
+    others, after the same entry of the key (its field's or key's name, its neighbour in a list).
+    Every tensor met out of place may be read where another was."""
+    ids_was, ids_now = [id(was[i]) for _, i in was_roles], [id(now[i]) for _, i in roles]
+    if ids_was == ids_now and was_key == key:
+        return []
+    placed: set[int] = set()
+    for a, b, n in difflib.SequenceMatcher(None, ids_was, ids_now, autojunk=False).get_matching_blocks():
+        placed.update(b + j for j in range(n) if was_key[was_roles[a + j][0] - 1] == key[roles[b + j][0] - 1])
     moved: list[Tensor] = []
-    for pos, i in roles:
+    for j, (_, i) in enumerate(roles):
         t = now[i]
-        at = match.get(pos)
-        if (at is None or before.get(at) is not t) and not any(t is m for m in moved):
+        if j not in placed and not any(t is m for m in moved):
             moved.append(t)
     return moved
 
