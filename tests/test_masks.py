@@ -601,3 +601,25 @@ def _saved(x: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(x, buffer)
     return buffer.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["padding", "document"])
+def test_a_padding_or_document_mask_is_the_mask_as_made(kind: str) -> None:
+    """The lengths or ids tensor changed in place after the Mask is made: the Mask stays what it was
+    made as on every backend (its block structure was a snapshot while its predicate read the tensor
+    live: the compiled kernel and flash.py followed neither the old nor the new lengths)."""
+    B, L = 2, 200
+    q, k, v = (torch.randn(B, 1, L, 8) for _ in range(3))
+    if kind == "padding":
+        source = torch.tensor([3, L])
+        mask = az.masks.padding(source, L)
+        source.copy_(torch.tensor([150, L]))
+    else:
+        source = torch.repeat_interleave(torch.tensor([0, 1]), torch.tensor([60, L - 60]))
+        mask = az.masks.document(source)
+        source.zero_()  # one document now
+    want = mask.to_tensor()
+    assert int(want[0, 0, -1].sum()) == (3 if kind == "padding" else L - 60)
+    for backend in ("reference", "flash", "auto"):
+        got = az.attention(q, k, v, mask=mask, backend=backend)
+        torch.testing.assert_close(got, az.attention(q, k, v, mask=want, backend="reference"), atol=1e-5, rtol=1e-5)

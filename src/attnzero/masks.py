@@ -499,7 +499,7 @@ def window(q_len: int, kv_len: int | None = None, left: int | None = None, right
 def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
     """Key padding from the true lengths of each sequence: key ``j`` of batch ``b`` is kept iff
     ``j < lengths[b]``. Shape (B, 1, 1, kv_len), kv_len defaulting to ``max(lengths)``."""
-    lens = _ints("lengths", lengths, "a 1-D sequence of ints")
+    lens = _ints("lengths", lengths, "a 1-D sequence of ints").clone()  # the mask as made (its blocks are)
     if lens.ndim != 1:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got {tuple(lens.shape)} {lens.dtype}")
     if len(lens) == 0 or bool((lens < 0).any()):
@@ -565,8 +565,8 @@ def document(
         kv_ids = None if cu_seqlens_kv is None else _ids_from_cu("cu_seqlens_kv", cu_seqlens_kv)
     if ids is None:
         raise ValueError("ids: expected (L,) or (B, L) integer ids (or cu_seqlens), got None")
-    q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids")
-    k_ids = q_ids if kv_ids is None else _ints("kv_ids", kv_ids, "(L,) or (B, L) integer ids")
+    q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids").clone()  # the mask as made: its segments are
+    k_ids = q_ids if kv_ids is None else _ints("kv_ids", kv_ids, "(L,) or (B, L) integer ids").clone()
     for name, t in (("ids", q_ids), ("kv_ids", k_ids)):
         if t.ndim not in (1, 2) or t.numel() == 0:
             raise ValueError(f"{name}: expected (L,) or (B, L) integer ids, got {tuple(t.shape)} {t.dtype}")
