@@ -32,10 +32,19 @@ class ArgumentTypeError(TypeError, RuntimeError):
     """A bad kind of argument or dtype: a ``TypeError``, and a ``RuntimeError`` like torch's."""
 
 
+def _jit_traced() -> ArgumentError:
+    return ArgumentError(
+        "torch.jit.trace: attnzero cannot be traced to TorchScript (its sizes would be traced as tensors); use "
+        "torch.compile or torch.export"
+    )
+
+
 def _guard_or(cond: Any, fallback: bool) -> bool:
     """A symbolic condition decided (and guarded on) where its sizes allow, else ``fallback``. Only
     symbolic sizes come here, and they come with torch.fx's symbolic_shapes already loaded (it is
     not imported with attnzero: it takes a third of a second)."""
+    if isinstance(cond, Tensor):  # sizes traced as tensors: torch.jit.trace
+        raise _jit_traced()
     from torch.fx.experimental import symbolic_shapes
 
     name = "guard_or_true" if fallback else "guard_or_false"
@@ -70,6 +79,8 @@ def surely(cond: Any) -> bool:
     guard on the example's sizes: an exported program then refuses others)."""
     if isinstance(cond, bool):
         return cond
+    if isinstance(cond, Tensor):  # sizes traced as tensors: torch.jit.trace
+        raise _jit_traced()
     from torch.fx.experimental import symbolic_shapes
 
     decide = getattr(symbolic_shapes, "statically_known_true", None)
@@ -86,11 +97,6 @@ def tensor(name: str, x: Any, ndim: int | None = None, layout: str = "", empty_o
     """``x`` is a floating-point tensor (with ``ndim`` dims when given), non-empty unless ``empty_ok``."""
     if not isinstance(x, Tensor):
         raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if torch._C._get_tracing_state() is not None:
-        raise ArgumentError(
-            "torch.jit.trace: attnzero cannot be traced to TorchScript (its sizes would be traced as tensors); "
-            "use torch.compile or torch.export"
-        )
     if x.is_nested:
         raise ArgumentTypeError(
             f"{name}: expected a dense torch.Tensor, got a nested tensor ({x.layout}); pad the sequences and pass "

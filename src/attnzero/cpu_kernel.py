@@ -332,12 +332,6 @@ def block_sizes(Lq: int, Lk: int, G: int, banded: bool, structured: bool) -> tup
     return (bm if bm > 1 else 1), (bn if bn > 1 else 1)
 
 
-def unnegated(t: Tensor) -> Tensor:
-    """``t`` with its values in memory: a view with torch's negative bit (``torch._neg_view``, ``z.conj().imag``
-    of a complex z) is read by the C++ code as the storage it shares, without the sign — resolved here."""
-    return t.resolve_neg() if t.is_neg() else t
-
-
 def _args(
     q: Tensor, k: Tensor, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: geometry.Window, scale: float, softcap: float | None, dropout_p: float, dropout_seed: int,
@@ -359,7 +353,7 @@ def _args(
     else:
         bm, bn = block_sizes(Lq, Lk, G, banded, False)
         dense = mask
-    b32 = None if bias is None else unnegated(bias.detach().to(torch.float32))
+    b32 = None if bias is None else bias.detach().to(torch.float32)
     left, right = _band(causal, window) if banded else (UNBOUNDED, UNBOUNDED)
     seed = dropout_seed if dropout_seed < 2**63 else dropout_seed - 2**64  # int64 bits
     cap = 0.0 if softcap is None else float(softcap)
@@ -384,7 +378,6 @@ def forward(
     ``forward_args()``), or None."""
     args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     extra = mod.forward_args() if mod is not None else _NO_MOD_FORWARD
-    q, k, v = unnegated(q), unnegated(k), unnegated(v)
     out, lse = _state["module"].forward(q, k, v, *args, *extra, out_f32)  # (no autograd: plain values)
     return out, lse
 
@@ -418,7 +411,6 @@ def backward(
     want = bias is not None and bias_grad
     lse32 = lse if lse.dtype == torch.float32 else lse.to(torch.float32)  # (a .to that changes nothing: ~1 µs)
     extra = mod.backward_args(mod_grad) if mod is not None else _NO_MOD_BACKWARD
-    dout, q, k, v, out = unnegated(dout), unnegated(q), unnegated(k), unnegated(v), unnegated(out)
     dq, dk, dv, dbias = _state["module"].backward(dout, q, k, v, out, lse32, *args, want, *extra)
     return dq, dk, dv, (dbias.to(bias.dtype) if want and bias is not None else None)
 

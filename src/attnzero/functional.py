@@ -295,7 +295,7 @@ def run(
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
         # (traced, or tensors without data of their own: the mod is not walked — dynamo would trace it)
-        special = torch.compiler.is_compiling() or empty or _without_data(q, k, v, add, sink)
+        special = torch.compiler.is_compiling() or empty or _without_data(q, k, v)
         captured = () if special else mods.captured_tensors(fn)  # a table seen through torch.func / a dual counts
         special = special or batching.wrapped(q, k, v, keep, add, sink, *captured)
         special = special or batching.dual(q, k, v, add, sink, *captured)  # forward-mode AD
@@ -345,7 +345,7 @@ def run(
 
     name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
     # tensors without data of their own are traced as a compiled call is: through the custom ops
-    compiling = torch.compiler.is_compiling() or _without_data(q, k, v, keep, add, sink)
+    compiling = torch.compiler.is_compiling() or _without_data(q, k, v)
     transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
     if (transformed and batching.forward_mode()) or batching.dual(q, k, v, add, sink):
         # jvp / jacfwd / forward_ad's duals: no fused kernel has a JVP; the formula has every op's (batching.py)
@@ -395,18 +395,19 @@ def run(
 _PLAIN_DISPATCH = Tensor.__torch_dispatch__
 
 
-def _without_data(*xs: Any) -> bool:
-    """Whether a call computes on no memory a backend can read: a meta or fake tensor (shape
-    inference, ``FakeTensorMode``, ``make_fx``), a ``__torch_dispatch__`` subclass (DTensor, a
-    logging tensor), or under any torch dispatch mode (``FlopCounterMode``). Such a call goes through
-    the custom ops (``ops.py``), as a compiled one does: each of these dispatches them, and their
-    fake implementations give the shapes."""
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return True
-    for x in xs:  # (a loop, not any() over a generator: every eager call asks)
-        if isinstance(x, Tensor) and (x.is_meta or type(x).__torch_dispatch__ is not _PLAIN_DISPATCH):
-            return True
-    return False
+def _without_data(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a call computes on no memory a backend can read: meta tensors (q's device is every
+    input's), fake tensors (shape inference, ``FakeTensorMode``, ``make_fx``), ``__torch_dispatch__``
+    subclasses (DTensor, a logging tensor) as q, k or v, or any torch dispatch mode
+    (``FlopCounterMode``). Such a call goes through the custom ops (``ops.py``), as a compiled one
+    does: each of these dispatches them, and their fake implementations give the shapes. (Asked by
+    every eager call: plain tensors answer at the first test of each.)"""
+    if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
+        return bool(torch._C._len_torch_dispatch_stack()) or q.is_meta
+    plain = (Tensor, torch.nn.Parameter)
+    return any(type(x) not in plain and type(x).__torch_dispatch__ is not _PLAIN_DISPATCH for x in (q, k, v)) or (
+        bool(torch._C._len_torch_dispatch_stack()) or q.is_meta
+    )
 
 
 def _seed(device: torch.device) -> int | Tensor:

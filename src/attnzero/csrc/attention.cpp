@@ -284,6 +284,7 @@ struct Problem {
   int64_t ms[4] = {0, 0, 0, 0};
   const float* bias = nullptr;  // float32 bias, strides bs (0 where it broadcasts)
   int64_t bs[4] = {0, 0, 0, 0};
+  at::Tensor bias_values;  // what `bias` points into, alive with the problem (a negative view's copy)
   const int32_t* table = nullptr;  // (tb, nqb, nkb): 0 SKIP, 1 FULL, 2 + t PARTIAL with tile t
   int64_t tb = 1;
   const uint8_t* tiles = nullptr;  // (n, tiles_b, tiles_h, bm, bn) bool
@@ -542,6 +543,10 @@ at::Tensor unit_rows(const at::Tensor& x) {
   return x.stride(3) == 1 && x.stride(2) >= x.size(3) ? x : x.clone(at::MemoryFormat::Contiguous);
 }
 
+// x with its values in memory: a view with torch's negative bit (torch._neg_view, z.conj().imag)
+// shares the storage of its negation, which the loops below read directly.
+at::Tensor values(const at::Tensor& x) { return x.is_neg() ? x.resolve_neg() : x; }
+
 // Whether the register tiles read x's rows (q, or dO) where they lie, at their row stride: float32
 // rows of unit stride, one query head per group (so a task's rows are one head's, evenly spaced),
 // rows apart (a row stride of 0 — one query expanded over L, or dO of out.sum(dim=2) — is a B of
@@ -624,9 +629,9 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     for (int d = 0; d < 4; ++d) P.ms[d] = m.stride(d);
   }
   if (bias.has_value()) {
-    const at::Tensor bb = bias->expand(full);
-    P.bias = bb.data_ptr<float>();
-    for (int d = 0; d < 4; ++d) P.bs[d] = bb.stride(d);
+    P.bias_values = values(*bias).expand(full);
+    P.bias = P.bias_values.data_ptr<float>();
+    for (int d = 0; d < 4; ++d) P.bs[d] = P.bias_values.stride(d);
   }
   if (table.has_value()) {
     P.table = table->data_ptr<int32_t>();
@@ -865,7 +870,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const std::optional<at::Tensor>& mask,
                                            const std::optional<at::Tensor>& bias,
                                            const std::optional<at::Tensor>& table,
@@ -874,7 +879,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            int64_t block_q, int64_t block_k, int64_t mod_fwd,
                                            const std::optional<at::Tensor>& caps, bool out_f32) {
   at::NoGradGuard no_grad;  // plain values out (the autograd is cpu_kernel.py's Function)
-  const at::Tensor k = unit_rows(k_in), v = unit_rows(v_in);
+  const at::Tensor q = values(q_in), k = unit_rows(values(k_in)), v = unit_rows(values(v_in));
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, 0, caps, std::nullopt, 0);
@@ -1077,14 +1082,16 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out,
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in,
     const at::Tensor& lse, const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& tiles, int64_t left, int64_t right,
     double scale, double softcap, double dropout_p, int64_t seed, int64_t block_q, int64_t block_k, bool bias_grad,
     int64_t mod_fwd, int64_t mod_bwd, const std::optional<at::Tensor>& caps, const std::optional<at::Tensor>& mod_grad,
     int64_t mod_tmp) {
   at::NoGradGuard no_grad;
-  const at::Tensor k = unit_rows(k_in), v = unit_rows(v_in);
+  const at::Tensor q = values(q_in), dout = values(dout_in), out = values(out_in);
+  const at::Tensor k = unit_rows(values(k_in)), v = unit_rows(values(v_in));
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, mod_bwd, caps, mod_grad, mod_tmp);
