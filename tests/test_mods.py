@@ -725,7 +725,9 @@ def test_a_closure_over_a_model_whose_forward_adds_state_keeps_its_gradients(cha
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("how", ["swap", "pick another", "reverse a list", "swap dict values"])
+@pytest.mark.parametrize(
+    "how", ["swap", "pick another", "reverse a list", "swap dict values", "reorder nested dicts", "point elsewhere"]
+)
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
 def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right(
     backend: str, dtype: torch.dtype, how: str
@@ -748,8 +750,16 @@ def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right
     elif how == "pick another":
         holder.tables, holder.a = [a, b], a  # type: ignore[attr-defined]
     tables, named = [a, b], {"first": a, "second": b}
+    nested = {"cfg": {"x": {"w": a}, "y": {"w": b}}}
+    layers = [Holder(), Holder()]
+    layers[0].t, layers[1].t = a, b  # type: ignore[attr-defined]
+    pointer = {"layers": layers, "cur": layers[0]}
 
     def mod(s: Tensor, bb: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        if how == "reorder nested dicts":
+            return s + nested["cfg"]["x"]["w"][h, i - j + 9] * 1e3
+        if how == "point elsewhere":
+            return s + pointer["cur"].t[h, i - j + 9] * 1e3  # type: ignore[attr-defined, no-any-return]
         if how == "reverse a list":
             return s + tables[1][h, i - j + 9] * 1e3
         if how == "swap dict values":
@@ -758,7 +768,12 @@ def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right
 
     out = az.attention(q, k, v, score_mod=mod, backend=backend)  # type: ignore[arg-type]
     assert isinstance(out, Tensor)
-    if how == "reverse a list":
+    if how == "reorder nested dicts":  # the same inner dicts, inserted in the other order
+        inner = nested["cfg"]
+        nested["cfg"] = {"y": inner["x"], "x": inner["y"]}
+    elif how == "point elsewhere":
+        pointer["cur"] = layers[1]
+    elif how == "reverse a list":
         tables.reverse()
     elif how == "swap dict values":
         named["first"], named["second"] = b, a
@@ -772,6 +787,7 @@ def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right
         assert "changed between this call's forward and its backward" in str(e)
         return
     holder.a, tables[:], named["first"], named["second"] = a, [a, b], a, b  # type: ignore[attr-defined]
+    nested["cfg"], pointer["cur"] = {"x": {"w": a}, "y": {"w": b}}, layers[0]
     want = az.attention(q, k, v, score_mod=mod, backend="reference")  # type: ignore[arg-type]
     assert isinstance(want, Tensor)
     for g, w in zip(got, torch.autograd.grad(want.pow(2).sum(), (q, a, b), allow_unused=True)):

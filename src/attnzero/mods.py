@@ -33,7 +33,6 @@ Letters: B batch, H query heads, Lq / Lk query / key length; r, c a block's rows
 from __future__ import annotations
 
 import collections
-import difflib
 import functools
 import inspect
 import sys
@@ -224,7 +223,7 @@ def pin(fn: Any) -> Any:
 
         fn = calling
     pinned = _copy(fn)
-    roles: list[tuple[int, int]] = []
+    roles: list[Role] = []
     _PINNED[pinned] = (*_walk(pinned, roles), roles)
     return pinned
 
@@ -258,7 +257,7 @@ def _copy_cell(cell: Any) -> Any:
 
 # A pinned mod → its walk when pinned: the call's forward reads it (no walk again), a backward
 # compares the tensors it reaches then with these.
-_PINNED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[Tensor], bool, list[tuple[int, int]]]] = (
+_PINNED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[Tensor], bool, list[Role]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -278,7 +277,7 @@ def _walk_pinned(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     if pinned is None:
         return _walk(fn)
     if _graph_task() != -1:
-        roles: list[tuple[int, int]] = []
+        roles: list[Role] = []
         key, tensors, _ = _walk(fn, roles)
         moved = _moved(pinned[0], pinned[1], pinned[3], key, tensors, roles)
         if moved and _reads_any(fn, moved, (pinned[1] or moved)[0].device):  # (where the mod's tables live)
@@ -291,25 +290,27 @@ def _walk_pinned(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
 
 
 def _moved(
-    was_key: tuple[Any, ...], was: list[Tensor], was_roles: list[tuple[int, int]],
-    key: tuple[Any, ...], now: list[Tensor], roles: list[tuple[int, int]],
+    was_key: tuple[Any, ...], was: list[Tensor], was_roles: list[Role],
+    key: tuple[Any, ...], now: list[Tensor], roles: list[Role],
 ) -> list[Tensor]:  # fmt: skip
-    """The tensors of a walk ``(key, now, roles)`` that may stand where the forward's walk had
-    another. The two walks' meetings of tensors are aligned by identity (``difflib`` on the
-    sequences of tensors met: what a field, buffer or hook added or removed is skipped over); a
-    meeting is in its place when the same tensor was met there, in the same order relative to the
-    others, after the same entry of the key (its field's or key's name, its neighbour in a list).
-    Every tensor met out of place may be read where another was."""
-    ids_was, ids_now = [id(was[i]) for _, i in was_roles], [id(now[i]) for _, i in roles]
-    if ids_was == ids_now and was_key == key:
+    """The tensors of a walk ``(key, now, roles)`` that may be read where the forward's walk read
+    another: one met at a path (``self.table``, ``cfg["x"]["w"]``, ``tables[1]``) where the forward
+    met another tensor or none, and every tensor met under a path that a reference now leads to
+    instead of the forward's (``self.cur = self.layers[1]``). A field, buffer or hook added or
+    rebound elsewhere moves nothing else."""
+    if was_key == key and len(was) == len(now) and all(a is b for a, b in zip(was, now)):
         return []
-    placed: set[int] = set()
-    for a, b, n in difflib.SequenceMatcher(None, ids_was, ids_now, autojunk=False).get_matching_blocks():
-        placed.update(b + j for j in range(n) if was_key[was_roles[a + j][0] - 1] == key[roles[b + j][0] - 1])
+    before = {path: was[i] for kind, path, i in was_roles if kind == "T"}
+    led = {path: to for kind, path, to in was_roles if kind == "R"}
+    elsewhere = [to for kind, path, to in roles if kind == "R" and led.get(path) != to]
     moved: list[Tensor] = []
-    for j, (_, i) in enumerate(roles):
+    for kind, path, i in roles:
+        if kind != "T":
+            continue
         t = now[i]
-        if j not in placed and not any(t is m for m in moved):
+        if before.get(path) is t and not any(path[: len(to)] == to for to in elsewhere):
+            continue
+        if not any(t is m for m in moved):
             moved.append(t)
     return moved
 
@@ -362,7 +363,11 @@ def fingerprint(fn: Any) -> tuple[tuple[Any, ...] | None, list[Tensor]]:
     return (key if complete else None), tensors
 
 
-def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[Any, ...], list[Tensor], bool]:
+Trail = tuple[Any, ...]  # the labels from the mod to a value: fields' and keys' names, list indices, ...
+Role = tuple[str, Trail, Any]  # ("T", path, index in tensors) or ("R", path, the path it was first met at)
+
+
+def _walk(fn: Any, roles: list[Role] | None = None) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     """Everything a mod reads besides its arguments, as a structure: closures; the globals, defaults
     and own attributes of every function; partials' arguments with their names; dicts' keys and
     values; objects' and modules' fields, slots and class attributes (a user class's constants,
@@ -378,13 +383,16 @@ def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[An
     package's: ``_library``) by its code, closure and defaults, not its globals. Every field of an
     object counts, named by the mod's code or not: what a trace reads cannot be listed from the code
     (special methods, ``getattr`` of a computed name, a library reading ``vars(obj)``). Returns
-    ``(key, tensors in the order met, complete)``; ``roles``, when given, gets ``(position in the
-    key, index in tensors)`` for every meeting of a tensor, the first and each later one."""
+    ``(key, tensors in the order met, complete)``. ``roles``, when given, gets the path of every
+    meeting of a tensor (the first and each later one) with its index in the tensors, and of every
+    later meeting of another object with the path it was first met at (``_moved``)."""
     out: list[Any] = []
     tensors: list[Tensor] = []
     first: dict[int, int] = {}  # id of an object met → its number (the order of first meetings)
     held: list[Any] = []  # what the walk met, alive until it ends (ids stay unique)
     complete = True
+    trail: list[Any] = []  # the path to the value met now (kept for ``roles`` only)
+    first_at: dict[int, Trail] = {}  # id of an object met → the path it was first met at (for ``roles``)
 
     def of_class(obj: Any, depth: int, names: list[str]) -> None:
         """A user class's own attributes (not a library's): constants, and the code of its methods
@@ -396,22 +404,33 @@ def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[An
                 if k.startswith("__") and k.endswith("__") and k != "__call__":
                     continue
                 out.append(("CK", cls.__qualname__, k))
-                visit(_unwrap(x), depth + 1, names)
+                visit(_unwrap(x), depth + 1, names, out[-1])
 
     def fields(obj: Any, depth: int, names: list[str]) -> None:
         """Every field (a module's parameters, buffers, submodules, hooks, ``training``, plain fields)."""
         for k, x in (_own_dict(obj) or {}).items():
             if not isinstance(obj, torch.nn.Module) or k not in _MODULE_INTERNALS:
                 out.append(("K", k))
-                visit(x, depth + 1, names)
+                visit(x, depth + 1, names, out[-1])
         for cls in type(obj).__mro__:  # __slots__ fields
             for k in getattr(cls, "__slots__", ()):
                 x = _slot(obj, k) if k not in ("__dict__", "__weakref__") else _MISSING
                 if x is not _MISSING:
                     out.append(("K", k))
-                    visit(x, depth + 1, names)
+                    visit(x, depth + 1, names, out[-1])
 
-    def visit(obj: Any, depth: int, names: list[str]) -> None:
+    def visit(obj: Any, depth: int, names: list[str], label: Any) -> None:
+        """``meet(obj)`` at the path ``trail`` + ``label`` (kept only for ``roles``)."""
+        if roles is None:
+            meet(obj, depth, names)
+            return
+        trail.append(label)
+        try:
+            meet(obj, depth, names)
+        finally:
+            trail.pop()
+
+    def meet(obj: Any, depth: int, names: list[str]) -> None:
         nonlocal complete
         if type(obj) in weakref.ProxyTypes:  # (type(): isinstance asks the referent, a dead one raises)
             try:
@@ -432,14 +451,18 @@ def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[An
             return
         if id(obj) in first:
             if roles is not None and isinstance(obj, Tensor):
-                roles.append((len(out), next(i for i, t in enumerate(tensors) if t is obj)))
+                roles.append(("T", tuple(trail), next(i for i, t in enumerate(tensors) if t is obj)))
+            elif roles is not None:
+                roles.append(("R", tuple(trail), first_at[id(obj)]))
             out.append(("R", first[id(obj)]))
             return
         first[id(obj)] = len(first)
         held.append(obj)
+        if roles is not None:
+            first_at[id(obj)] = tuple(trail)
         if isinstance(obj, Tensor):  # (a tensor's values are read when the code runs; not its layout)
             if roles is not None:
-                roles.append((len(out), len(tensors)))
+                roles.append(("T", tuple(trail), len(tensors)))
             out.append(("T", type(obj), tuple(obj.shape), obj.stride(), obj.dtype, obj.device, obj.requires_grad))
             tensors.append(obj)
             if _own_dict(obj):  # Python attributes set on it (``t.scale``)
@@ -452,28 +475,28 @@ def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[An
             of_class(obj, depth, names)
         elif isinstance(obj, functools.partial):
             out.append(("P", len(obj.args)))
-            for x in (obj.func, *obj.args):
-                visit(x, depth + 1, names)
+            for n, x in enumerate((obj.func, *obj.args)):
+                visit(x, depth + 1, names, ("P", n))
             for k, x in obj.keywords.items():
                 out.append(("K", k))
-                visit(x, depth + 1, names)
+                visit(x, depth + 1, names, out[-1])
         elif isinstance(obj, (list, tuple, dict, set, frozenset, collections.deque)) and len(obj) > _BIG:
             complete = False  # data, not configuration: not walked, but for the tensors it holds
             out.append(("BIG",))  # (dict(model.named_parameters()): each parameter gets its gradient)
-            for x in obj.values() if isinstance(obj, dict) else obj:
+            for n, x in enumerate(obj.values() if isinstance(obj, dict) else obj):
                 if isinstance(x, Tensor):
-                    visit(x, depth + 1, names)
+                    visit(x, depth + 1, names, ("I", n))
         elif isinstance(obj, (list, tuple, collections.deque)):
             out.append(("L", type(obj), len(obj)))
-            for x in obj:
-                visit(x, depth + 1, names)
+            for n, x in enumerate(obj):
+                visit(x, depth + 1, names, ("I", n))
             if type(obj) not in (list, tuple):  # a subclass's fields (``lst.scale``), a namedtuple's none
                 fields(obj, depth, names)
         elif isinstance(obj, (dict, types.MappingProxyType)):
             out.append(("D", type(obj), len(obj)))
             for k, x in obj.items():
                 out.append(("K", k if isinstance(k, (str, int)) else repr(k)))
-                visit(x, depth + 1, names)
+                visit(x, depth + 1, names, out[-1])
             if type(obj) not in (dict, types.MappingProxyType):
                 fields(obj, depth, names)
         elif isinstance(obj, (set, frozenset)):
@@ -482,34 +505,34 @@ def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[An
             out.append(("S", type(obj), tuple(sorted(repr(x) for x in obj))))
         elif isinstance(obj, weakref.ref):
             out.append(("W",))
-            visit(obj(), depth + 1, names)  # what it points to now
+            visit(obj(), depth + 1, names, ("W",))  # what it points to now
         elif isinstance(obj, types.BuiltinMethodType | types.MethodWrapperType) and not isinstance(
             getattr(obj, "__self__", None), (types.ModuleType, type, type(None))
         ):  # a builtin's method bound to data: ``TAB.get``, ``TAB.__getitem__``, ``(p,).__getitem__``
             out.append(("BM", obj.__name__))
-            visit(obj.__self__, depth + 1, names)
+            visit(obj.__self__, depth + 1, names, ("BM",))
         elif inspect.ismethod(obj):
             out.append(("M",))
-            visit(obj.__self__, depth + 1, _names(obj.__func__.__code__))  # a classmethod's ``cls.alpha``
-            visit(obj.__func__, depth + 1, names)
+            visit(obj.__self__, depth + 1, _names(obj.__func__.__code__), ("self",))  # a classmethod's ``cls.alpha``
+            visit(obj.__func__, depth + 1, names, ("func",))
         elif inspect.isfunction(obj):
             own = _names(obj.__code__)
             out.append(("F", obj.__code__, len(obj.__closure__ or ())))
-            for cell in obj.__closure__ or ():
+            for n, cell in enumerate(obj.__closure__ or ()):
                 try:
                     x = cell.cell_contents
                 except ValueError:  # an empty cell
                     out.append(("E",))
                     continue
-                visit(x, depth + 1, own)
+                visit(x, depth + 1, own, ("cell", n))
             out.append(("FD",))
-            visit(obj.__defaults__, depth + 1, own)
-            visit(obj.__kwdefaults__, depth + 1, own)
-            visit(dict(vars(obj)), depth + 1, own)  # the function's own attributes (``fn.alpha``)
+            visit(obj.__defaults__, depth + 1, own, ("FD",))
+            visit(obj.__kwdefaults__, depth + 1, own, ("KD",))
+            visit(dict(vars(obj)), depth + 1, own, ("FA",))  # the function's own attributes (``fn.alpha``)
             for name in own if not _library(obj.__module__) else ():
                 if name in obj.__globals__:
                     out.append(("G", name))
-                    visit(obj.__globals__[name], depth + 1, own)
+                    visit(obj.__globals__[name], depth + 1, own, out[-1])
         elif isinstance(obj, (type, types.ModuleType)):
             # a config class or module read as a global: the attributes the code names (``Cfg.alpha``,
             # ``cfg.alpha``), as stored (a property is not run) — not every attribute (``torch``'s thousands)
@@ -529,7 +552,7 @@ def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[An
                 if isinstance(obj, type) and inspect.isfunction(x):
                     todo += _names(x.__code__)
                 out.append(("K", name))
-                visit(x, depth + 1, names)
+                visit(x, depth + 1, names, out[-1])
         elif callable(obj) or _own_dict(obj) is not None or hasattr(type(obj), "__slots__"):
             # the object itself too where its fields cannot tell it apart (a builtin such as torch.exp);
             # not one whose fields are walked: each new instance (a frozen dataclass, a callable made
@@ -543,7 +566,7 @@ def _walk(fn: Any, roles: list[tuple[int, int]] | None = None) -> tuple[tuple[An
         else:
             complete = False
 
-    visit(fn, 0, [])
+    visit(fn, 0, [], ())
     return tuple(out), tensors, complete
 
 
