@@ -162,3 +162,15 @@ def test_a_16_bit_call_with_sinks_under_a_dispatch_mode_equals_the_eager_call(dt
     with FlopCounterMode(display=False):
         got = az.attention(q, k, v, sinks=sinks, causal=True)
     assert torch.equal(got, want)
+
+
+def test_a_dispatch_subclass_as_bias_sinks_or_mask_with_plain_q_k_v() -> None:
+    """A wrapper subclass only in the bias, sinks or mask slot (q, k, v plain) reached the compiled
+    kernel, which read its unallocated data: sinks 0.16 off, silently, or a crash."""
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    bias, sinks, mask = torch.randn(1, 2, 5, 5), torch.randn(2), torch.rand(1, 2, 5, 5) > 0.3
+    for kw in ({"bias": bias}, {"sinks": sinks}, {"mask": mask}):
+        want = az.attention(q, k, v, **kw)  # type: ignore[arg-type]
+        wrapped = {name: Logged(x) for name, x in kw.items()}
+        got = az.attention(q, k, v, **wrapped)  # type: ignore[arg-type]
+        torch.testing.assert_close(got.elem if isinstance(got, Logged) else got, want)

@@ -295,7 +295,7 @@ def run(
         # run elsewhere.
         empty = 0 in (q.numel(), k.numel(), v.numel())
         # (traced, or tensors without data of their own: the mod is not walked — dynamo would trace it)
-        special = torch.compiler.is_compiling() or empty or _without_data(q, k, v)
+        special = torch.compiler.is_compiling() or empty or _without_data(q, k, v, keep, add, sink)
         captured = () if special else mods.captured_tensors(fn)  # a table seen through torch.func / a dual counts
         special = special or batching.wrapped(q, k, v, keep, add, sink, *captured)
         special = special or batching.dual(q, k, v, add, sink, *captured)  # forward-mode AD
@@ -345,7 +345,7 @@ def run(
 
     name = choose(name, q, k, needs_grad=_needs_grad(q, k, v, add, sink), v=v)
     # tensors without data of their own are traced as a compiled call is: through the custom ops
-    compiling = torch.compiler.is_compiling() or _without_data(q, k, v)
+    compiling = torch.compiler.is_compiling() or _without_data(q, k, v, keep, add, sink)
     transformed = not compiling and batching.wrapped(q, k, v, keep, add, sink)
     if (transformed and batching.forward_mode()) or batching.dual(q, k, v, add, sink):
         # jvp / jacfwd / forward_ad's duals: no fused kernel has a JVP; the formula has every op's (batching.py)
@@ -395,19 +395,21 @@ def run(
 _PLAIN_DISPATCH = Tensor.__torch_dispatch__
 
 
-def _without_data(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def _without_data(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> bool:
     """Whether a call computes on no memory a backend can read: meta tensors (q's device is every
-    input's), fake tensors (shape inference, ``FakeTensorMode``, ``make_fx``), ``__torch_dispatch__``
-    subclasses (DTensor, a logging tensor) as q, k or v, or any torch dispatch mode
-    (``FlopCounterMode``). Such a call goes through the custom ops (``ops.py``), as a compiled one
-    does: each of these dispatches them, and their fake implementations give the shapes. (Asked by
-    every eager call: plain tensors answer at the first test of each.)"""
-    if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
-        return bool(torch._C._len_torch_dispatch_stack()) or q.is_meta
-    plain = (Tensor, torch.nn.Parameter)
-    return any(type(x) not in plain and type(x).__torch_dispatch__ is not _PLAIN_DISPATCH for x in (q, k, v)) or (
-        bool(torch._C._len_torch_dispatch_stack()) or q.is_meta
-    )
+    input's), fake tensors (shape inference, ``FakeTensorMode``, ``make_fx``), a ``__torch_dispatch__``
+    subclass (DTensor, a logging tensor) as q, k, v or in ``rest`` (the mask, bias, sinks), or any
+    torch dispatch mode (``FlopCounterMode``). Such a call goes through the custom ops (``ops.py``),
+    as a compiled one does: each of these dispatches them, and their fake implementations give the
+    shapes. (Asked by every eager call: plain tensors and None answer at the first test.)"""
+    if torch._C._len_torch_dispatch_stack() or q.is_meta:
+        return True
+    for x in (q, k, v, *rest):
+        if x is None or type(x) is Tensor:
+            continue
+        if isinstance(x, Tensor) and type(x).__torch_dispatch__ is not _PLAIN_DISPATCH:
+            return True
+    return False
 
 
 def _seed(device: torch.device) -> int | Tensor:
