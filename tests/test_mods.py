@@ -726,8 +726,10 @@ def test_a_closure_over_a_model_whose_forward_adds_state_keeps_its_gradients(cha
 
 
 @pytest.mark.parametrize(
-    "how", ["swap", "pick another", "reverse a list", "swap dict values", "reorder nested dicts", "point elsewhere"]
-)
+    "how",
+    ["swap", "pick another", "reverse a list", "swap dict values", "reorder nested dicts", "point elsewhere",
+     "reorder a dict read by position", "keys alike"],
+)  # fmt: skip
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
 def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right(
     backend: str, dtype: torch.dtype, how: str
@@ -755,20 +757,26 @@ def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right
     layers[0].t, layers[1].t = a, b  # type: ignore[attr-defined]
     pointer = {"layers": layers, "cur": layers[0]}
 
-    def mod(s: Tensor, bb: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        if how == "reorder nested dicts":
-            return s + nested["cfg"]["x"]["w"][h, i - j + 9] * 1e3
-        if how == "point elsewhere":
-            return s + pointer["cur"].t[h, i - j + 9] * 1e3  # type: ignore[attr-defined, no-any-return]
-        if how == "reverse a list":
-            return s + tables[1][h, i - j + 9] * 1e3
-        if how == "swap dict values":
-            return s + named["second"][h, i - j + 9] * 1e3
-        return s + holder.a[h, i - j + 9] * 1e3  # type: ignore[attr-defined, no-any-return]
+    alike = (torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))  # keys of the same repr
+    by_key = {alike[0]: a, alike[1]: b}
+
+    # one mod per case, each closing over what it reads only (the walk meets its tensors there first)
+    mod = {
+        "reorder a dict read by position": lambda s, bb, h, i, j: s + list(named.values())[1][h, i - j + 9] * 1e3,
+        "keys alike": lambda s, bb, h, i, j: s + by_key[alike[1]][h, i - j + 9] * 1e3,
+        "reorder nested dicts": lambda s, bb, h, i, j: s + nested["cfg"]["x"]["w"][h, i - j + 9] * 1e3,
+        "point elsewhere": lambda s, bb, h, i, j: s + pointer["cur"].t[h, i - j + 9] * 1e3,  # type: ignore[attr-defined]
+        "reverse a list": lambda s, bb, h, i, j: s + tables[1][h, i - j + 9] * 1e3,
+        "swap dict values": lambda s, bb, h, i, j: s + named["second"][h, i - j + 9] * 1e3,
+    }.get(how, lambda s, bb, h, i, j: s + holder.a[h, i - j + 9] * 1e3)  # type: ignore[attr-defined]
 
     out = az.attention(q, k, v, score_mod=mod, backend=backend)  # type: ignore[arg-type]
     assert isinstance(out, Tensor)
-    if how == "reorder nested dicts":  # the same inner dicts, inserted in the other order
+    if how == "reorder a dict read by position":
+        named["first"] = named.pop("first")  # the same keys and tensors, another order
+    elif how == "keys alike":
+        by_key[alike[0]], by_key[alike[1]] = b, a
+    elif how == "reorder nested dicts":  # the same inner dicts, inserted in the other order
         inner = nested["cfg"]
         nested["cfg"] = {"y": inner["x"], "x": inner["y"]}
     elif how == "point elsewhere":
@@ -788,6 +796,9 @@ def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right
         return
     holder.a, tables[:], named["first"], named["second"] = a, [a, b], a, b  # type: ignore[attr-defined]
     nested["cfg"], pointer["cur"] = {"x": {"w": a}, "y": {"w": b}}, layers[0]
+    named.clear()
+    named.update(first=a, second=b)
+    by_key[alike[0]], by_key[alike[1]] = a, b
     want = az.attention(q, k, v, score_mod=mod, backend="reference")  # type: ignore[arg-type]
     assert isinstance(want, Tensor)
     for g, w in zip(got, torch.autograd.grad(want.pow(2).sum(), (q, a, b), allow_unused=True)):

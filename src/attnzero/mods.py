@@ -303,12 +303,20 @@ def _moved(
     before = {path: was[i] for kind, path, i in was_roles if kind == "T"}
     led = {path: to for kind, path, to in was_roles if kind == "R"}
     elsewhere = [to for kind, path, to in roles if kind == "R" and led.get(path) != to]
+    # every meeting of a tensor both walks met, in walk order: one met in another order (a dict
+    # re-inserted, keys alike swapped) may be read by position (values(), iteration) where another was
+    kept = {id(t) for t in was} & {id(t) for t in now}
+    order_was = [id(was[i]) for kind, _, i in was_roles if kind == "T" and id(was[i]) in kept]
+    order_now = [id(now[i]) for kind, _, i in roles if kind == "T" and id(now[i]) in kept]
+    reordered = {b for a, b in zip(order_was, order_now) if a != b}
+    if len(order_was) != len(order_now):  # met more or fewer times: no meeting can be matched to the forward's
+        reordered |= set(order_now)
     moved: list[Tensor] = []
     for kind, path, i in roles:
         if kind != "T":
             continue
         t = now[i]
-        if before.get(path) is t and not any(path[: len(to)] == to for to in elsewhere):
+        if before.get(path) is t and id(t) not in reordered and not any(path[: len(to)] == to for to in elsewhere):
             continue
         if not any(t is m for m in moved):
             moved.append(t)
