@@ -848,3 +848,37 @@ def test_a_mod_of_another_arity_is_refused_by_the_arguments_name(backend: str) -
 
     with pytest.raises((TypeError, ValueError), match="the mod's own"):  # (triton: cannot trace it, and why)
         az.attention(q, q, q, score_mod=own_error, backend=backend)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
+def test_a_table_named_by_a_computed_getattr_on_a_config_module_or_class(backend: str, dtype: torch.dtype) -> None:
+    """``getattr(cfg, f"table_{i}")`` on a user's module or class: the walk followed only the names in
+    the code, so the table was neither captured (no gradient) nor in the generated code's key (a
+    rebound table gave the first table's result on the kernel: 3.0 off). Every attribute of a user's
+    own module or class is walked when the code calls getattr."""
+    import types
+
+    _triton_ok(backend)
+    q, k, v = (t.to(dtype) for t in qkv(1, 2, 2, 8, 8, 16))
+    cfg = types.ModuleType("cfg")
+    cfg.table_0 = torch.randn(8, dtype=dtype, requires_grad=True)  # type: ignore[attr-defined]
+    index = 0
+
+    class Config:
+        table_0 = cfg.table_0  # type: ignore[attr-defined]
+
+    for holder in (cfg, Config):
+
+        def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor, holder: Any = holder) -> Tensor:
+            return s + getattr(holder, f"table_{index}")[j]  # type: ignore[no-any-return]
+
+        for _ in range(2):
+            table = holder.table_0
+            got = az.attention(q, k, v, score_mod=mod, backend=backend)  # type: ignore[arg-type]
+            want = az.attention(q, k, v, score_mod=mod, backend="reference")  # type: ignore[arg-type]
+            assert isinstance(got, Tensor) and isinstance(want, Tensor)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            (g,) = torch.autograd.grad(got.sum(), (table,))
+            (w,) = torch.autograd.grad(want.sum(), (table,))
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            holder.table_0 = torch.randn(8, dtype=dtype, requires_grad=True) * 10  # rebound

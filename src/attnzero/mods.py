@@ -547,6 +547,10 @@ def _walk(fn: Any, roles: list[Role] | None = None) -> tuple[tuple[Any, ...], li
             # A class's methods name more of its attributes (a classmethod's ``cls.alpha``): those too.
             out.append(("C", obj))
             todo, done = list(names), set()
+            home = obj.__name__ if isinstance(obj, types.ModuleType) else obj.__module__
+            if "getattr" in names and not _library(home):
+                # a name computed in the code (``getattr(cfg, f"table_{i}")``): every attribute of a user's own
+                todo += [k for k in vars(obj) if not (k.startswith("__") and k.endswith("__"))]
             while todo:
                 name = todo.pop(0)
                 x = inspect.getattr_static(obj, name, _MISSING)
