@@ -598,6 +598,16 @@ def test_a_captured_tensor_changed_in_place_before_the_backward_is_refused(backe
         out.sum().backward()
 
 
+def _grads_unless_refused(out: Tensor, wrt: tuple[Tensor, ...]) -> tuple[Tensor | None, ...] | None:
+    """The gradients of ``out.pow(2).sum()``, or None where the backward refuses a mod whose tensors
+    changed since its forward (``mods.ModError``, naming why)."""
+    try:
+        return torch.autograd.grad(out.pow(2).sum(), wrt, allow_unused=True)
+    except mods.ModError as e:
+        assert "changed between this call's forward and its backward" in str(e)
+        return None
+
+
 @pytest.mark.parametrize(("backend", "dtype"), PATHS, ids=["kernel", "flash_py", "triton"])
 def test_a_mod_whose_tensors_are_rebound_before_the_backward_is_refused_or_right(
     backend: str, dtype: torch.dtype
@@ -620,10 +630,8 @@ def test_a_mod_whose_tensors_are_rebound_before_the_backward_is_refused_or_right
     )
     assert isinstance(out, Tensor)
     holder.table = torch.randn(2, 19, dtype=dtype, requires_grad=True)
-    try:
-        got = torch.autograd.grad(out.pow(2).sum(), (q, first))
-    except mods.ModError as e:
-        assert "changed between this call's forward and its backward" in str(e)
+    got = _grads_unless_refused(out, (q, first))
+    if got is None:
         return
     holder.table = first
     want = az.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + holder.table[h, i - j + 9], backend="reference")
@@ -668,11 +676,8 @@ def test_a_module_that_rebinds_a_field_its_mod_does_not_read_keeps_its_gradients
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     model = Relative("table")
     table = model.table
-    out = model(q, k, v, backend)
-    try:
-        got = torch.autograd.grad(out.pow(2).sum(), (q, table))
-    except mods.ModError as e:
-        assert "changed between this call's forward and its backward" in str(e)
+    got = _grads_unless_refused(model(q, k, v, backend), (q, table))
+    if got is None:
         return
     model.table = table
     for g, w in zip(got, torch.autograd.grad(model(q, k, v, "reference").pow(2).sum(), (q, table))):
@@ -789,10 +794,8 @@ def test_a_mod_whose_fields_swap_tensors_before_the_backward_is_refused_or_right
         holder.a = b  # type: ignore[attr-defined]
     if how == "swap":
         holder.b = a  # type: ignore[attr-defined]
-    try:
-        got = torch.autograd.grad(out.pow(2).sum(), (q, a, b), allow_unused=True)
-    except mods.ModError as e:
-        assert "changed between this call's forward and its backward" in str(e)
+    got = _grads_unless_refused(out, (q, a, b))
+    if got is None:
         return
     holder.a, tables[:], named["first"], named["second"] = a, [a, b], a, b  # type: ignore[attr-defined]
     nested["cfg"], pointer["cur"] = {"x": {"w": a}, "y": {"w": b}}, layers[0]
