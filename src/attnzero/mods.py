@@ -223,7 +223,7 @@ def pin(fn: Any) -> Any:
 
         fn = calling
     pinned = _copy(fn)
-    roles: list[Role] = []
+    roles: list[Role] | None = [] if torch.is_grad_enabled() else None  # (paths: for a backward's check only)
     _PINNED[pinned] = (*_walk(pinned, roles), roles)
     return pinned
 
@@ -257,7 +257,7 @@ def _copy_cell(cell: Any) -> Any:
 
 # A pinned mod → its walk when pinned: the call's forward reads it (no walk again), a backward
 # compares the tensors it reaches then with these.
-_PINNED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[Tensor], bool, list[Role]]] = (
+_PINNED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[Tensor], bool, list[Role] | None]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -276,7 +276,7 @@ def _walk_pinned(fn: Any) -> tuple[tuple[Any, ...], list[Tensor], bool]:
     pinned = _PINNED.get(fn) if inspect.isfunction(fn) else None
     if pinned is None:
         return _walk(fn)
-    if _graph_task() != -1:
+    if _graph_task() != -1 and pinned[3] is not None:  # (None: pinned without grad, no backward of its own)
         roles: list[Role] = []
         key, tensors, _ = _walk(fn, roles)
         moved = _moved(pinned[0], pinned[1], pinned[3], key, tensors, roles)
