@@ -373,8 +373,9 @@ def forward(
     window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int, softcap: float | None = None,
     mod: Any = None, out_f32: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv) in q's dtype — float32 with ``out_f32`` —, lse (B, Hq, Lq) float32)``;
-    fully blocked rows: 0, −inf. ``mod``: a score_mod built by ``cpu_mods.py`` (its
+    """``(out (B, Hq, Lq, Dv) in q's dtype — a 16-bit call's in float32 with ``out_f32``, before its
+    rounding, what a backward takes for D = rowsum(dO · O) (MATH.md, section 4) —, lse (B, Hq, Lq)
+    float32)``; fully blocked rows: 0, −inf. ``mod``: a score_mod built by ``cpu_mods.py`` (its
     ``forward_args()``), or None."""
     args = _args(q, k, mask, bias, causal, window, scale, softcap, dropout_p, dropout_seed)
     extra = mod.forward_args() if mod is not None else _NO_MOD_FORWARD
@@ -382,20 +383,12 @@ def forward(
     return out, lse
 
 
-def unrounded_forward(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> tuple[Tensor, Tensor]:
-    """``forward`` for a call that will take a backward: for 16-bit inputs, out in float32, before
-    its rounding, which the backward takes for D = rowsum(dO · O) — the rounded O puts its error
-    into ds = p (dp − D) on every key of the row (MATH.md, section 4; the Triton kernels keep it the
-    same way)."""
-    return forward(q, k, v, **options, out_f32=q.dtype != torch.float32)
-
-
 def backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, mask: Tensor | Mask | None,
     bias: Tensor | None, causal: bool, window: geometry.Window, scale: float, dropout_p: float, dropout_seed: int,
     bias_grad: bool = True, softcap: float | None = None, mod: Any = None, mod_grad: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """``(dq, dk, dv, dbias)`` from ``out`` (in q's dtype, or float32: ``unrounded_forward``) and
+    """``(dq, dk, dv, dbias)`` from ``out`` (in q's dtype, or float32: ``forward``'s ``out_f32``) and
     ``lse`` (also those of the same queries over more keys: the ring's), recomputing P block by
     block; dbias in bias's shape and dtype, None without a bias or when ``bias_grad`` is False.
     ``mod``: a score_mod built by ``cpu_mods.py``; its captured tensors' gradients are added into
@@ -432,7 +425,7 @@ class _KernelAttention(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, options: dict[str, Any]
     ) -> tuple[Tensor, Tensor]:
-        out, lse = unrounded_forward(q, k, v, bias=bias, **options)
+        out, lse = forward(q, k, v, bias=bias, **options, out_f32=True)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.options, ctx.mask_seen = options, version_of(options["mask"])
         ctx.mark_non_differentiable(lse)

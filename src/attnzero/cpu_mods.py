@@ -438,7 +438,7 @@ class _ModKernel(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        out, lse = cpu_kernel.unrounded_forward(q, k, v, bias=bias, **options["kernel"], mod=options["mod"])
+        out, lse = cpu_kernel.forward(q, k, v, bias=bias, **options["kernel"], mod=options["mod"], out_f32=True)
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out, lse = sinks.fold(out, lse, sink)
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
@@ -507,7 +507,7 @@ def attention(
     if not needs_grad:
         if sink is None:
             return cpu_kernel.forward(q, k, v, bias=bias, **kernel, mod=bound)
-        out, lse = sinks.fold(*cpu_kernel.unrounded_forward(q, k, v, bias=bias, **kernel, mod=bound), sink)
+        out, lse = sinks.fold(*cpu_kernel.forward(q, k, v, bias=bias, **kernel, mod=bound, out_f32=True), sink)
         return out.to(q.dtype), lse  # (rounded once, after the fold: as with a gradient)
     ref = {**kernel, "score_mod": score_mod}
     options = {"kernel": kernel, "mod": bound, "captured": captured, "reference": ref}

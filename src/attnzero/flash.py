@@ -222,15 +222,12 @@ def _forward_block(st: _Softmax, s: Tensor, v: Tensor, z: Tensor | None) -> None
     st.m = m_new
 
 
-def unrounded_dtype(q: Tensor) -> torch.dtype | None:
-    """float32 for 16-bit inputs, else None (q's): O for a backward's D, not rounded (MATH.md, 4)."""
-    return torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else None
-
-
-def _forward(pb: _Problem, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """``(out (B, Hq, Lq, Dv) in q's dtype or ``out_dtype``, lse (B, Hq, Lq))``, the lse of the scores
-    as ``score`` gives them (less the row shift, if any)."""
-    out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=out_dtype or pb.q.dtype, device=pb.q.device)
+def _forward(pb: _Problem, out_f32: bool = False) -> tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))``, the lse of the scores as ``score``
+    gives them (less the row shift, if any). ``out_f32``: a 16-bit call's out in float32, before its
+    rounding (what a backward takes for D: MATH.md, section 4)."""
+    wide = out_f32 and pb.q.dtype in (torch.float16, torch.bfloat16)
+    out = torch.empty(pb.B, pb.Hq, pb.Lq, pb.Dv, dtype=torch.float32 if wide else pb.q.dtype, device=pb.q.device)
     lse = torch.empty(pb.B, pb.Hq, pb.Lq, dtype=pb.acc, device=pb.q.device)
     for batches in pb.chunks():
         k, v = pb.kv(pb.k, batches), pb.kv(pb.v, batches)  # (N, Lk, D), (N, Lk, Dv)
@@ -261,13 +258,14 @@ def forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | Mask | None, bias: Tensor | None, causal: bool,
     window: tuple[int | None, int | None] | None, scale: float, dropout_p: float, dropout_seed: int,
     softcap: float | None = None, block: tuple[int, int] | None = None, score_mod: mods.ScoreMod | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_f32: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(out (B, Hq, Lq, Dv) in q's dtype or ``out_dtype``, lse (B, Hq, Lq))`` by an online softmax
-    over key blocks. A plain function (no autograd). Fully blocked rows: out 0, lse −inf."""
+    """``(out (B, Hq, Lq, Dv) in q's dtype — a 16-bit call's in float32 with ``out_f32`` —, lse
+    (B, Hq, Lq))`` by an online softmax over key blocks. A plain function (no autograd). Fully
+    blocked rows: out 0, lse −inf."""
     pb = _Problem(q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap,
                   dropout_p=dropout_p, dropout_seed=dropout_seed, block=block, score_mod=score_mod)  # fmt: skip
-    return _forward(pb, out_dtype)
+    return _forward(pb, out_f32)
 
 
 def row_shift(lse: Tensor, bias: Tensor | None, score_mod: mods.ScoreMod | None) -> Tensor | None:
@@ -409,7 +407,7 @@ class _FlashAttention(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        out, lse = forward(q, k, v, bias=bias, **options, out_dtype=unrounded_dtype(q))
+        out, lse = forward(q, k, v, bias=bias, **options, out_f32=True)
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out, lse = sinks.fold(out, lse, sink)
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
@@ -461,7 +459,7 @@ def attention(
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
         if sink is None:
             return forward(q, k, v, bias=bias, **options)
-        out, lse = sinks.fold(*forward(q, k, v, bias=bias, **options, out_dtype=unrounded_dtype(q)), sink)
+        out, lse = sinks.fold(*forward(q, k, v, bias=bias, **options, out_f32=True), sink)
         return out.to(q.dtype), lse  # (rounded once, after the fold: as with a gradient)
     out, lse = _FlashAttention.apply(q, k, v, bias, sink, options, *captured)
     return out, lse

@@ -667,10 +667,9 @@ def _combine(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tens
     return _reading(_combined(ms, op, word), *ms)
 
 
-def _combined(masks: Sequence[Mask | Tensor], op: Callable[[Tensor, Tensor], Tensor], word: str) -> Mask:
-    if not masks:
+def _combined(ms: list[Mask], op: Callable[[Tensor, Tensor], Tensor], word: str) -> Mask:
+    if not ms:
         raise ValueError(f"{word}_: expected at least one mask, got none")
-    ms = [_as_mask(m) for m in masks]
     try:
         shape = torch.broadcast_shapes(*(m.shape for m in ms))
     except RuntimeError as e:

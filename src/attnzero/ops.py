@@ -326,12 +326,8 @@ class _WithSinks(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor, name: str,
         options: dict[str, Any],
     ) -> tuple[Tensor, Tensor]:
-        if name == "cpu_kernel":  # out in float32 for 16-bit inputs: the backward's D from O unrounded
-            out, lse = cpu_kernel.unrounded_forward(q, k, v, bias=bias, **options)
-        elif name == "flash":
-            out, lse = _flash().forward(q, k, v, bias=bias, **options, out_dtype=_flash().unrounded_dtype(q))
-        else:
-            out, lse = backend(name).forward(q, k, v, bias=bias, **options)
+        unrounded = {"out_f32": True} if name in _UNROUNDED else {}  # (the backward's D from O unrounded)
+        out, lse = backend(name).forward(q, k, v, bias=bias, **options, **unrounded)
         out2, lse2 = _sinks.fold(out, lse, sinks)
         ctx.save_for_backward(q, k, v, bias, sinks, out2, lse2)
         ctx.name, ctx.options, ctx.mask_seen = name, options, version_of(options["mask"])
@@ -367,10 +363,14 @@ def backend(name: str) -> Backend:
     return BACKENDS[name]
 
 
+# The backends whose forward gives a 16-bit call's O in float32 (``out_f32``), for a backward's D
+_UNROUNDED = ("cpu_kernel", "flash")
+
+
 def _keeps_out(name: str, q: Tensor, v: Tensor, keep_out: bool) -> bool:
     """Whether backend ``name``'s op keeps O in float32 for its backward (``keep_out``: a 16-bit call
-    that will take one), as the eager Functions do (MATH.md, section 4): the CPU kernel and flash.py."""
-    return keep_out and name in ("cpu_kernel", "flash") and q.dtype in (torch.float16, torch.bfloat16) and (
+    that will take one), as the eager Functions do (MATH.md, section 4)."""
+    return keep_out and name in _UNROUNDED and q.dtype in (torch.float16, torch.bfloat16) and (
         q.shape[3] > 0 and v.shape[3] > 0
     )
 
@@ -385,12 +385,7 @@ def _forward_kept(
         return _reference_forward(q, k, v, sinks=sinks, **kw)
     kept_out = _keeps_out(name, q, v, keep_out)
     unrounded = kept_out or (sinks is not None and _keeps_out(name, q, v, True))  # (sinks: folded, then rounded once)
-    if unrounded and name == "cpu_kernel":
-        out, lse = cpu_kernel.forward(q, k, v, **kw, out_f32=True)
-    elif unrounded:
-        out, lse = _flash().forward(q, k, v, **kw, out_dtype=torch.float32)
-    else:
-        out, lse = backend(name).forward(q, k, v, **kw)
+    out, lse = backend(name).forward(q, k, v, **kw, **({"out_f32": True} if unrounded else {}))
     if sinks is not None:
         out, lse = _sinks.fold(out, lse, sinks)
     if kept_out:

@@ -763,7 +763,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
   const int64_t tasks = P.B * P.Hkv * P.nqb;
   const int64_t R_max = P.G * P.bm, D = P.D, Dv = P.Dv, bn = P.bn;
   const T* qp = q.data_ptr<T>();
-  // out in q's dtype, or in float32 for 16-bit inputs (cpu_kernel.unrounded_forward: O before its
+  // out in q's dtype, or in float32 for 16-bit inputs (cpu_kernel.forward's out_f32: O before its
   // rounding, which a backward takes for D)
   const bool out_f32 = !std::is_same_v<T, float> && out.scalar_type() == at::kFloat;
   T* op = out_f32 ? nullptr : out.data_ptr<T>();
@@ -906,9 +906,8 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
   const int64_t NR = G * Lq, R_max = G * P.bm;
   const T* qp = q.data_ptr<T>();
   const T* dop = dout.data_ptr<T>();
-  // O in q's dtype, or (16-bit inputs) in float32: cpu_kernel.backward passes the unrounded output
-  // where a gradient sums dS over keys (a bias's, a score_mod's tables), which O's rounding in D
-  // would shift by up to that many times D's error
+  // O in q's dtype, or (16-bit inputs) in float32: the forward's unrounded output (out_f32), since
+  // O's rounding in D would reach every key's dS of the row (MATH.md, section 4)
   const bool out_f32 = !std::is_same_v<T, float> && out.scalar_type() == at::kFloat;
   const T* outp = out_f32 ? nullptr : out.data_ptr<T>();
   const float* outf = out_f32 ? out.data_ptr<float>() : nullptr;
