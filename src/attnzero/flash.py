@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import dropout, geometry, mods, reference, sinks, trace
+from .geometry import Range
 from .masks import Mask, block_of, keep_block, unchanged, version_of
 from .reference import accum_dtype
 
@@ -72,15 +73,6 @@ def block_sizes(rows: int | None = None, cols: int | None = None) -> Iterator[No
         _BLOCK.reset(token)
 
 
-def _sel(t: Tensor, batches: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-    """Batches, query rows and key columns of a 4-D tensor broadcastable to (B, Hq, Lq, Lk), a view;
-    dims of size 1 stay size 1 (they broadcast). A 2-D (r, c) block is returned as is."""
-    if t.ndim < 4:
-        return t
-    t = block_of(t, rows, cols)  # (B|1, Hq|1, r|1, c|1)
-    return t[batches[0] : batches[1]] if t.shape[0] > 1 else t
-
-
 class _Problem:
     """The trusted arguments of one call, and how to read one block of scores from them."""
 
@@ -105,13 +97,13 @@ class _Problem:
         # The backward's row shift c (``row_shift``): scores s − c, (B, Hq, Lq, 1), or None.
         self.shift = shift
 
-    def chunks(self) -> list[tuple[int, int]]:
+    def chunks(self) -> list[Range]:
         """Runs of batches computed together: all of them, or one each where a Mask's documents or
         padding differ per batch (each batch then skips its own blocks)."""
         per_batch = isinstance(self.mask, Mask) and self.mask.segments is not None and self.mask.shape[0] > 1
         return [(b, b + 1) for b in range(self.B)] if per_batch else [(0, self.B)]
 
-    def key_blocks(self, batches: tuple[int, int], rows: tuple[int, int]) -> list[tuple[tuple[int, int], bool]]:
+    def key_blocks(self, batches: Range, rows: Range) -> list[tuple[Range, bool]]:
         """The key blocks ``(cols, masked)`` that query rows ``rows`` visit (docs/MATH.md section 7):
         within the keys causal / window and a Mask leave, without the blocks that either blocks
         whole; ``masked``: the mask is evaluated on the block (a dense mask always, a Mask where it
@@ -132,18 +124,18 @@ class _Problem:
                 blocks.append((cols, by_mask is geometry.PARTIAL))
         return blocks
 
-    def q_rows(self, t: Tensor, batches: tuple[int, int], rows: tuple[int, int]) -> Tensor:
+    def q_rows(self, t: Tensor, batches: Range, rows: Range) -> Tensor:
         """Rows ``rows`` of a (B, Hq, Lq, E) tensor, group heads stacked: (N, G·r, E), accumulator dtype."""
         x = t[batches[0] : batches[1], :, rows[0] : rows[1]]  # (nb, Hq, r, E) = (nb, Hkv, G, r, E)
         return x.reshape(-1, self.G * (rows[1] - rows[0]), x.shape[-1]).to(self.acc)  # (N, G·r, E)
 
-    def kv(self, t: Tensor, batches: tuple[int, int]) -> Tensor:
+    def kv(self, t: Tensor, batches: Range) -> Tensor:
         """k or v (B, Hkv, Lk, E) of a chunk: (N, Lk, E), accumulator dtype (a view when it is already)."""
         x = t[batches[0] : batches[1]]  # (nb, Hkv, Lk, E)
         return x.reshape(-1, x.shape[2], x.shape[3]).to(self.acc)  # (N, Lk, E)
 
     def score(
-        self, s: Tensor, batches: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int], masked: bool
+        self, s: Tensor, batches: Range, rows: Range, cols: Range, masked: bool
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """One block of scores from ``s = q kᵀ`` (N, G·r, c): ``scale · s``, the user's ``score_mod``,
         capped, plus the bias (less the row shift), −inf where causal / window cut the block and, if
@@ -164,16 +156,16 @@ class _Problem:
             t = torch.tanh(s4 / self.softcap)  # t = tanh(s / softcap)
             torch.mul(t, self.softcap, out=s4)  # s = softcap · t
         if self.bias is not None:
-            s4.add_(_sel(self.bias, batches, rows, cols))  # s = s + b
+            s4.add_(block_of(self.bias, rows, cols, batches))  # s = s + b
         if self.shift is not None:
-            s4.sub_(_sel(self.shift, batches, rows, (0, 1)))  # s = s − c (the row's shift)
+            s4.sub_(block_of(self.shift, rows, (0, 1), batches))  # s = s − c (the row's shift)
         mask = self.mask if masked else None
         keep = keep_block(mask, self.causal, self.window, self.Lq, self.Lk, rows, cols, s.device)  # None: all kept
-        if keep is not None:  # (B|1, Hq|1, r, c) or (r, c)
-            s4.masked_fill_(_sel(keep, batches, (0, rows[1] - rows[0]), (0, cols[1] - cols[0])).logical_not(), NEG_INF)
+        if keep is not None:  # (B|1, Hq|1, r, c) or (r, c): this chunk's batches
+            s4.masked_fill_(block_of(keep, (0, s4.shape[2]), (0, s4.shape[3]), batches).logical_not(), NEG_INF)
         return s, None if t is None else t.view(s.shape), x
 
-    def dropout_keep(self, batches: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> Tensor | None:
+    def dropout_keep(self, batches: Range, rows: Range, cols: Range) -> Tensor | None:
         """Z for one block, (N, G·r, c) bool: the entries ``dropout.keep_mask`` keeps for the whole
         (B, Hq, Lq, Lk) problem; None without dropout."""
         if self.dropout_p == 0.0:
@@ -184,16 +176,18 @@ class _Problem:
         )  # (nb, Hq, r, c)  # fmt: skip
         return z.view(-1, self.G * (rows[1] - rows[0]), cols[1] - cols[0])  # (N, G·r, c)
 
-    def note(self, pass_: str, batches: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int],
-             masked: bool) -> None:  # fmt: skip
-        """Count one visited block; note it in ``attnzero.trace`` while a recording is open."""
-        COUNTS[pass_] += 1
-        if trace.active():
-            edge = geometry.classify(rows, cols, self.Lq, self.Lk, self.causal, self.window) is not geometry.FULL
-            trace.note(
-                "flash.tile", pass_=pass_, chunk=(*batches, 0, self.Hkv), rows=rows, cols=cols,
-                masked=masked, edge=edge,
-            )  # fmt: skip
+    def visit(self, pass_: str, batches: Range, rows: Range) -> Iterator[tuple[Range, bool]]:
+        """``key_blocks``, each block counted in ``COUNTS[pass_]`` and, while ``attnzero.trace``
+        records, noted as a "flash.tile" event (rows that visit none: "flash.rows_empty")."""
+        blocks, chunk = self.key_blocks(batches, rows), (*batches, 0, self.Hkv)
+        if not blocks and trace.active():
+            trace.note("flash.rows_empty", pass_=pass_, chunk=chunk, rows=rows)
+        for cols, masked in blocks:
+            COUNTS[pass_] += 1
+            if trace.active():
+                edge = geometry.classify(rows, cols, self.Lq, self.Lk, self.causal, self.window) is not geometry.FULL
+                trace.note("flash.tile", pass_=pass_, chunk=chunk, rows=rows, cols=cols, masked=masked, edge=edge)
+            yield cols, masked
 
 
 class _Softmax:
@@ -235,11 +229,7 @@ def _forward(pb: _Problem, out_f32: bool = False) -> tuple[Tensor, Tensor]:
             rows = (i0, min(pb.Lq, i0 + pb.rows))
             q = pb.q_rows(pb.q, batches, rows)  # (N, G·r, D)
             st = _Softmax(q.shape[0], q.shape[1], pb.Dv, pb.acc, q.device)
-            blocks = pb.key_blocks(batches, rows)
-            if not blocks and trace.active():
-                trace.note("flash.rows_empty", pass_="forward", chunk=(*batches, 0, pb.Hkv), rows=rows)
-            for cols, masked in blocks:
-                pb.note("forward", batches, rows, cols, masked)
+            for cols, masked in pb.visit("forward", batches, rows):
                 s, _, _ = pb.score(torch.bmm(q, k[:, cols[0] : cols[1]].transpose(1, 2)), batches, rows, cols, masked)
                 _forward_block(st, s, v[:, cols[0] : cols[1]], pb.dropout_keep(batches, rows, cols))
             if pb.dropout_p > 0.0:
@@ -286,7 +276,7 @@ def row_shift(lse: Tensor, bias: Tensor | None, score_mod: mods.ScoreMod | None)
 def _backward_block(
     pb: _Problem, s: Tensor, t: Tensor | None, lse: Tensor, d: Tensor, do: Tensor, q: Tensor, k: Tensor, v: Tensor,
     z: Tensor | None, through_mod: Any = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """One block of the backward (docs/MATH.md sections 4 and 5), from the scores ``s`` (N, G·r, c)
     and the cap's ``t``, the rows' ``lse`` and ``D`` (N, G·r, 1), their ``dO`` (N, G·r, Dv) and
     ``q`` (N, G·r, D), and the block's ``k`` (N, c, D) and ``v`` (N, c, Dv). Returns the block's
@@ -354,11 +344,7 @@ def backward(
             lse_r = pb.q_rows(lse.unsqueeze(-1), batches, rows)  # (N, G·r, 1)
             lse_r = torch.where(lse_r == NEG_INF, 0.0, lse_r)  # a row with no key: its scores are all −inf
             dq_r = torch.zeros_like(qr)  # (N, G·r, D)
-            blocks = pb.key_blocks(batches, rows)
-            if not blocks and trace.active():
-                trace.note("flash.rows_empty", pass_="backward", chunk=(*batches, 0, pb.Hkv), rows=rows)
-            for cols, masked in blocks:
-                pb.note("backward", batches, rows, cols, masked)
+            for cols, masked in pb.visit("backward", batches, rows):
                 kb, vb = kc[:, cols[0] : cols[1]], vc[:, cols[0] : cols[1]]  # (N, c, D), (N, c, Dv)
                 s, t, x = pb.score(torch.bmm(qr, kb.transpose(1, 2)), batches, rows, cols, masked)
                 through = None if x is None else _through_mod(pb, x, batches, rows, cols)
@@ -369,7 +355,7 @@ def backward(
                 dv_c[:, cols[0] : cols[1]] += dv_b
                 if dbias is not None:  # db_ij = ds_ij, summed over the dims where the bias broadcasts
                     ds4 = ds.view(batches[1] - batches[0], pb.Hq, rows[1] - rows[0], cols[1] - cols[0])
-                    target = _sel(dbias, batches, rows, cols)  # a view into dbias
+                    target = block_of(dbias, rows, cols, batches)  # a view into dbias
                     dims = [i for i in range(4) if target.shape[i] == 1 and ds4.shape[i] > 1]
                     target += ds4.sum(dim=dims, keepdim=True) if dims else ds4
             g = dq[batches[0] : batches[1], :, rows[0] : rows[1]]  # (nb, Hq, r, D), a view
@@ -380,8 +366,7 @@ def backward(
     return dq, dk.to(k.dtype), dv.to(v.dtype), db
 
 
-def _through_mod(pb: _Problem, x: Tensor, batches: tuple[int, int], rows: tuple[int, int],
-                 cols: tuple[int, int]) -> Any:  # fmt: skip
+def _through_mod(pb: _Problem, x: Tensor, batches: Range, rows: Range, cols: Range) -> Any:
     """The score_mod's step of the backward on one block: from the gradient of the modified score
     (N, G·r, c), the gradient of ``x = scale · q·k`` (the mod's derivative, by autograd on the block)
     — and the block's share of each captured tensor's gradient, added to ``pb.dcaptured``."""
@@ -392,10 +377,7 @@ def _through_mod(pb: _Problem, x: Tensor, batches: tuple[int, int], rows: tuple[
         dx, grads = mods.score_block_backward(
             fn, x, dy.view(x.shape), pb.captured, batches=batches, heads=(0, pb.Hq), rows=rows, cols=cols
         )  # (nb, Hq, r, c)
-        for i, g in enumerate(grads):
-            before = pb.dcaptured[i]
-            if g is not None:
-                pb.dcaptured[i] = g if before is None else before + g
+        pb.dcaptured = [a if g is None else g if a is None else a + g for a, g in zip(pb.dcaptured, grads)]
         return dx.view(dy.shape)  # (N, G·r, c)
 
     return step
@@ -406,7 +388,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sink: Tensor | None, options: dict[str, Any],
         *captured: Tensor,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         out, lse = forward(q, k, v, bias=bias, **options, out_f32=True)
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
             out, lse = sinks.fold(out, lse, sink)

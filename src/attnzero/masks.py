@@ -795,12 +795,16 @@ def alibi(num_heads: int, q_len: int, kv_len: int | None = None) -> Tensor:
 # What backends use: the keep-mask of one block, from the normalised arguments of attention().
 
 
-def block_of(t: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-    """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of a tensor broadcastable to (B, H, Lq, Lk);
-    dims of size 1 stay size 1 (they broadcast)."""
+def block_of(
+    t: Tensor, rows: tuple[int, int], cols: tuple[int, int], batches: tuple[int, int] | None = None
+) -> Tensor:
+    """Rows ``[r0, r1)`` and columns ``[c0, c1)`` — and of a 4-D tensor batches ``[b0, b1)``, if
+    given — of a tensor broadcastable to (B, H, Lq, Lk), a view; dims of size 1 stay size 1 (they
+    broadcast)."""
     r = slice(*rows) if t.shape[-2] > 1 else slice(None)
     c = slice(*cols) if t.shape[-1] > 1 else slice(None)
-    return t[..., r, c]
+    t = t[..., r, c]
+    return t[batches[0] : batches[1]] if batches is not None and t.ndim == 4 and t.shape[0] > 1 else t
 
 
 def keep_block(
