@@ -172,3 +172,51 @@ def test_narrow_integer_ids_and_cu_seqlens_are_taken() -> None:
     assert torch.equal(a, b)
     assert torch.equal(M.document(torch.tensor([0, 0, 1, 1, 1], dtype=torch.int16)).to_tensor(), b)
     assert M.padding(torch.tensor([2, 3], dtype=torch.int32)).shape == (2, 1, 1, 3)
+
+
+def _broadcast_masks(Lq: int, Lk: int) -> dict[str, M.Mask]:
+    """Masks made with one query row (or one key) that broadcast over the call's Lq (or Lk): a
+    combination keeps its parts' bands and block tables at the lengths they were made for."""
+    odd = M.from_mod(lambda b, h, i, j: j % 2 == 0, 1, 1, 1, Lk)  # a block table, one row
+    col = M.from_tensor(torch.rand(Lq, 1) < 0.6)  # one key column
+    return {
+        "window(1, Lk)": M.window(1, Lk, 4, 0),
+        "causal(1, Lk)": M.causal(1, Lk),
+        "window(1, Lk) & mod": M.and_(M.window(1, Lk, 4, 0), odd),
+        "window(1, Lk) | mod": M.or_(M.window(1, Lk, 4, 0), odd),
+        "causal(1, Lk) & padding": M.and_(M.causal(1, Lk), M.padding([Lk, 3], Lk)),
+        "causal(Lq, 1) & column": M.and_(M.causal(Lq, 1), col),
+        "window(Lq, 1) | column": M.or_(M.window(Lq, 1, 0, 0), col),
+        "causal(Lq, 1) & mod": M.and_(M.causal(Lq, 1), M.from_mod(lambda b, h, i, j: i % 3 != 0, 1, 1, Lq, 1)),
+    }
+
+
+@pytest.mark.parametrize(("Lq", "Lk"), [(140, 40), (9, 30), (30, 9)])
+def test_block_claims_hold_where_a_combination_broadcasts(Lq: int, Lk: int) -> None:
+    """A part made for one query row (one key) answers for every row (key) of the call, as its dense
+    tensor broadcasts: its band is read at row 0 (key 0), not at the call's row."""
+    rng = random.Random(Lq + Lk)
+    for name, m in _broadcast_masks(Lq, Lk).items():
+        m = m.at(Lq, Lk)
+        dense = m.to_tensor().expand(m.shape[0], 1, Lq, Lk)  # (B, 1, Lq, Lk)
+        for _ in range(6):
+            for rows in _partition(Lq, rng):
+                sub = dense[:, :, rows[0] : rows[1]]  # (B, 1, r, Lk)
+                lo, hi = m.key_range((0, dense.shape[0]), rows)
+                outside = torch.ones(Lk, dtype=torch.bool)
+                outside[max(0, lo) : min(hi, Lk)] = False
+                assert not sub[..., outside].any(), f"{name}: keys outside {lo, hi} are kept for rows {rows}"
+                for cols in _partition(Lk, rng):
+                    block, kind = sub[..., cols[0] : cols[1]], m.classify((0, dense.shape[0]), rows, cols)
+                    assert kind is not geometry.SKIP or not block.any(), f"{name}: SKIP {rows, cols} keeps a pair"
+                    assert kind is not geometry.FULL or block.all(), f"{name}: FULL {rows, cols} blocks a pair"
+
+
+@pytest.mark.parametrize("backend", ["flash", "auto"])
+def test_attention_with_a_broadcast_combination_equals_the_dense_one(backend: str) -> None:
+    for Lq, Lk in [(140, 40), (30, 9)]:
+        q, k, v = (t.float() for t in qkv(2, 2, 1, Lq, Lk, 8))
+        for name, m in _broadcast_masks(Lq, Lk).items():
+            want = az.attention(q, k, v, mask=m.to_tensor(), backend="reference")
+            got = az.attention(q, k, v, mask=m, backend=backend)
+            torch.testing.assert_close(got, want, msg=lambda s, n=name: f"{n} at {Lq, Lk}: {s}")

@@ -261,9 +261,8 @@ class Mask:
         key length: a mask broadcast along the keys answers up to 2**62."""
         Lq, Lk = self.shape[2], self.shape[3]
         lo, hi = 0, (Lk if Lk > 1 else _ALL)
-        if self.band is not None:
-            r = rows if Lq > 1 else (0, 1)
-            lo, hi = geometry.key_range(r, Lq, Lk, False, _band_window(self.band, Lq, Lk))
+        if self.band is not None:  # (a dim of size 1 broadcasts its index 0)
+            lo, hi = geometry.key_range(rows if Lq > 1 else (0, 1), Lq, Lk, False, _band_window(self.band, Lq, Lk))
         if self._segments is not None and lo < hi:
             a, z = self._segments.key_range(batches, rows)
             lo, hi = max(lo, a), min(hi, z)
@@ -282,6 +281,8 @@ class Mask:
             else:  # inside the hull of the parts' ranges
                 a, z = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else (0, 0)
             lo, hi = max(lo, a), min(hi, z)
+        if Lk == 1 and lo < hi:  # key 0 kept: every key is (a dim of size 1 broadcasts)
+            return 0, _ALL
         return (lo, hi) if lo < hi else (0, 0)
 
     def classify(self, batches: Range, rows: Range, cols: Range) -> geometry.Kind:
@@ -293,8 +294,9 @@ class Mask:
             if known is not geometry.PARTIAL:
                 return known
         kinds = []
-        if self.band is not None:
-            kinds.append(geometry.classify(rows, cols, Lq, Lk, False, _band_window(self.band, Lq, Lk)))
+        if self.band is not None:  # (a dim of size 1 broadcasts its index 0)
+            r, c = rows if Lq > 1 else (0, 1), cols if Lk > 1 else (0, 1)
+            kinds.append(geometry.classify(r, c, Lq, Lk, False, _band_window(self.band, Lq, Lk)))
         if self._segments is not None:
             kinds.append(self._segments.classify(batches, rows, cols))
         if geometry.SKIP in kinds:
