@@ -376,6 +376,32 @@ def test_a_mask_from_a_mod_runs_from_its_table_built_once(
     assert kinds == [[2, 0, 0], [1, 2, 0], [1, 1, 2]]
 
 
+@pytest.mark.parametrize("write", ["in place", ".data", "numpy", "too large to copy"])
+def test_a_masks_table_follows_the_tensor_it_reads(
+    write: str, calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``and_(causal, keep)`` reads ``keep`` as it is at each call (flash.py and the reference do): a
+    keep-mask updated between calls — in place, through ``.data`` or numpy (no version change) —
+    gives the new mask's result, not the table the first call built; a tensor too large to keep a
+    copy of has its table built each call."""
+    if write == "too large to copy":
+        monkeypatch.setattr(cpu_kernel, "COMPARED_MAX", 10)
+    L = 300
+    q, k, v = qkv(1, 2, 1, L, L, 8)
+    keep = torch.ones(1, 1, L, L, dtype=torch.bool)
+    mask = az.masks.and_(az.masks.causal(L), keep)
+    golden(torch.float32, q, k, v, calls, mask=mask)
+    if write == ".data":
+        keep.data[..., :150] = False
+    elif write == "numpy":
+        keep.numpy()[..., :150] = False
+    else:
+        keep[..., :150] = False
+    golden(torch.float32, q, k, v, calls, mask=mask)
+    want = az.attention(q.float(), k.float(), v.float(), mask=keep.tril(), backend="reference")
+    torch.testing.assert_close(az.attention(q.float(), k.float(), v.float(), mask=mask), want)
+
+
 class _NoGradient(torch.autograd.Function):
     """The identity whose backward passes no gradient on (None)."""
 

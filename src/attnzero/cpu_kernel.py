@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import flash, geometry, reference
-from .masks import Mask, unchanged, version_of
+from .masks import COMPARED_MAX, Mask, equal_values, unchanged, version_of
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 HEADER = SOURCE.with_name("fast_math.h")  # its float32 tanh (shared with cpu_mods.py's generated code)
@@ -252,11 +252,13 @@ def _band(causal: bool, window: geometry.Window) -> tuple[int, int]:
     return (UNBOUNDED if left is None else left), (UNBOUNDED if right is None else right)
 
 
-# A structured Mask's table and tiles, per (Lq, Lk, bm, bn), kept while the Mask lives: a Mask is
-# immutable and usually serves many calls (every layer, every step), and building its table
-# (a classify per block in Python, the mod evaluated on each PARTIAL tile) cost more than the
-# attention itself for a from_mod prefix-LM mask at L = 2048.
-_TABLES: weakref.WeakKeyDictionary[Mask, dict[tuple[int, int, int, int], tuple[Tensor, Tensor]]] = (
+# A structured Mask's table and tiles, per (Lq, Lk, bm, bn), kept while the Mask lives and the
+# tensors it reads (``Mask.tensors``: a keep tensor of ``and_(causal, keep)``) hold the values they
+# held (copies compared each call; the Mask reads them as they are now): a Mask usually serves many
+# calls (every layer, every step), and building its table (a classify per block in Python, the mod
+# evaluated on each PARTIAL tile) cost more than the attention itself for a from_mod prefix-LM mask
+# at L = 2048.
+_TABLES: weakref.WeakKeyDictionary[Mask, dict[tuple[int, int, int, int], tuple[Tensor, Tensor, list[Tensor]]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -265,14 +267,16 @@ def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor 
     """``(dense, table, tiles)`` for a Mask (a structured one's from ``_TABLES`` after its first call)."""
     if not _structured(mask):
         return _build_mask_table(mask, Lq, Lk, bm, bn)
+    if sum(t.numel() for t in mask.tensors) > COMPARED_MAX:  # too large to keep a copy of: built each call
+        return _build_mask_table(mask, Lq, Lk, bm, bn)
     per_mask = _TABLES.setdefault(mask, {})
     key = (Lq, Lk, bm, bn)
-    if key not in per_mask:
+    got = per_mask.get(key)
+    if got is None or not equal_values(got[2], mask.tensors):
         _, table, tiles = _build_mask_table(mask, Lq, Lk, bm, bn)
         assert table is not None and tiles is not None
-        per_mask[key] = (table, tiles)
-    table, tiles = per_mask[key]
-    return None, table, tiles
+        got = per_mask[key] = (table, tiles, [t.detach().clone() for t in mask.tensors])
+    return None, got[0], got[1]
 
 
 def _build_mask_table(

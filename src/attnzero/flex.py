@@ -56,7 +56,7 @@ from torch.nn.attention.flex_attention import (
 from . import blocks, mods
 from .checks import ArgumentError
 from .functional import attention
-from .masks import Mask, ModSource
+from .masks import COMPARED_MAX, Mask, ModSource, equal_values
 
 # kernel_options that tune torch's kernels (tile sizes, warps, pipelining, promises that let a
 # kernel skip a check) and so cannot change what attention computes: accepted, ignored. A key may
@@ -241,7 +241,6 @@ class _Masks(dict):  # type: ignore[type-arg]
 
 
 _MASKS_PER_BLOCK_MASK = 4
-_CACHED_TENSORS_MAX = 1 << 22  # elements a mask_mod may read for its Mask to be kept (compared each call)
 
 
 def _mask_of(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
@@ -251,7 +250,7 @@ def _mask_of(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     reads (compared with a copy: a write through ``.data`` or numpy changes no version)."""
     mask_mod = block_mask.mask_mod
     fp, reached = (None, []) if mask_mod is noop_mask else mods.fingerprint(mask_mod)
-    if (mask_mod is not noop_mask and fp is None) or sum(t.numel() for t in reached) > _CACHED_TENSORS_MAX:
+    if (mask_mod is not noop_mask and fp is None) or sum(t.numel() for t in reached) > COMPARED_MAX:
         return to_mask(block_mask, B, H, Lq, Lk)  # (the walk cannot vouch for the mod, or too much to compare)
     parts = [t for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                          block_mask.full_kv_indices) if t is not None]  # fmt: skip
@@ -262,7 +261,7 @@ def _mask_of(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
         per = _Masks()
         block_mask._attnzero_masks = per  # type: ignore[attr-defined]
     got = per.get(key)
-    if got is not None and _same(got[0], parts) and got[1] == versions and _equal(got[2], reached):
+    if got is not None and _same(got[0], parts) and got[1] == versions and equal_values(got[2], reached):
         return got[3]  # type: ignore[no-any-return]
     if len(per) >= _MASKS_PER_BLOCK_MASK:
         per.pop(next(iter(per)))
@@ -273,12 +272,6 @@ def _mask_of(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
 
 def _same(a: list[Tensor], b: list[Tensor]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _equal(copies: list[Tensor], now: list[Tensor]) -> bool:
-    return len(copies) == len(now) and all(
-        c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t.detach()) for c, t in zip(copies, now)
-    )
 
 
 def _dense_mask(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Tensor:
