@@ -279,6 +279,28 @@ def test_kernel_options() -> None:
         flex.flex_attention(q, k, v, kernel_options={"SOME_NEW_OPTION": False})
     with pytest.raises(ValueError, match="Invalid BACKEND value 'CUTE'"):
         flex.flex_attention(q, k, v, kernel_options={"BACKEND": "CUTE"})
+    for word in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):  # torch sets them itself: an AssertionError, as torch's
+        for fn in (flex.flex_attention, TF.flex_attention):
+            with pytest.raises(AssertionError, match=f"{word} must not be in kernel_options"):
+                fn(q, k, v, kernel_options={word: True})
+
+
+@pytest.mark.parametrize(("shape", "Lk"), [((0, 2, 5, 8), 5), ((1, 2, 0, 8), 5), ((1, 2, 3, 8), 0)])
+def test_a_zero_size_call_returns_no_lse_as_torch(shape: tuple[int, ...], Lk: int) -> None:
+    """torch returns None for an lse (or max_scores) with no entries; attnzero's output is torch's.
+    (With no keys torch itself fails: the output 0 there and each row's lse −inf, attnzero's own.)"""
+    q, k = torch.randn(*shape), torch.randn(*shape[:2], Lk, shape[3])
+    v = k
+    for fn in (flex.flex_attention, TF.flex_attention) if Lk else (flex.flex_attention,):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (return_lse's deprecation)
+            out, lse = fn(q, k, v, return_lse=True)
+        _, aux = fn(q, k, v, return_aux=TF.AuxRequest(lse=True))
+        assert out.shape == shape and not out.any() and aux.max_scores is None
+        if Lk:
+            assert lse is None and aux.lse is None
+        else:  # rows with no key: an lse of −inf, out 0
+            assert lse is not None and aux.lse is not None and bool((lse == float("-inf")).all())
 
 
 def test_the_mask_utilities_are_torchs() -> None:

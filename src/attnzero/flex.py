@@ -88,6 +88,9 @@ def _kernel_options(options: Any) -> None:
         )
     if "BACKEND" in opts and opts["BACKEND"] not in _BACKENDS:
         raise ValueError(f"Invalid BACKEND value '{opts['BACKEND']}'. Must be one of {_BACKENDS}")
+    for word in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):  # (set by torch itself, AssertionError as torch's)
+        if word in opts:
+            raise AssertionError(f"{word} must not be in kernel_options")
     for key in opts:
         base = key[4:] if key.startswith(("fwd_", "bwd_")) else key
         if base not in IGNORED_KERNEL_OPTIONS:
@@ -366,8 +369,11 @@ def flex_attention(
     lse_asked = return_lse or (return_aux is not None and bool(return_aux.lse))
     res = attention(query, key, value, mask=mask, scale=sc, score_mod=score_mod, return_lse=lse_asked)
     out, lse = res if isinstance(res, tuple) else (res, None)
+    if lse is not None and lse.numel() == 0:
+        lse = None  # (torch returns None for an empty lse or max_scores: a zero-size call)
     if return_aux is not None:
         max_scores = _max_scores(query, key, mask, sc, score_mod) if return_aux.max_scores else None
+        max_scores = None if max_scores is None or max_scores.numel() == 0 else max_scores
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
     if return_lse:
         return out, lse
