@@ -219,4 +219,4 @@ def test_attention_with_a_broadcast_combination_equals_the_dense_one(backend: st
         for name, m in _broadcast_masks(Lq, Lk).items():
             want = az.attention(q, k, v, mask=m.to_tensor(), backend="reference")
             got = az.attention(q, k, v, mask=m, backend=backend)
-            torch.testing.assert_close(got, want, msg=lambda s, n=name: f"{n} at {Lq, Lk}: {s}")
+            torch.testing.assert_close(got, want, msg=lambda s, n=f"{name} at {Lq, Lk}": f"{n}: {s}")
