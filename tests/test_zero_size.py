@@ -170,3 +170,18 @@ def test_zero_sizes_with_a_score_mod(case: str, backend: str) -> None:
     want = az.attention(q.double(), k.double(), v.double(), score_mod=mod, backend="reference")
     assert isinstance(want, torch.Tensor)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_empty_decode_step_leaves_the_cache_as_it_was() -> None:
+    """A step of no tokens through a KVCache returns (B, 0, d_model), as the module does without one
+    (and torch's MultiheadAttention); the cache keeps its length, and the next step is unchanged."""
+    torch.manual_seed(0)
+    m = az.MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    x, nxt = torch.randn(2, 3, 16), torch.randn(2, 1, 16)
+    a, b = az.KVCache(2, 10, 2, 4), az.KVCache(2, 10, 2, 4)
+    m(x, cache=a)
+    m(x, cache=b)
+    assert m(x[:, :0], cache=a).shape == (2, 0, 16) and len(a) == 3
+    k, _ = a.update(torch.randn(2, 2, 0, 4), torch.randn(2, 2, 0, 4))
+    assert k.shape == (2, 2, 3, 4) and len(a) == 3
+    torch.testing.assert_close(m(nxt, cache=a), m(nxt, cache=b), rtol=0, atol=0)

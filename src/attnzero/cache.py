@@ -101,7 +101,7 @@ class KVCache:
     def check(self, k: Any, v: Any) -> None:
         """Raise ``TypeError``/``ValueError`` if ``update(k, v)`` would fail; change nothing."""
         for name, x in (("k", k), ("v", v)):
-            checks.tensor(name, x, 4, "(B, Hkv, L, D)")
+            checks.tensor(name, x, 4, "(B, Hkv, L, D)", empty_ok=True)
             expected = (self.batch_size, self.num_kv_heads, x.shape[2], self.head_dim)
             for what, axis in (("batch", 0), ("heads", 1), ("head dim", 3)):
                 if x.shape[axis] != expected[axis]:

@@ -306,7 +306,7 @@ class MultiHeadAttention(nn.Module):
                 "key_padding_mask: expected None with cache= (pass mask= broadcastable to "
                 "(B, num_heads, L, len(cache) + L) instead), got a tensor"
             )
-        checks.tensor("query", query, 3, "(B, L, d_model)")
+        checks.tensor("query", query, 3, "(B, L, d_model)", empty_ok=True)
         B, L = query.shape[0], query.shape[1]
         weight = self.W_q.weight
         for what, want, got in (
