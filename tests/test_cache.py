@@ -115,7 +115,6 @@ BAD_UPDATES: list[tuple[str, Callable[[], tuple[Any, Any]], type[Exception], str
     ("ndim", lambda: (torch.randn(2, 3, 8), torch.randn(2, 3, 8)), ValueError, r"k: expected 4 dims \(B, Hkv, L, D\)"),
     ("not a tensor", lambda: ([1.0], torch.randn(2, 3, 1, 8)), TypeError, "k: expected a torch.Tensor, got list"),
     ("integer", lambda: (torch.ones(2, 3, 1, 8, dtype=torch.long),) * 2, TypeError, "k: expected a floating dtype"),
-    ("empty", lambda: (torch.randn(2, 3, 0, 8), torch.randn(2, 3, 0, 8)), ValueError, "k: expected a non-empty tensor"),
 ]
 
 
