@@ -155,3 +155,17 @@ def test_varlen_refuses_bad_input(change: dict[str, object], error: type[Excepti
     args |= change
     with pytest.raises(error, match=words):
         az.attention_varlen(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_with_no_sequences(backend: str) -> None:
+    """N = 0 (cu_seqlens [0], zero-size inputs: valid, DESIGN.md): out (0, Hq, Dv), lse (Hq, 0), and
+    a backward of zero-size gradients."""
+    q, k, v = (torch.zeros(0, 2, 4, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0], dtype=torch.int32)
+    out, lse = az.attention_varlen(q, k, v, cu, cu, backend=backend, return_lse=True, causal=True)
+    assert out.shape == (0, 2, 4) and lse.shape == (2, 0)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == (0, 2, 4)
+    with pytest.raises(ValueError, match=r"expected shape \(N \+ 1,\)"):
+        az.attention_varlen(q, k, v, torch.zeros(0, dtype=torch.int32), cu)

@@ -629,7 +629,8 @@ def attention_varlen(
         # Otherwise each sequence on its own (its own bottom-right alignment), and the results
         # back to back.
         outs, lses = [], []
-        for n, ((a, b), (c, d)) in enumerate(zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k))):
+        pairs = list(zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k))) or [((0, 0), (0, 0))]  # N = 0: one empty
+        for n, ((a, b), (c, d)) in enumerate(pairs):
             if fn is not None:
                 options["score_mod"] = _as_sequence(fn, n)
             res = attention(four(q, a, b), four(k, c, d), four(v, c, d), sinks=sinks_of(a, b), **options)
@@ -665,14 +666,14 @@ def _within_sequences(fn: mods.ScoreMod, cu: list[int], device: torch.device) ->
 
 
 def _cu_seqlens(name: str, x: Any, total: int, device: torch.device) -> list[int]:
-    """The cumulative lengths as a list of ints, checked: a 1-D integer tensor (N + 1,), N >= 1,
+    """The cumulative lengths as a list of ints, checked: a 1-D integer tensor (N + 1,), N >= 0,
     starting at 0, non-decreasing, ending at ``total``, on q's device."""
     if not isinstance(x, Tensor):
         raise ArgumentTypeError(f"{name}: expected a torch.Tensor of int32, got {type(x).__name__}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise ArgumentTypeError(f"{name}: expected an integer tensor (int32), got {x.dtype}")
-    if x.ndim != 1 or len(x) < 2:
-        raise ArgumentError(f"{name}: expected shape (N + 1,) with N >= 1, got {tuple(x.shape)}")
+    if x.ndim != 1 or len(x) < 1:
+        raise ArgumentError(f"{name}: expected shape (N + 1,), got {tuple(x.shape)}")
     if x.device != device:
         raise ArgumentError(f"{name}: device {x.device} does not match q's {device}")
     cu = [int(c) for c in x.tolist()]
