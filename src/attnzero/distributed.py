@@ -536,7 +536,7 @@ def ring_attention(
     Raises ``ValueError`` / ``TypeError`` for bad arguments and, on every rank, for shapes, dtypes
     or flags that differ between ranks; ``RuntimeError`` when another rank raised, died or timed out.
     """
-    B, Hq, Hkv, L, Lk = checks.qkv(q, k, v)
+    B, Hq, Hkv, L, Lk = checks.qkv(q, k, v, empty_ok=True)  # (zero sizes: valid, DESIGN.md)
     if Lk != L:
         raise ValueError(f"k: expected this rank's slice of the same sequence as q (length {L}), got length {Lk}")
     is_causal = checks.flag("causal", causal)
