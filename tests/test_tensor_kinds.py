@@ -174,3 +174,29 @@ def test_a_dispatch_subclass_as_bias_sinks_or_mask_with_plain_q_k_v() -> None:
         wrapped = {name: Logged(x) for name, x in kw.items()}
         got = az.attention(q, k, v, **wrapped)  # type: ignore[arg-type]
         torch.testing.assert_close(got.elem if isinstance(got, Logged) else got, want)
+
+
+class Tagged(torch.Tensor):
+    """A ``__torch_function__``-only subclass (no dispatch of its own): torch's ops return it."""
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash", "auto"])
+def test_a_torch_function_subclass_comes_back_as_itself(backend: str) -> None:
+    """As ``torch.nn.functional.scaled_dot_product_attention`` does (``__torch_function__``'s
+    protocol): the output is the subclass on every backend, its values and gradients the plain call's."""
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    tq, tk, tv = (x.as_subclass(Tagged).requires_grad_() for x in (q, k, v))
+    assert type(torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)) is Tagged
+    sdpa = az.scaled_dot_product_attention
+    for got, want in (
+        (az.attention(tq, tk, tv, backend=backend, causal=True), az.attention(q, k, v, backend=backend, causal=True)),
+        (sdpa(tq, tk, tv, is_causal=True), sdpa(q, k, v, is_causal=True)),
+    ):
+        assert type(got) is Tagged
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), want)
+    out, lse = az.attention(tq, tk, tv, backend=backend, return_lse=True)
+    assert type(out) is Tagged and type(lse) is Tagged
+    out.sum().backward()
+    assert tq.grad is not None and tq.grad.shape == q.shape
+    p = torch.nn.Parameter(q)  # (a Parameter's __torch_function__ is turned off: a plain tensor, as torch's)
+    assert type(az.attention(p, p, p, backend=backend)) is torch.Tensor

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import autocast, batching, checks, cpu_kernel, dropout, geometry, lse_grad, mods, ops, reference
 from .checks import ArgumentError, ArgumentTypeError
@@ -211,9 +212,10 @@ def attention(
             each scaled score ``scale · q · k`` before ``softcap`` and ``bias`` (a kept pair's score
             is ``bias + cap(score_mod(scale · q · k, ...))``); ``h`` is the query head, ``q_idx`` /
             ``kv_idx`` the 0-based positions; −inf blocks the pair. Called as Flex calls it (vmapped
-            over 0-d int32 indices, ``mods.py``); tensors it captures get gradients. flash.py's tiles
-            and the reference run it ("auto" takes flash.py where it can); the compiled CPU kernel
-            and the Triton kernels do not yet (``backend="triton"`` refuses it by name).
+            over 0-d int32 indices, ``mods.py``); tensors it captures get gradients. Every backend runs
+            it: the CPU kernel and the Triton kernels as code generated from it (``cpu_mods.py``,
+            ``kernels/codegen.py``; one that cannot be generated runs on flash.py's tiles, and
+            ``backend="triton"`` refuses it naming the operation), flash.py and the reference as it is.
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or ``(out, lse)``. A query row with no kept key gives
@@ -223,6 +225,12 @@ def attention(
     Under ``torch.autocast`` the float32 tensors are cast as autocast casts torch's
     ``scaled_dot_product_attention``'s, and the result has that dtype on every backend.
     """
+    if _subclassed(q, k, v) and has_torch_function_variadic(q, k, v):  # a __torch_function__ subclass: as torch's
+        return handle_torch_function(  # type: ignore[no-any-return]
+            attention, (q, k, v), q, k, v, mask=mask, bias=bias, causal=causal, window=window,
+            scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, backend=backend, return_lse=return_lse,
+            score_mod=score_mod,
+        )  # fmt: skip
     if not autocast.active():  # the common call: nothing to cast, nothing to turn off (asked once: µs count here)
         return run(
             q, k, v, mask=mask, bias=bias, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks,
@@ -390,6 +398,20 @@ def run(
         assert lse is not None  # asked for: every backend gives it
         return out, lse
     return out
+
+
+_NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def _subclassed(*ts: Any) -> bool:
+    """Whether one of ``ts`` is of a Tensor subclass that takes ``__torch_function__``'s protocol (a
+    Parameter's or a FakeTensor's is turned off; a function mode alone does not count: it traces the
+    ops inside, as before — torch.export's)."""
+    for t in ts:
+        c = type(t)
+        if c is not Tensor and getattr(c, "__torch_function__", _NO_TORCH_FUNCTION) is not _NO_TORCH_FUNCTION:
+            return True
+    return False
 
 
 _PLAIN_DISPATCH = Tensor.__torch_dispatch__
