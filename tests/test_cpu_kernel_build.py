@@ -61,9 +61,9 @@ def _env(cache: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _run(env: dict[str, str], preexec: Any = None) -> tuple[dict[str, Any], str]:
+def _run(env: dict[str, str], preexec: Any = None, timeout: float = 600) -> tuple[dict[str, Any], str]:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600, preexec_fn=preexec,
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec,
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -100,6 +100,29 @@ def test_a_failing_compiler(tmp_path: Path) -> None:
     result, err = _run(_env(tmp_path / "cache", CXX=str(cxx)))
     _falls_back(result, err, "the build failed", tried=True)
     assert "broken-c++" in result["warnings"][0] or "Error building" in result["warnings"][0]
+
+
+# What a build killed mid-way (SIGKILL: the OOM killer, a scheduler's time limit) leaves behind:
+# cpp_extension's lock file in the build directory, which its waiters poll for as long as it exists
+LEFTOVER = r"""
+from attnzero import cpu_kernel
+d = cpu_kernel.cache_dir() / f"cpu_kernel-{cpu_kernel._key(cpu_kernel._build_flags())}"
+d.mkdir(parents=True)
+(d / "lock").write_text("")
+"""
+
+
+def test_a_build_killed_before_leaves_no_wait(tmp_path: Path) -> None:
+    """The next process builds (attnzero's own lock says no other process is building), instead of
+    waiting forever on the lock file the killed build left: here its build fails at once (a broken
+    compiler) and flash.py runs, with the one warning."""
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text("#!/bin/sh\necho 'broken-c++: internal error' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    env = _env(tmp_path / "cache", CXX=str(cxx))
+    subprocess.run([sys.executable, "-c", LEFTOVER], env=env, check=True, timeout=120)
+    result, err = _run(env, timeout=120)
+    _falls_back(result, err, "the build failed", tried=True)
 
 
 def test_a_read_only_cache(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ lse runs there too, ``backward``).
 The build. On first use ``torch.utils.cpp_extension.load`` compiles the source into
 ``$ATTNZERO_CACHE/cpu_kernel-<key>`` (else ``$XDG_CACHE_HOME/attnzero``, else ``~/.cache/attnzero``;
 the key hashes the source, the flags, torch's and Python's versions), printing one line while it
-does; later processes load the built library directly. cpp_extension's lock file makes processes
-that start together wait for one build. Where it cannot be built or loaded — ``ATTNZERO_NO_BUILD=1``,
+does; later processes load the built library directly. A lock on a file (``flock``: it goes with
+a process that dies, even killed mid-build) makes processes that start together wait for one build. Where it cannot be built or loaded — ``ATTNZERO_NO_BUILD=1``,
 no C++ compiler, a cache directory that cannot be written, a failing build — ``available()`` is
 False, one warning says why and what to do, and attention runs on flash.py (same results within
 the tolerance rule, slower).
@@ -170,6 +170,10 @@ def _load() -> str | None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             from torch.utils import cpp_extension
+
+            # cpp_extension's own lock file, left by a build killed mid-way (SIGKILL skips its cleanup):
+            # its waiters poll for it forever. No other process builds here now (the lock above).
+            (build_dir / "lock").unlink(missing_ok=True)
 
             start = time.monotonic()
             print(
