@@ -16,10 +16,10 @@ The build. On first use ``torch.utils.cpp_extension.load`` compiles the source i
 ``$ATTNZERO_CACHE/cpu_kernel-<key>`` (else ``$XDG_CACHE_HOME/attnzero``, else ``~/.cache/attnzero``;
 the key hashes the source, the flags, torch's and Python's versions), printing one line while it
 does; later processes load the built library directly. A lock on a file (``flock``: it goes with
-a process that dies, even killed mid-build) makes processes that start together wait for one build. Where it cannot be built or loaded — ``ATTNZERO_NO_BUILD=1``,
-no C++ compiler, a cache directory that cannot be written, a failing build — ``available()`` is
-False, one warning says why and what to do, and attention runs on flash.py (same results within
-the tolerance rule, slower).
+a process that dies, even killed mid-build) makes processes that start together wait for one
+build. Where it cannot be built or loaded — ``ATTNZERO_NO_BUILD=1``, no C++ compiler, a cache
+directory that cannot be written, a failing build — ``available()`` is False, one warning says why
+and what to do, and attention runs on flash.py (same results within the tolerance rule, slower).
 """
 
 from __future__ import annotations
