@@ -939,3 +939,45 @@ def test_an_object_keyed_by_its_fields_is_not_held_whatever_its_hash() -> None:
         del cfg
     gc.collect()
     assert all(r() is None for r in gone)
+
+
+def _attend_with_a_new_mod() -> None:
+    from attnzero import trace
+
+    torch.set_num_threads(1)  # as a DataLoader worker (OpenMP's threads do not survive a fork)
+    q = torch.randn(1, 2, 32, 16)
+    with trace.recording():
+        az.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 3.25 - 1.0)
+
+
+def test_a_process_forked_while_a_thread_builds_a_mod_builds_its_own() -> None:
+    """A DataLoader worker (fork) made while another thread of the parent held the build's lock —
+    and attnzero.trace's — gets locks of its own: its first new score_mod ran into the copy of a lock
+    no thread of the child would release, and waited forever."""
+    need_kernel()
+    import multiprocessing
+    import threading
+
+    from attnzero import trace
+
+    held, release = threading.Event(), threading.Event()
+
+    def builder() -> None:  # a thread of the parent in the middle of a build (and of a trace note)
+        with cpu_mods._lock, trace._LOCK:
+            held.set()
+            release.wait(60)
+
+    t = threading.Thread(target=builder)
+    t.start()
+    held.wait(10)
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_attend_with_a_new_mod)
+        child.start()
+        child.join(60)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+    finally:
+        release.set()
+        t.join()
+    assert not hung and child.exitcode == 0, "the forked child waited on its parent's lock"

@@ -30,7 +30,6 @@ import importlib.util
 import os
 import shutil
 import sys
-import threading
 import time
 import warnings
 import weakref
@@ -41,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import flash, geometry, reference
+from .locks import ForkSafeLock
 from .masks import COMPARED_MAX, Mask, equal_values, unchanged, version_of
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
@@ -58,7 +58,7 @@ MASK_BLOCK = 128
 UNBOUNDED = -(2**63)  # a side of the band without a bound (the C++ side's UNBOUNDED)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _state: dict[str, Any] = {}  # "ok": bool once tried; "why": the reason when not
 
 

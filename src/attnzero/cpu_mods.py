@@ -50,6 +50,7 @@ from torch import Tensor
 
 from . import cpu_kernel, flash, geometry, mods, reference, sinks
 from .kernels import codegen
+from .locks import ForkSafeLock
 from .masks import Mask, unchanged, version_of
 
 F32 = torch.float32
@@ -314,7 +315,7 @@ def _flags() -> list[str]:
             f"-I{cpu_kernel.HEADER.parent}"]  # fmt: skip
 
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _warned: set[str] = set()
 
 

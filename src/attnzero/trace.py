@@ -12,13 +12,14 @@ recording. ``recording()`` collects every event noted while it is open, from eve
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-_LOCK = threading.Lock()
+from .locks import ForkSafeLock
+
+_LOCK = ForkSafeLock()
 _ACTIVE: list[Record] = []  # the open recordings (nested ones all receive every event)
 
 
