@@ -885,3 +885,55 @@ def test_a_table_named_by_a_computed_getattr_on_a_config_module_or_class(backend
             (w,) = torch.autograd.grad(want.sum(), (table,))
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
             holder.table_0 = torch.randn(8, dtype=dtype, requires_grad=True) * 10  # rebound
+
+
+def test_a_numpy_array_is_keyed_by_its_values_not_held_by_the_key() -> None:
+    """A numpy array beside a bound-method mod is part of its key by its values — a digest of them:
+    the key held a copy of each array's bytes, one per distinct content, in a cache of 512 keys."""
+    import numpy as np
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.log = np.zeros(100_000)  # bookkeeping the mod never reads
+
+        def mod(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s * 0.5
+
+    m = Model()
+    key, _ = mods.fingerprint(m.mod)
+    assert key is not None
+    same, _ = mods.fingerprint(m.mod)
+    m.log[7] = 1.0
+    other, _ = mods.fingerprint(m.mod)
+    assert key == same and key != other
+    sizes = [len(x) for part in key if isinstance(part, tuple) for x in part if isinstance(x, bytes)]
+    assert sizes and max(sizes) <= 64, sizes
+
+
+def test_a_call_with_a_score_mod_leaves_no_cycle_holding_what_it_read() -> None:
+    """The walk's functions reached one another through their cells: every call with a score_mod left
+    a cycle holding the mod and its tensors (a bound method's module) until the cycle collector ran —
+    unbounded with gc disabled or frozen, as servers do."""
+    import gc
+    import weakref
+
+    def call(grad: bool, dtype: torch.dtype) -> weakref.ref[Tensor]:  # (float64: flash.py, float32: the kernel)
+        q = torch.randn(1, 2, 16, 8, dtype=dtype)
+        table = torch.randn(2, dtype=dtype, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            out = az.attention(q, q, q, score_mod=lambda s, b, h, i, j: s + table[h])
+            if grad:
+                out.sum().backward()
+        return weakref.ref(table)
+
+    cases = [(grad, dtype) for grad in (False, True) for dtype in (torch.float32, torch.float64)]
+    for grad, dtype in cases:
+        call(grad, dtype)  # the mod's first call builds it (torch's tracer leaves cycles of its own, once)
+    gc.collect()
+    gc.disable()
+    try:
+        for grad, dtype in cases:
+            assert call(grad, dtype)() is None, f"grad={grad}, {dtype}: the mod's table outlived the call"
+    finally:
+        gc.enable()

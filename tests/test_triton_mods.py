@@ -675,3 +675,26 @@ def test_a_mask_of_length_one_broadcasts_its_block_over_the_whole_side(
             got = az.attention(q[:, :, :2].float(), k.float(), v.float(), mask=mask2, backend="triton")
         want = az.attention(q[:, :, :2], k, v, mask=mask2, backend="reference")
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mod_that_cannot_be_generated_is_not_kept_alive_by_the_cache() -> None:
+    """The cache of generated code keeps a refusal as its message: the exception it kept held, in its
+    traceback, the frames that held the mod — and the model it is a method of, parameters and all."""
+    import gc
+    import weakref
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = torch.nn.Parameter(torch.randn(64, 64))
+
+        def mod(self, s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s + torch.atan(self.big[0, 0] * (i - j))  # atan: no Triton for it here
+
+    m = Model()
+    with pytest.raises(codegen.NotGenerable):
+        codegen.score_mod(m.mod, torch.device("cpu"), grads=True)
+    alive = weakref.ref(m)
+    del m
+    gc.collect()
+    assert alive() is None

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import inspect
 import sys
 import sysconfig
@@ -476,7 +477,8 @@ def _walk(fn: Any, roles: list[Role] | None = None) -> tuple[tuple[Any, ...], li
             if _own_dict(obj):  # Python attributes set on it (``t.scale``)
                 fields(obj, depth, names)
         elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
-            out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), obj.tobytes()))
+            values = hashlib.sha256(obj.tobytes()).digest()  # (its values' digest: a key holds no copy of them)
+            out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), values))
         elif isinstance(obj, torch.nn.Module):
             out.append(("N", type(obj)))
             fields(obj, depth, names)  # parameters, buffers, submodules, hooks, plain fields, ``training``
@@ -579,6 +581,9 @@ def _walk(fn: Any, roles: list[Role] | None = None) -> tuple[tuple[Any, ...], li
             complete = False
 
     visit(fn, 0, [], ())
+    # the four functions reach one another through their cells: a cycle that kept everything the walk
+    # met (the mod, its tensors, a bound method's module) alive until the cycle collector ran
+    of_class = fields = visit = meet = None  # type: ignore[assignment]  # noqa: F811 (emptied cells)
     return tuple(out), tensors, complete
 
 

@@ -1071,7 +1071,7 @@ def _cached(kind: str, fn: Any, device: torch.device, grads: bool,
             try:
                 gen, read = make()
             except NotGenerable as e:
-                hit = e
+                hit = NotGenerable(str(e))  # (not e: its traceback holds the frames that hold the mod and its module)
             else:
                 slots = tuple(next((i for i, c in enumerate(reached) if c is t), k) for t, k in zip(read, gen.tensors))
                 hit = (replace(gen, tensors=()), slots)  # (this call's tensors are not kept alive by the cache)
