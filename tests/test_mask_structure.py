@@ -220,3 +220,12 @@ def test_attention_with_a_broadcast_combination_equals_the_dense_one(backend: st
             want = az.attention(q, k, v, mask=m.to_tensor(), backend="reference")
             got = az.attention(q, k, v, mask=m, backend=backend)
             torch.testing.assert_close(got, want, msg=lambda s, n=f"{name} at {Lq, Lk}": f"{n}: {s}")
+
+
+def test_a_predicate_that_answers_with_one_value_on_flash_py() -> None:
+    """A keep that is 0-d (window(L, L, None, None) keeps every pair; its negation; a Mask of a
+    constant predicate) broadcasts over every block: flash.py read two dims of it."""
+    q, k, v = qkv(1, 2, 1, 3, 3, 4)
+    for m in (M.window(3, 3, None, None), ~M.window(3, 3, None, None), M.Mask(lambda b, h, i, j: True, (1, 1, 3, 3))):
+        want = az.attention(q, k, v, mask=m.to_tensor(), backend="reference")
+        torch.testing.assert_close(az.attention(q, k, v, mask=m, backend="flash"), want)

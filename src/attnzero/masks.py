@@ -815,7 +815,9 @@ def block_of(
 ) -> Tensor:
     """Rows ``[r0, r1)`` and columns ``[c0, c1)`` — and of a 4-D tensor batches ``[b0, b1)``, if
     given — of a tensor broadcastable to (B, H, Lq, Lk), a view; dims of size 1 stay size 1 (they
-    broadcast)."""
+    broadcast). A tensor of fewer than 2 dims (a predicate's 0-d answer) broadcasts as it is."""
+    if t.ndim < 2:
+        return t
     r = slice(*rows) if t.shape[-2] > 1 else slice(None)
     c = slice(*cols) if t.shape[-1] > 1 else slice(None)
     t = t[..., r, c]
