@@ -561,6 +561,12 @@ def ring_attention(
         "softcap": 0 if cap is None else struct.unpack("<q", struct.pack("<d", cap))[0], "sinks": sink_kind,
         "score_mod": int(fn is not None), "mask_mod": int(mm is not None),
     })  # fmt: skip
+    if 0 in (B, Hq, L, v.shape[3]):  # an empty output (every rank agreed on the shapes): nothing to exchange
+        inputs = [t for t in (q, k, v, sink, *mo.captured) if t is not None]
+        none = sum((t.sum() * 0).to(q.dtype) for t in inputs)  # zero gradients, of the inputs' shapes
+        return q.new_zeros(B, Hq, L, v.shape[3]) + none
+    if q.shape[3] == 0:  # D = 0: every score is 0, as one column of zeros in q and k gives (as ops.py does)
+        q, k = (torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1) for x in (q, k))
     # The backend, chosen as az.attention(backend="auto") chooses it (once, in functional.choose);
     # a score_mod runs on flash.py's tiles, as az.attention's "auto" runs it. Only the gradients of
     # q, k, v and the captured tensors need its backward (and the ring); the sinks' is computed here.
