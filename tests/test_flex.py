@@ -301,6 +301,13 @@ def test_a_zero_size_call_returns_no_lse_as_torch(shape: tuple[int, ...], Lk: in
             assert lse is None and aux.lse is None
         else:  # rows with no key: an lse of −inf, out 0
             assert lse is not None and aux.lse is not None and bool((lse == float("-inf")).all())
+    for qq in (q, torch.randn(1, 0, 3, 8)):  # max_scores too (attnzero's: torch has none on CPU); no heads
+        kk = torch.randn(qq.shape[0], qq.shape[1], Lk, 8)
+        _, aux = flex.flex_attention(qq, kk, kk, return_aux=TF.AuxRequest(max_scores=True))
+        if qq.numel() and not Lk:
+            assert aux.max_scores is not None and bool((aux.max_scores == float("-inf")).all())
+        else:
+            assert aux.max_scores is None
 
 
 def test_the_mask_utilities_are_torchs() -> None:

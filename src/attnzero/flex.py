@@ -385,6 +385,8 @@ def _max_scores(q: Tensor, k: Tensor, mask: Tensor | Mask | None, scale: float, 
     torch's ``max_scores``; dense (B, Hq, L, S), without gradients."""
     with torch.no_grad():
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if 0 in (q.shape[1], k.shape[2]):  # no heads (empty), or no keys (every row −inf)
+            return q.new_full(q.shape[:3], float("-inf"), dtype=acc)
         G = q.shape[1] // k.shape[1]
         s = q.to(acc) @ k.to(acc).repeat_interleave(G, dim=1).transpose(-2, -1) * scale  # (B, Hq, L, S)
         if score_mod is not None:
