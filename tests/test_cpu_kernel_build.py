@@ -125,6 +125,35 @@ def test_a_build_killed_before_leaves_no_wait(tmp_path: Path) -> None:
     _falls_back(result, err, "the build failed", tried=True)
 
 
+# A process forked while a thread of its parent builds (a DataLoader worker): the build stands in as a
+# 3 s wait that fails (no compiler runs); the child must take its turn at the lock, not wait forever
+FORKED = r"""
+import os, signal, threading, time
+import torch.utils.cpp_extension as ce
+from attnzero import cpu_kernel
+def slow(*a, **k):
+    time.sleep(3)
+    raise RuntimeError("a build that fails")
+ce.load = slow
+threading.Thread(target=cpu_kernel.available, daemon=True).start()
+time.sleep(0.5)
+pid = os.fork()
+if pid == 0:
+    signal.signal(signal.SIGALRM, lambda *a: os._exit(3))
+    signal.alarm(30)
+    cpu_kernel.available()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_process_forked_during_a_build_takes_its_turn(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", FORKED], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0 and "child exit 0" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
 def test_a_read_only_cache(tmp_path: Path) -> None:
     if os.geteuid() == 0:  # root writes through any mode bits: a read-only file system instead
         cache = Path("/sys/attnzero-cache")

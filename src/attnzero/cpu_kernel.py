@@ -15,7 +15,7 @@ lse runs there too, ``backward``).
 The build. On first use ``torch.utils.cpp_extension.load`` compiles the source into
 ``$ATTNZERO_CACHE/cpu_kernel-<key>`` (else ``$XDG_CACHE_HOME/attnzero``, else ``~/.cache/attnzero``;
 the key hashes the source, the flags, torch's and Python's versions), printing one line while it
-does; later processes load the built library directly. A lock on a file (``flock``: it goes with
+does; later processes load the built library directly. A lock on a file (``lockf``: it goes with
 a process that dies, even killed mid-build) makes processes that start together wait for one
 build. Where it cannot be built or loaded — ``ATTNZERO_NO_BUILD=1``, no C++ compiler, a cache
 directory that cannot be written, a failing build — ``available()`` is False, one warning says why
@@ -161,13 +161,14 @@ def _load() -> str | None:
         probe = build_dir / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
-        lock = open(build_dir / "lock.flock", "w")  # held across the build below
+        lock = open(build_dir / "lock.flock", "w")  # locked across the build below
     except OSError as e:
         return f"cannot write the cache directory {build_dir}: {e} (set $ATTNZERO_CACHE to a writable directory)"
     with lock:
         # Processes that start together queue here (the lock goes with a process that dies); the
-        # first builds, the others find it built.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        # first builds, the others find it built. A record lock, not flock: a process forked while
+        # a thread builds (a DataLoader worker) does not inherit it, and waits for it as any other.
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         if not done.exists():
             from torch.utils import cpp_extension
 
