@@ -200,3 +200,24 @@ def test_a_torch_function_subclass_comes_back_as_itself(backend: str) -> None:
     assert tq.grad is not None and tq.grad.shape == q.shape
     p = torch.nn.Parameter(q)  # (a Parameter's __torch_function__ is turned off: a plain tensor, as torch's)
     assert type(az.attention(p, p, p, backend=backend)) is torch.Tensor
+
+
+def test_a_torch_function_subclass_in_the_mask_or_under_compile() -> None:
+    """torch dispatches on every tensor argument (a subclass only in ``attn_mask`` / ``mask`` comes
+    back too; a CausalBias is read, not dispatched); traced by dynamo the subclass's ops are traced as
+    they come (fullgraph), as torch's own sdpa is."""
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    keep = (torch.rand(8, 8) > 0.3).as_subclass(Tagged)
+    assert type(F.scaled_dot_product_attention(q, k, v, attn_mask=keep)) is Tagged
+    assert type(az.scaled_dot_product_attention(q, k, v, attn_mask=keep)) is Tagged
+    assert type(az.attention(q, k, v, mask=keep)) is Tagged
+    from torch.nn.attention.bias import causal_lower_right
+
+    tq = q.as_subclass(Tagged)
+    out = az.scaled_dot_product_attention(tq, k, v, attn_mask=causal_lower_right(8, 8))
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), az.attention(q, k, v, causal=True))
+    for fn in (az.attention, az.scaled_dot_product_attention):
+        torch.compiler.reset()
+        got = torch.compile(fn, backend="eager", fullgraph=True)(tq, k, v)  # (aot_eager: torch's own sdpa fails)
+        assert type(got) is Tagged
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), az.attention(q, k, v))

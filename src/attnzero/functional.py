@@ -225,9 +225,9 @@ def attention(
     Under ``torch.autocast`` the float32 tensors are cast as autocast casts torch's
     ``scaled_dot_product_attention``'s, and the result has that dtype on every backend.
     """
-    if _subclassed(q, k, v) and has_torch_function_variadic(q, k, v):  # a __torch_function__ subclass: as torch's
+    if _subclassed(q, k, v, mask, bias, sinks) and _protocol(q, k, v, mask, bias, sinks):  # as torch's functions
         return handle_torch_function(  # type: ignore[no-any-return]
-            attention, (q, k, v), q, k, v, mask=mask, bias=bias, causal=causal, window=window,
+            attention, (q, k, v, mask, bias, sinks), q, k, v, mask=mask, bias=bias, causal=causal, window=window,
             scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, backend=backend, return_lse=return_lse,
             score_mod=score_mod,
         )  # fmt: skip
@@ -412,6 +412,12 @@ def _subclassed(*ts: Any) -> bool:
         if c is not Tensor and getattr(c, "__torch_function__", _NO_TORCH_FUNCTION) is not _NO_TORCH_FUNCTION:
             return True
     return False
+
+
+def _protocol(*ts: Any) -> bool:
+    """Whether a call with a subclass among ``ts`` takes ``__torch_function__``'s protocol: not inside
+    it (turned off there) and not while dynamo traces (it traces the subclass's ops as they come)."""
+    return has_torch_function_variadic(*ts) and not torch.compiler.is_compiling()
 
 
 _PLAIN_DISPATCH = Tensor.__torch_dispatch__
