@@ -476,6 +476,8 @@ def _walk(fn: Any, roles: list[Role] | None = None) -> tuple[tuple[Any, ...], li
             tensors.append(obj)
             if _own_dict(obj):  # Python attributes set on it (``t.scale``)
                 fields(obj, depth, names)
+        elif type(obj).__module__ == "numpy" and getattr(getattr(obj, "dtype", None), "hasobject", False):
+            complete = False  # an array of objects: its bytes are their addresses, not what they hold
         elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):  # an ndarray or a numpy scalar
             values = hashlib.sha256(obj.tobytes()).digest()  # (its values' digest: a key holds no copy of them)
             out.append(("A", type(obj), str(getattr(obj, "dtype", "")), getattr(obj, "shape", ()), values))
