@@ -260,12 +260,18 @@ def run(
     backend: Any = "auto",
     return_lse: Any = False,
     score_mod: Any = None,
+    qkv_checked: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``attention`` after autocast: validate, then run one backend — directly in eager mode, or
-    through its custom ops (``ops.py``) when compiling or for zero sizes."""
-    if v is None:  # checks.qkv treats v=None as "no values" (attention_weights)
-        raise ArgumentTypeError("v: expected a torch.Tensor, got NoneType")
-    B, Hq, _, Lq, Lk = checks.qkv(q, k, v, empty_ok=True)
+    through its custom ops (``ops.py``) when compiling or for zero sizes. ``qkv_checked``: q, k and
+    v were checked by the caller (the drop-in, in torch's words; a tiny call pays for every check)."""
+    if qkv_checked:
+        B, Hq, Lq, _ = q.shape
+        Lk = k.shape[2]
+    else:
+        if v is None:  # checks.qkv treats v=None as "no values" (attention_weights)
+            raise ArgumentTypeError("v: expected a torch.Tensor, got NoneType")
+        B, Hq, _, Lq, Lk = checks.qkv(q, k, v, empty_ok=True)
     full = (B, Hq, Lq, Lk)
     # (an optional argument left at None has nothing to check: asked here, where a check costs a call)
     keep = None if mask is None else checks.mask(mask, full, q.device)
@@ -407,7 +413,9 @@ def _subclassed(*ts: Any) -> bool:
     """Whether one of ``ts`` is of a Tensor subclass that takes ``__torch_function__``'s protocol (a
     Parameter's or a FakeTensor's is turned off; a function mode alone does not count: it traces the
     ops inside, as before — torch.export's)."""
-    for t in ts:
+    for t in ts:  # (every call asks: None and plain tensors are passed over first — a getattr that misses costs)
+        if t is None:
+            continue
         c = type(t)
         if c is not Tensor and getattr(c, "__torch_function__", _NO_TORCH_FUNCTION) is not _NO_TORCH_FUNCTION:
             return True

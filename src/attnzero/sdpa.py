@@ -326,7 +326,7 @@ def _sdpa(
 
     out = functional.run(
         four(query, Hq), four(key, Hkv), four(value, Hkv), mask=mask_arg, bias=bias_arg, causal=causal_arg,
-        scale=scale, dropout_p=0.0 if drop_all else dropout_p,
+        scale=scale, dropout_p=0.0 if drop_all else dropout_p, qkv_checked=True,
     )  # fmt: skip
     assert isinstance(out, Tensor)
     if drop_all:
