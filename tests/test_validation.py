@@ -674,3 +674,25 @@ def test_messages_name_expected_and_given() -> None:
     """The example message of issue 2, verbatim."""
     with pytest.raises(ValueError, match=re.escape("k: head dim 8 does not match q's 16")):
         az.attention(torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+
+
+def test_torchs_causal_bias_is_refused_as_a_mask_or_bias() -> None:
+    """A CausalBias is a tensor whose data is not its pattern (uninitialised memory of its own shape):
+    the mask and bias slots took it as it is — a result that changed with that memory. The drop-in
+    reads one (its attn_mask); az.attention refuses it by name, pointing to causal=True."""
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 6, 8)
+    for slot in ("mask", "bias"):
+        with pytest.raises(TypeError, match=rf"{slot}: expected a tensor or an az.masks Mask, got torch's CausalBias"):
+            az.attention(q, k, k, **{slot: causal_lower_right(4, 6)})
+    torch.testing.assert_close(
+        az.scaled_dot_product_attention(q, k, k, attn_mask=causal_lower_right(4, 6)), az.attention(q, k, k, causal=True)
+    )
+
+
+def test_the_drop_in_refuses_value_heads_beside_no_key_heads() -> None:
+    """enable_gqa with key 0 heads and value 3 (query 0): each count divides Hq = 0, and spreading 3
+    heads over 0 divided by zero (torch's own call dies of SIGFPE)."""
+    q, k, v = torch.randn(1, 0, 1, 2), torch.randn(1, 0, 3, 2), torch.randn(1, 3, 3, 2)
+    with pytest.raises(ValueError, match="value: 3 heads cannot be grouped with key's 0"):
+        az.scaled_dot_product_attention(q, k, v, enable_gqa=True)

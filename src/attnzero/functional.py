@@ -274,8 +274,8 @@ def run(
         B, Hq, _, Lq, Lk = checks.qkv(q, k, v, empty_ok=True)
     full = (B, Hq, Lq, Lk)
     # (an optional argument left at None has nothing to check: asked here, where a check costs a call)
-    keep = None if mask is None else checks.mask(mask, full, q.device)
-    add = None if bias is None else checks.bias(bias, full, q.device)
+    keep = None if mask is None else checks.mask(_no_causal_bias("mask", mask), full, q.device)
+    add = None if bias is None else checks.bias(_no_causal_bias("bias", bias), full, q.device)
     is_causal = checks.flag("causal", causal)
     win = None if window is None else checks.window(window, Lq, Lk)
     sc = checks.scale(scale, q.shape[-1])
@@ -404,6 +404,17 @@ def run(
         assert lse is not None  # asked for: every backend gives it
         return out, lse
     return out
+
+
+def _no_causal_bias(name: str, x: Any) -> Any:
+    """``x``, unless it is torch's ``CausalBias`` (the drop-in's ``attn_mask`` reads one): a tensor
+    whose data is not its pattern, which a mask or bias slot would take as it is."""
+    if autocast.is_causal_bias(x):
+        raise ArgumentTypeError(
+            f"{name}: expected a tensor or an az.masks Mask, got torch's CausalBias; pass causal=True (its "
+            "lower-right variant) or mask=az.masks.causal(Lq, Lk, align='top_left') (upper-left)"
+        )
+    return x
 
 
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl

@@ -246,6 +246,8 @@ def _sdpa(
     # Key and value get one head count: a single head stays single (MQA, read by every query head
     # without a copy) or is stretched as a view; otherwise the fewer heads are spread over the more
     # (GQA's grouping), or over every query head when neither count divides the other.
+    if checks.is_zero(hk) != checks.is_zero(hv):  # (enable_gqa: each count divides Hq = 0; none spreads over 0)
+        raise ArgumentError(f"value: {hv} heads cannot be grouped with key's {hk}")
     if checks.known(hk == hv) or checks.known(hv == 1):
         Hkv = hk
     elif checks.known(hk == 1) or hv % hk == 0:
