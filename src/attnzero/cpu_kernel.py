@@ -41,7 +41,7 @@ from torch import Tensor
 
 from . import flash, geometry, reference
 from .locks import ForkSafeLock
-from .masks import COMPARED_MAX, Mask, equal_values, unchanged, version_of
+from .masks import COMPARED_MAX, Mask, copies, equal_values, unchanged, version_of
 
 SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 HEADER = SOURCE.with_name("fast_math.h")  # its float32 tanh (shared with cpu_mods.py's generated code)
@@ -280,7 +280,7 @@ def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor 
     if got is None or not equal_values(got[2], mask.tensors):
         _, table, tiles = _build_mask_table(mask, Lq, Lk, bm, bn)
         assert table is not None and tiles is not None
-        got = per_mask[key] = (table, tiles, [t.detach().clone() for t in mask.tensors])
+        got = per_mask[key] = (table, tiles, copies(mask.tensors))
     return None, got[0], got[1]
 
 

@@ -56,7 +56,7 @@ from torch.nn.attention.flex_attention import (
 from . import blocks, mods
 from .checks import ArgumentError
 from .functional import attention
-from .masks import COMPARED_MAX, Mask, ModSource, equal_values
+from .masks import COMPARED_MAX, Mask, ModSource, copies, equal_values
 
 # kernel_options that tune torch's kernels (tile sizes, warps, pipelining, promises that let a
 # kernel skip a check) and so cannot change what attention computes: accepted, ignored. A key may
@@ -269,7 +269,7 @@ def _mask_of(block_mask: BlockMask, B: int, H: int, Lq: int, Lk: int) -> Mask:
     if len(per) >= _MASKS_PER_BLOCK_MASK:
         per.pop(next(iter(per)))
     mask = to_mask(block_mask, B, H, Lq, Lk)
-    per[key] = (parts, versions, [t.detach().clone() for t in reached], mask)
+    per[key] = (parts, versions, copies(reached), mask)
     return mask
 
 

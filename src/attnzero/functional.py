@@ -225,7 +225,7 @@ def attention(
     Under ``torch.autocast`` the float32 tensors are cast as autocast casts torch's
     ``scaled_dot_product_attention``'s, and the result has that dtype on every backend.
     """
-    if _subclassed(q, k, v, mask, bias, sinks) and _protocol(q, k, v, mask, bias, sinks):  # as torch's functions
+    if _dispatches(q, k, v, mask, bias, sinks):  # a __torch_function__ subclass: as torch's functions
         return handle_torch_function(  # type: ignore[no-any-return]
             attention, (q, k, v, mask, bias, sinks), q, k, v, mask=mask, bias=bias, causal=causal, window=window,
             scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, backend=backend, return_lse=return_lse,
@@ -420,23 +420,18 @@ def _no_causal_bias(name: str, x: Any) -> Any:
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 
 
-def _subclassed(*ts: Any) -> bool:
-    """Whether one of ``ts`` is of a Tensor subclass that takes ``__torch_function__``'s protocol (a
-    Parameter's or a FakeTensor's is turned off; a function mode alone does not count: it traces the
-    ops inside, as before — torch.export's)."""
+def _dispatches(*ts: Any) -> bool:
+    """Whether a call with ``ts`` takes ``__torch_function__``'s protocol: one of them is of a Tensor
+    subclass that takes it (a Parameter's or a FakeTensor's is turned off; a function mode alone does
+    not count: it traces the ops inside — torch.export's), and the call is neither inside the
+    protocol (turned off there) nor traced by dynamo (it traces the subclass's ops as they come)."""
     for t in ts:  # (every call asks: None and plain tensors are passed over first — a getattr that misses costs)
         if t is None:
             continue
         c = type(t)
         if c is not Tensor and getattr(c, "__torch_function__", _NO_TORCH_FUNCTION) is not _NO_TORCH_FUNCTION:
-            return True
+            return has_torch_function_variadic(*ts) and not torch.compiler.is_compiling()
     return False
-
-
-def _protocol(*ts: Any) -> bool:
-    """Whether a call with a subclass among ``ts`` takes ``__torch_function__``'s protocol: not inside
-    it (turned off there) and not while dynamo traces (it traces the subclass's ops as they come)."""
-    return has_torch_function_variadic(*ts) and not torch.compiler.is_compiling()
 
 
 _PLAIN_DISPATCH = Tensor.__torch_dispatch__

@@ -398,19 +398,6 @@ def version_of(mask: Tensor | Mask | None) -> list[tuple[Tensor, int]]:
     return [(t, t._version) for t in ts if not t.is_inference()]
 
 
-# Elements of tensors a cache copies to tell later whether they changed (``equal_values``); above it
-# the cached thing is made again each call.
-COMPARED_MAX = 1 << 22
-
-
-def equal_values(copies: Sequence[Tensor], now: Sequence[Tensor]) -> bool:
-    """Whether ``now`` holds what ``copies`` (``t.detach().clone()`` of each, made earlier) held: a
-    write through ``.data`` or numpy changes no version, so caches compare values."""
-    return len(copies) == len(now) and all(
-        c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t.detach()) for c, t in zip(copies, now)
-    )
-
-
 def unchanged(seen: list[tuple[Tensor, int]]) -> None:
     """Raises, as autograd does for a saved tensor, when a tensor of ``version_of`` changed in place."""
     for t, was in seen:
@@ -421,6 +408,24 @@ def unchanged(seen: list[tuple[Tensor, int]]) -> None:
                 "(torch: one of the variables needed for gradient computation has been modified by an inplace "
                 "operation)"
             )
+
+
+# Elements of tensors a cache copies to tell later whether they changed (``copies`` and
+# ``equal_values``); above it the cached thing is made again each call.
+COMPARED_MAX = 1 << 22
+
+
+def copies(ts: Sequence[Tensor]) -> list[Tensor]:
+    """What ``equal_values`` compares with later."""
+    return [t.detach().clone() for t in ts]
+
+
+def equal_values(copied: Sequence[Tensor], now: Sequence[Tensor]) -> bool:
+    """Whether ``now`` holds what ``copied`` (``copies``, made earlier) held: a write through
+    ``.data`` or numpy changes no version, so caches compare values."""
+    return len(copied) == len(now) and all(
+        c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t.detach()) for c, t in zip(copied, now)
+    )
 
 
 def _made(mask: Mask, builder: Callable[..., Any], *args: Any, **kwargs: Any) -> Mask:

@@ -38,9 +38,9 @@ def scaled_dot_product_attention(
     ``attn_mask`` together with ``is_causal=True``, mismatched shapes, dtypes or devices. Zero
     sizes and autocast behave as torch's; a row with every key blocked gives 0 (torch's CPU path
     too), never NaN. Dropout drops other entries than torch's would (its own random stream)."""
-    if functional._subclassed(query, key, value, attn_mask):  # a __torch_function__ subclass: as torch's
+    if functional._dispatches(query, key, value, attn_mask):  # a __torch_function__ subclass: as torch's
         mask = None if autocast.is_causal_bias(attn_mask) else attn_mask  # (a CausalBias is read here)
-        if functional._subclassed(query, key, value, mask) and functional._protocol(query, key, value, mask):
+        if functional._dispatches(query, key, value, mask):
             return handle_torch_function(  # type: ignore[no-any-return]
                 scaled_dot_product_attention, (query, key, value, mask), query, key, value, attn_mask=attn_mask,
                 dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
