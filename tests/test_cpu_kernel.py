@@ -402,6 +402,32 @@ def test_a_masks_table_follows_the_tensor_it_reads(
     torch.testing.assert_close(az.attention(q.float(), k.float(), v.float(), mask=mask), want)
 
 
+@pytest.mark.parametrize("write", ["in place", ".data", "unwalkable"])
+def test_a_from_mod_masks_tiles_follow_the_tensor_its_mod_reads(
+    write: str, calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``from_mod`` Mask keeps the block table built when it was made (as torch's BlockMask) and
+    evaluates its mod on partial blocks at each call, on every backend: a tensor the mod reads,
+    changed between calls, changes the kernel's partial tiles as it changes flash.py's and the
+    reference's (the kernel kept the first call's tiles: 0.68 off). A mod whose reads the walk cannot
+    list has its tiles built each call."""
+    L = 300
+    q, k, v = qkv(1, 2, 1, L, L, 8)
+    doc = torch.zeros(L, dtype=torch.long)
+    doc[100:] = 1
+    if write == "unwalkable":
+        monkeypatch.setattr("attnzero.mods.fingerprint", lambda fn: (None, []))
+    mask = az.masks.from_mod(lambda b, h, qi, kv: doc[qi] == doc[kv], 1, 1, L, L)
+    golden(torch.float32, q, k, v, calls, mask=mask)
+    if write == ".data":
+        doc.data[150:] = 2
+    else:
+        doc[150:] = 2
+    want = az.attention(q, k, v, mask=mask, backend="reference")
+    got = az.attention(q.float(), k.float(), v.float(), mask=mask)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
 class _NoGradient(torch.autograd.Function):
     """The identity whose backward passes no gradient on (None)."""
 

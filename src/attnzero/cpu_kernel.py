@@ -258,8 +258,9 @@ def _band(causal: bool, window: geometry.Window) -> tuple[int, int]:
 
 
 # A structured Mask's table and tiles, per (Lq, Lk, bm, bn), kept while the Mask lives and the
-# tensors it reads (``Mask.tensors``: a keep tensor of ``and_(causal, keep)``) hold the values they
-# held (copies compared each call; the Mask reads them as they are now): a Mask usually serves many
+# tensors it reads (``Mask.tensors``: a keep tensor of ``and_(causal, keep)``, the tensors a from_mod's
+# mod reads) hold the values they held (copies compared each call; the Mask reads them as they are
+# now; one whose reads are not all known is built each call): a Mask usually serves many
 # calls (every layer, every step), and building its table (a classify per block in Python, the mod
 # evaluated on each PARTIAL tile) cost more than the attention itself for a from_mod prefix-LM mask
 # at L = 2048.
@@ -272,7 +273,7 @@ def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor 
     """``(dense, table, tiles)`` for a Mask (a structured one's from ``_TABLES`` after its first call)."""
     if not _structured(mask):
         return _build_mask_table(mask, Lq, Lk, bm, bn)
-    if sum(t.numel() for t in mask.tensors) > COMPARED_MAX:  # too large to keep a copy of: built each call
+    if not mask.reads_known or sum(t.numel() for t in mask.tensors) > COMPARED_MAX:  # (no copy to compare)
         return _build_mask_table(mask, Lq, Lk, bm, bn)
     per_mask = _TABLES.setdefault(mask, {})
     key = (Lq, Lk, bm, bn)
