@@ -465,30 +465,6 @@ def test_score_mod_and_a_mask_from_a_mod_trace_under_torch_compile_fullgraph() -
     assert q.grad is not None
 
 
-def test_a_mod_reading_an_int_that_torch_compile_makes_dynamic() -> None:
-    """An offset or step a mod reads, passed to a compiled function as an int: dynamo makes it a
-    symbolic int at its second value, which vmap's batching rules refused beside a batched index
-    ("x must be Tensor or scalar, got SymInt"); torch's Flex takes it. Score_mod, mask_mod (a
-    from_mod mask made inside), forward and backward, equal to the eager call at each value."""
-    q, k, v = (t.float().requires_grad_() for t in qkv(1, 2, 2, 24, 24, 8))
-
-    def fn(q: Tensor, k: Tensor, v: Tensor, off: int) -> Tensor:
-        mask = az.masks.from_mod(lambda b, h, i, j: (j <= i + off) | (j < off), 1, 1, 24, 24, block_size=8)
-        out = az.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s + (i + off - j) * 0.1 + (off > 2))
-        assert isinstance(out, Tensor)
-        return out
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="eager")
-    for off in (1, 2, 3, 5):
-        got, want = compiled(q, k, v, off), fn(q, k, v, off)
-        torch.testing.assert_close(got, want)
-        g_got = torch.autograd.grad(got.square().sum(), (q, k, v))
-        g_want = torch.autograd.grad(want.square().sum(), (q, k, v))
-        for a, b in zip(g_got, g_want):
-            torch.testing.assert_close(a, b)
-
-
 def test_a_disabled_call_keeps_the_eager_path_inside_a_compiled_function(monkeypatch: pytest.MonkeyPatch) -> None:
     """README: under torch.compile a score_mod call is traced as the reference's formula; through
     ``torch.compiler.disable(az.attention)`` it runs eagerly (one graph break) — on CPU the compiled

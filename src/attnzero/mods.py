@@ -60,32 +60,10 @@ class ModError(TypeError, RuntimeError):
     and a ``RuntimeError`` like torch's own errors."""
 
 
-# Binary arithmetic and comparisons, where an int operand may be a 0-d int64 tensor with the same
-# result (its dtype promotes as the int does). Under torch.compile an int a mod reads (a step, an
-# offset) may come as a symbolic int, which vmap's batching rules refuse beside a batched tensor
-# ("x must be Tensor or scalar, got SymInt"); dynamo shows it to Python as an int.
-_ARITHMETIC = frozenset(
-    getattr(Tensor, f"__{r}{op}__")
-    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
-    for r in ("", "r")
-) | {getattr(Tensor, f"__{op}__") for op in ("lt", "le", "gt", "ge", "eq", "ne")} | {
-    f for name in ("add", "sub", "mul", "div", "remainder", "where", "eq", "ne", "lt", "le", "gt", "ge")
-    for f in (getattr(torch, name), getattr(Tensor, name))
-}
-
-
-def _int_tensors(args: Sequence[Any]) -> tuple[Any, ...]:
-    """``args`` with each int (not bool) a 0-d int64 tensor on the device of the first tensor."""
-    device = next((a.device for a in args if isinstance(a, Tensor)), None)
-    return tuple(torch.scalar_tensor(a, dtype=torch.int64, device=device)
-                 if isinstance(a, int) and not isinstance(a, bool) else a for a in args)  # fmt: skip
-
-
 class IndexWithTensors(TorchFunctionMode):
     """``table[h, q_idx - kv_idx]`` with 0-d index tensors, under vmap: Python's indexing would ask
     each index for an int (``__index__``), which a batched tensor cannot give, so indexing by
-    tensors only is sent to ``aten.index`` (advanced indexing, which vmap batches). A symbolic
-    int beside a tensor in arithmetic is passed as a 0-d tensor while compiling (``_ARITHMETIC``)."""
+    tensors only is sent to ``aten.index`` (advanced indexing, which vmap batches)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is Tensor.__getitem__ and len(args) == 2:
@@ -93,8 +71,6 @@ class IndexWithTensors(TorchFunctionMode):
             parts = index if isinstance(index, tuple) else (index,)
             if parts and all(isinstance(i, Tensor) for i in parts):
                 return torch.ops.aten.index.Tensor(x, list(parts))
-        if func in _ARITHMETIC and torch.compiler.is_compiling():  # (an int there may be symbolic)
-            args = _int_tensors(args)
         return func(*args, **(kwargs or {}))
 
 
