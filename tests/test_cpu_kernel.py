@@ -402,30 +402,75 @@ def test_a_masks_table_follows_the_tensor_it_reads(
     torch.testing.assert_close(az.attention(q.float(), k.float(), v.float(), mask=mask), want)
 
 
-@pytest.mark.parametrize("write", ["in place", ".data", "unwalkable"])
-def test_a_from_mod_masks_tiles_follow_the_tensor_its_mod_reads(
+class _Docs:
+    """What a model keeps beside a from_mod's mod: the batch's document ids and a prefix length."""
+
+    def __init__(self, L: int) -> None:
+        self.doc = torch.zeros(L, dtype=torch.long)
+        self.doc[100:] = 1
+        self.prefix = 3
+
+    def keep(self, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (self.doc[qi] == self.doc[kv]) | (kv < self.prefix)
+
+
+@pytest.mark.parametrize("write", ["in place", ".data", "field rebound", "int field", "unwalkable"])
+def test_a_from_mod_masks_tiles_follow_what_its_mod_reads(
     write: str, calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ``from_mod`` Mask keeps the block table built when it was made (as torch's BlockMask) and
-    evaluates its mod on partial blocks at each call, on every backend: a tensor the mod reads,
-    changed between calls, changes the kernel's partial tiles as it changes flash.py's and the
-    reference's (the kernel kept the first call's tiles: 0.68 off). A mod whose reads the walk cannot
-    list has its tiles built each call."""
+    evaluates its mod on partial blocks at each call, on every backend: what the mod reads, changed
+    between calls — a tensor in place, a field rebound, a number — changes the kernel's partial tiles
+    as it changes flash.py's and the reference's (the kernel kept the first call's tiles: 0.68 off).
+    A mod whose reads the walk cannot vouch for has its tiles built each call."""
     L = 300
     q, k, v = qkv(1, 2, 1, L, L, 8)
-    doc = torch.zeros(L, dtype=torch.long)
-    doc[100:] = 1
+    docs = _Docs(L)
     if write == "unwalkable":
         monkeypatch.setattr("attnzero.mods.fingerprint", lambda fn: (None, []))
-    mask = az.masks.from_mod(lambda b, h, qi, kv: doc[qi] == doc[kv], 1, 1, L, L)
+    mask = az.masks.from_mod(docs.keep, 1, 1, L, L)
     golden(torch.float32, q, k, v, calls, mask=mask)
     if write == ".data":
-        doc.data[150:] = 2
+        docs.doc.data[150:] = 2
+    elif write == "field rebound":
+        docs.doc = docs.doc.clone()
+        docs.doc[150:] = 2
+    elif write == "int field":
+        docs.prefix = 130
     else:
-        doc[150:] = 2
+        docs.doc[150:] = 2
     want = az.attention(q, k, v, mask=mask, backend="reference")
     got = az.attention(q.float(), k.float(), v.float(), mask=mask)
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_from_mod_mask_of_a_module_whose_forward_changes_other_tensors() -> None:
+    """The mod a bound method of a module whose forward changes tensors the mod does not read in
+    place (BatchNorm's running statistics): the backward is not refused, and the kernel's tiles are
+    right at each call."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.prefix = 3
+            self.norm = torch.nn.BatchNorm1d(8)
+
+        def keep(self, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return (kv <= qi) | (kv < self.prefix)
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
+            mask = az.masks.from_mod(self.keep, 1, 1, q.shape[2], k.shape[2], block_size=16)
+            out = az.attention(q, k, v, mask=mask, backend=backend)  # (1, 2, L, 8)
+            return self.norm(out[0, 0])
+
+    model = Model()
+    q, k, v = (t.float().requires_grad_() for t in qkv(1, 2, 2, 40, 40, 8))
+    grads = {}
+    for backend in ("auto", "reference"):
+        out = model(q, k, v, backend)
+        grads[backend] = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for a, b in zip(grads["auto"], grads["reference"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 class _NoGradient(torch.autograd.Function):

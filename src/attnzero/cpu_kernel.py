@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import flash, geometry, reference
+from . import flash, geometry, mods, reference
 from .locks import ForkSafeLock
 from .masks import COMPARED_MAX, Mask, copies, equal_values, unchanged, version_of
 
@@ -257,31 +257,35 @@ def _band(causal: bool, window: geometry.Window) -> tuple[int, int]:
     return (UNBOUNDED if left is None else left), (UNBOUNDED if right is None else right)
 
 
-# A structured Mask's table and tiles, per (Lq, Lk, bm, bn), kept while the Mask lives and the
-# tensors it reads (``Mask.tensors``: a keep tensor of ``and_(causal, keep)``, the tensors a from_mod's
-# mod reads) hold the values they held (copies compared each call; the Mask reads them as they are
-# now; one whose reads are not all known is built each call): a Mask usually serves many
-# calls (every layer, every step), and building its table (a classify per block in Python, the mod
-# evaluated on each PARTIAL tile) cost more than the attention itself for a from_mod prefix-LM mask
-# at L = 2048.
-_TABLES: weakref.WeakKeyDictionary[Mask, dict[tuple[int, int, int, int], tuple[Tensor, Tensor, list[Tensor]]]] = (
-    weakref.WeakKeyDictionary()
-)
+# A structured Mask's table and tiles, per (Lq, Lk, bm, bn), kept while the Mask lives and what it
+# reads holds the values it held: the tensors it lists (``Mask.tensors``: a keep tensor of
+# ``and_(causal, keep)``; copies compared each call: the Mask reads them as they are now) and what
+# its mask_mods read (``Mask.mods``, a from_mod's: walked each call, ``mods.fingerprint``, as
+# attnzero.flex keeps a BlockMask's Mask — their code, numbers and tensors). A mod the walk cannot
+# vouch for, or more than ``COMPARED_MAX`` elements to compare, and the table is built each call. A
+# Mask usually serves many calls (every layer, every step), and building its table (a classify per
+# block in Python, the mod evaluated on each PARTIAL tile) cost more than the attention itself for
+# a from_mod prefix-LM mask at L = 2048.
+_Kept = tuple[Tensor, Tensor, list[Tensor], tuple[Any, ...]]  # table, tiles, copies, the mods' keys
+_TABLES: weakref.WeakKeyDictionary[Mask, dict[tuple[int, int, int, int], _Kept]] = weakref.WeakKeyDictionary()
 
 
 def _mask_table(mask: Mask, Lq: int, Lk: int, bm: int, bn: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dense, table, tiles)`` for a Mask (a structured one's from ``_TABLES`` after its first call)."""
     if not _structured(mask):
         return _build_mask_table(mask, Lq, Lk, bm, bn)
-    if not mask.reads_known or sum(t.numel() for t in mask.tensors) > COMPARED_MAX:  # (no copy to compare)
+    walks = [mods.fingerprint(fn) for fn in mask.mods]  # (key, tensors) of each mod, as it is now
+    keys = tuple(key for key, _ in walks)
+    read = [*mask.tensors, *(t for _, ts in walks for t in ts)]
+    if None in keys or sum(t.numel() for t in read) > COMPARED_MAX:  # (nothing to compare with)
         return _build_mask_table(mask, Lq, Lk, bm, bn)
     per_mask = _TABLES.setdefault(mask, {})
     key = (Lq, Lk, bm, bn)
     got = per_mask.get(key)
-    if got is None or not equal_values(got[2], mask.tensors):
+    if got is None or got[3] != keys or not equal_values(got[2], read):
         _, table, tiles = _build_mask_table(mask, Lq, Lk, bm, bn)
         assert table is not None and tiles is not None
-        got = per_mask[key] = (table, tiles, copies(mask.tensors))
+        got = per_mask[key] = (table, tiles, copies(read), keys)
     return None, got[0], got[1]
 
 

@@ -224,13 +224,13 @@ class Mask:
             raise ValueError("mod: a gated ModSource needs the block table that gates it")
         self.mod = mod  # the mask_mod the predicate is (see ModSource), or None
         self._recipe: tuple[Any, ...] | None = None  # how a builder made it (_made): what pickle stores
-        # the tensors its predicate reads (a ``from_tensor`` mask's, ids, lengths, those a from_mod's
-        # mod reads; a combination's parts'): a backward that evaluates it again checks they did not
-        # change (``version_of``), a cache of what it derives compares them (``equal_values``)
+        # the tensors its predicate reads (a ``from_tensor`` mask's, ids, lengths; a combination's
+        # parts'): a backward that evaluates it again checks they did not change (``version_of``)
         self.tensors: tuple[Tensor, ...] = ()
-        # False when its predicate may read tensors ``tensors`` does not list (a mod the walk cannot
-        # vouch for, ``mods.fingerprint``): nothing derived from it may be kept from call to call
-        self.reads_known = True
+        # the mask_mods its predicate calls on partial blocks (a from_mod's; a combination's parts'):
+        # what they read is known only by walking them again (``mods.fingerprint``), which a cache of
+        # what the Mask derives does at each call
+        self.mods: tuple[Callable[..., Any], ...] = ()
 
     # -- block structure (see the module docstring)
 
@@ -391,7 +391,7 @@ class Mask:
 def _reading(mask: Mask, *sources: Mask) -> Mask:
     """``mask``, reading the tensors of ``sources`` (``Mask.tensors``)."""
     mask.tensors = tuple(t for m in sources for t in m.tensors)
-    mask.reads_known = all(m.reads_known for m in sources)
+    mask.mods = tuple(f for m in sources for f in m.mods)
     return mask
 
 
@@ -676,9 +676,7 @@ def from_mod(
 
     name = f"from_mod({getattr(mask_mod, '__name__', type(mask_mod).__name__)})"
     made = Mask(keep, shape, name, table=table, mod=ModSource(mask_mod))
-    if not torch.compiler.is_compiling():  # the table is as made; the mod reads its tensors at each call
-        key, reached = mods.fingerprint(mask_mod)
-        made.tensors, made.reads_known = tuple(reached), key is not None
+    made.mods = (mask_mod,)
     return _made(made, from_mod, user_mod, *shape, block_size=block_size, device=device)
 
 
