@@ -12,6 +12,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import flash_py
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
@@ -131,6 +132,38 @@ def test_gqa_five_dims_and_three_dims() -> None:
         az.scaled_dot_product_attention(q3, k3, k3, enable_gqa=True),
         F.scaled_dot_product_attention(q3, k3, k3, enable_gqa=True),
     )
+
+
+_LAYOUTS = {  # (B, H, L, E) views as models make them, by how their memory is laid out
+    "contiguous": lambda B, H, L, E: torch.randn(B, H, L, E),
+    "one projection (B, L, H, E)": lambda B, H, L, E: torch.randn(B, L, H, E).transpose(1, 2),
+    "heads first (H, B, L, E)": lambda B, H, L, E: torch.randn(H, B, L, E).transpose(0, 1),
+    "sequence first (L, B, H, E)": lambda B, H, L, E: torch.randn(L, B, H, E).permute(1, 2, 0, 3),
+    "split from qkv (ViT)": lambda B, H, L, E: torch.randn(B, L, 3, H, E).permute(2, 0, 3, 1, 4)[0],
+    "expanded over heads": lambda B, H, L, E: torch.randn(B, 1, L, E).expand(B, H, L, E),
+    "a slice of E": lambda B, H, L, E: torch.randn(B, H, L, 2 * E)[..., :E],
+    "E not unit stride": lambda B, H, L, E: torch.randn(B, H, L, E, 2)[..., 0],
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("path", ["kernel", "flash.py"])
+def test_the_output_is_laid_out_as_torchs(layout: str, dtype: torch.dtype, path: str) -> None:
+    """The output's strides are torch's on CPU — q's memory order where torch's flash kernel runs (no
+    dropout, Dv = D), else contiguous — so that code viewing it works as with torch
+    (``out.permute(2, 0, 1, 3).view(L * B, H * D)`` after a sequence-first projection raised)."""
+    make = _LAYOUTS[layout]
+    for dv, extra, gqa in itertools.product([D, DV], [{}, {"dropout_p": 0.2}, {"is_causal": True}], [False, True]):
+        q = make(B, H, 7, D).to(dtype)
+        k, v = make(B, H // 2 if gqa else H, 9, D).to(dtype), make(B, H // 2 if gqa else H, 9, dv).to(dtype)
+        want = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **extra)
+        with flash_py() if path == "flash.py" else contextlib.nullcontext():
+            got = az.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **extra)
+        assert got.stride() == want.stride(), (dv, extra, gqa)
+        if not extra:
+            tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+            torch.testing.assert_close(got, want, **tol)  # type: ignore[arg-type]
 
 
 def test_fully_masked_rows_give_zero() -> None:

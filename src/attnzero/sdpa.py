@@ -333,11 +333,27 @@ def _sdpa(
     assert isinstance(out, Tensor)
     if drop_all:
         out = out * 0.0  # every weight dropped: 0, with zero gradients (attnzero's outputs are never NaN)
-    if plain:
-        return out  # (B, H, Lq, Ev): functional.run's shape
+    if plain or nq == nk == nv == 4:
+        return _laid_out_as_torch(out, query, key, value, dropout_p)  # (B, Hq, Lq, Ev): functional.run's shape
     lead_out = full[:-2] if nq > 2 or nk > 2 or nv > 2 else ()
     shape = (*lead_out, Lq, vs[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
     return out if _plainly_equal(tuple(out.shape), shape) else out.reshape(shape)
+
+
+def _laid_out_as_torch(out: Tensor, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """``out`` in the memory order torch's CPU SDPA gives where its flash kernel runs — no dropout,
+    equal head dims, rows of unit stride: ``torch.empty_like(q)``'s — which code after the call may
+    rely on (``out.permute(2, 0, 1, 3).view(L * B, H * D)`` after a sequence-first projection).
+    attnzero's CPU kernel allocates it so; flash.py's and the reference's outputs (float64, no
+    kernel built) are copied into it. Elsewhere torch's output is contiguous, as theirs are."""
+    if dropout_p or out.device.type != "cpu" or torch.compiler.is_compiling() or out.stride() == q.stride():
+        return out
+    if not _same_sizes(tuple(out.shape), tuple(q.shape)):  # (broadcast over k's batch)
+        return out
+    if v.shape[-1] != q.shape[-1] or any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (q, k, v)):
+        return out
+    want = torch.empty_like(q)
+    return out if want.stride() == out.stride() else want.copy_(out)
 
 
 def _to4(x: Tensor) -> Tensor:

@@ -587,10 +587,9 @@ struct KPanels {
   }
 };
 
-// A new (B, H, L, E) tensor laid out in x's memory order, as torch's CPU attention gives its output
-// and gradients: x laid out (B, L, H, ·) — one projection split into heads — gives (B, L, H, E), so
-// that merging the heads of O, or the projection's gradient from dQ, dK, dV, needs no transposing
-// copy; else (B, H, L, E).
+// A new (B, H, L, E) tensor laid out in x's memory order, as torch's CPU attention gives its
+// gradients: x laid out (B, L, H, ·) — one projection split into heads — gives (B, L, H, E), so that
+// the projection's gradient from dQ, dK, dV needs no transposing copy; else (B, H, L, E).
 at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E, at::ScalarType dtype) {
   const int64_t B = x.size(0), H = x.size(1), L = x.size(2);
   const auto options = x.options().dtype(dtype);
@@ -598,6 +597,20 @@ at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E, at::ScalarType dtyp
                                             : at::empty({B, H, L, E}, options);
 }
 at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E) { return empty_in_order_of(x, E, x.scalar_type()); }
+
+// The output (B, Hq, Lq, Dv) in the memory order torch's SDPA gives it on CPU, which code after it
+// may rely on (`out.permute(2, 0, 1, 3).view(L·B, H·D)` after a sequence-first projection): where
+// torch's flash kernel runs — no dropout, Dv = D, rows of q, k, v of unit stride — torch.empty_like(q)
+// (q's strides when it is dense, else dense in q's order: (B, L, H, D) for q, k, v split from one
+// projection, whose `out.transpose(1, 2).reshape(B, L, H·D)` is then a view); elsewhere (torch's math
+// path) contiguous.
+at::Tensor empty_output(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::ScalarType dtype,
+                        bool dropout) {
+  const auto unit = [](const at::Tensor& x) { return x.stride(3) == 1 || x.size(3) <= 1; };
+  const int64_t Dv = v.size(3);
+  if (!dropout && Dv == q.size(3) && unit(q) && unit(k) && unit(v)) return at::empty_like(q, q.options().dtype(dtype));
+  return at::empty({q.size(0), q.size(1), q.size(2), Dv}, q.options().dtype(dtype));
+}
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
@@ -883,7 +896,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, 0, caps, std::nullopt, 0);
-  at::Tensor out = empty_in_order_of(q, P.Dv, out_f32 ? at::kFloat : q.scalar_type());
+  at::Tensor out = empty_output(q_in, k_in, v_in, out_f32 ? at::kFloat : q.scalar_type(), P.dropout);
   at::Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_forward", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
