@@ -346,7 +346,7 @@ def _laid_out_as_torch(out: Tensor, q: Tensor, k: Tensor, v: Tensor, dropout_p: 
     rely on (``out.permute(2, 0, 1, 3).view(L * B, H * D)`` after a sequence-first projection).
     attnzero's CPU kernel allocates it so; flash.py's and the reference's outputs (float64, no
     kernel built) are copied into it. Elsewhere torch's output is contiguous, as theirs are."""
-    if dropout_p or out.device.type != "cpu" or torch.compiler.is_compiling() or out.stride() == q.stride():
+    if dropout_p or out.stride() == q.stride() or out.device.type != "cpu" or torch.compiler.is_compiling():
         return out
     if not _same_sizes(tuple(out.shape), tuple(q.shape)):  # (broadcast over k's batch)
         return out

@@ -630,8 +630,10 @@ at::Tensor empty_output(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         bool dropout) {
   const auto unit = [](const at::Tensor& x) { return x.stride(3) == 1 || x.size(3) <= 1; };
   const int64_t Dv = v.size(3);
-  if (!dropout && Dv == q.size(3) && unit(q) && unit(k) && unit(v)) return at::empty_like(q, q.options().dtype(dtype));
-  return at::empty({q.size(0), q.size(1), q.size(2), Dv}, q.options().dtype(dtype));
+  const auto options = q.options().dtype(dtype);
+  if (!q.is_contiguous() && !dropout && Dv == q.size(3) && unit(q) && unit(k) && unit(v))
+    return at::empty_like(q, options);
+  return at::empty({q.size(0), q.size(1), q.size(2), Dv}, options);  // (a contiguous q: empty_like's layout)
 }
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
