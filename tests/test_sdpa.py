@@ -154,7 +154,8 @@ def test_the_output_is_laid_out_as_torchs(layout: str, dtype: torch.dtype, path:
     dropout, Dv = D), else contiguous — so that code viewing it works as with torch
     (``out.permute(2, 0, 1, 3).view(L * B, H * D)`` after a sequence-first projection raised)."""
     make = _LAYOUTS[layout]
-    for dv, extra, gqa in itertools.product([D, DV], [{}, {"dropout_p": 0.2}, {"is_causal": True}], [False, True]):
+    options: list[dict[str, object]] = [{}, {"dropout_p": 0.2}, {"dropout_p": 1.0}, {"is_causal": True}]
+    for dv, extra, gqa in itertools.product([D, DV], options, [False, True]):
         q = make(B, H, 7, D).to(dtype)
         k, v = make(B, H // 2 if gqa else H, 9, D).to(dtype), make(B, H // 2 if gqa else H, 9, dv).to(dtype)
         want = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **extra)

@@ -332,7 +332,7 @@ def _sdpa(
     )  # fmt: skip
     assert isinstance(out, Tensor)
     if drop_all:
-        out = out * 0.0  # every weight dropped: 0, with zero gradients (attnzero's outputs are never NaN)
+        out = (out * 0.0).contiguous()  # every weight dropped: 0, with zero gradients, laid out as torch's
     if plain or nq == nk == nv == 4:
         return _laid_out_as_torch(out, query, key, value, dropout_p)  # (B, Hq, Lq, Ev): functional.run's shape
     lead_out = full[:-2] if nq > 2 or nk > 2 or nv > 2 else ()
