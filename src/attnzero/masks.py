@@ -647,6 +647,9 @@ def from_mod(
     (``blocks.BlockTable``): memory is O(blocks + one tile), never a dense (B, H, Lq, Lk) tensor.
     Backends then skip the blocks it blocks and pay no masking on the blocks it keeps whole, at any
     block size of theirs. ``device``: where the mod runs (the device of the tensors it captures).
+    The table is made here, once (as torch's ``create_block_mask``); the mod runs again on partial
+    blocks at each call, reading what it reads then — after changing that (document ids of the next
+    batch), make the mask again, or blocks the table skips or keeps whole keep their old kind.
     The Mask keeps the mod (``mask.mod``, a ``ModSource``): ``backend="triton"`` runs it in its
     kernels as generated code instead of materialising the mask (``kernels/triton_backend.py``).
     ``from_mod(lambda b, h, q, kv: (kv < 2) | (kv <= q), 1, 1, 4, 4)`` (prefix-LM)::
