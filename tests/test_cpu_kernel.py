@@ -409,19 +409,22 @@ class _Docs:
         self.doc = torch.zeros(L, dtype=torch.long)
         self.doc[100:] = 1
         self.prefix = 3
+        self.sign = torch.tensor(-0.0)  # a longer prefix where +0.0
 
     def keep(self, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return (self.doc[qi] == self.doc[kv]) | (kv < self.prefix)
+        longer = torch.copysign(torch.tensor(100.0), self.sign).clamp(min=0)
+        return (self.doc[qi] == self.doc[kv]) | (kv < self.prefix + longer)
 
 
-@pytest.mark.parametrize("write", ["in place", ".data", "field rebound", "int field", "unwalkable"])
+@pytest.mark.parametrize("write", ["in place", ".data", "field rebound", "int field", "sign of zero", "unwalkable"])
 def test_a_from_mod_masks_tiles_follow_what_its_mod_reads(
     write: str, calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ``from_mod`` Mask keeps the block table built when it was made (as torch's BlockMask) and
     evaluates its mod on partial blocks at each call, on every backend: what the mod reads, changed
     between calls — a tensor in place, a field rebound, a number — changes the kernel's partial tiles
-    as it changes flash.py's and the reference's (the kernel kept the first call's tiles: 0.68 off).
+    as it changes flash.py's and the reference's (the kernel kept the first call's tiles: 0.68 off;
+    a −0.0 that became 0.0 compared equal).
     A mod whose reads the walk cannot vouch for has its tiles built each call."""
     L = 300
     q, k, v = qkv(1, 2, 1, L, L, 8)
@@ -437,6 +440,8 @@ def test_a_from_mod_masks_tiles_follow_what_its_mod_reads(
         docs.doc[150:] = 2
     elif write == "int field":
         docs.prefix = 130
+    elif write == "sign of zero":  # (torch.equal takes −0.0 for 0.0)
+        docs.sign.neg_()
     else:
         docs.doc[150:] = 2
     want = az.attention(q, k, v, mask=mask, backend="reference")

@@ -429,8 +429,17 @@ def equal_values(copied: Sequence[Tensor], now: Sequence[Tensor]) -> bool:
     """Whether ``now`` holds what ``copied`` (``copies``, made earlier) held: a write through
     ``.data`` or numpy changes no version, so caches compare values."""
     return len(copied) == len(now) and all(
-        c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t.detach()) for c, t in zip(copied, now)
+        c.shape == t.shape and c.dtype == t.dtype and torch.equal(_bits(c), _bits(t.detach()))
+        for c, t in zip(copied, now)
     )
+
+
+def _bits(t: Tensor) -> Tensor:
+    """A float tensor's bits as integers (what ``torch.equal`` compares: −0.0 is not 0.0, a NaN equals
+    itself); any other tensor as it is."""
+    if not t.dtype.is_floating_point:
+        return t
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
 
 
 def _made(mask: Mask, builder: Callable[..., Any], *args: Any, **kwargs: Any) -> Mask:
