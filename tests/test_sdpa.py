@@ -167,6 +167,19 @@ def test_the_output_is_laid_out_as_torchs(layout: str, dtype: torch.dtype, path:
             torch.testing.assert_close(got, want, **tol)  # type: ignore[arg-type]
 
 
+def test_the_output_of_other_ranks_and_a_strided_head_dim_of_one_is_contiguous_as_torchs() -> None:
+    """torch's math path (3-D and 5-D calls, rows not of unit stride) returns a contiguous output:
+    the drop-in's was a view of its 4-D layout (out.view(-1) raised)."""
+    x = torch.randn(5, 3, 4)
+    y = torch.randn(5, 2, 2, 3, 4)
+    z = torch.randn(2, 5, 1, 3)
+    for q in (x.transpose(0, 1), y.permute(1, 2, 3, 0, 4), z.permute(0, 3, 1, 2)):  # (H, L, D), 5-D, D = 1
+        want = F.scaled_dot_product_attention(q, q, q)
+        got = az.scaled_dot_product_attention(q, q, q)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+
+
 def test_fully_masked_rows_give_zero() -> None:
     q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
     keep = torch.rand(2, 2, 5, 5) < 0.7

@@ -337,7 +337,8 @@ def _sdpa(
         return _laid_out_as_torch(out, query, key, value, dropout_p)  # (B, Hq, Lq, Ev): functional.run's shape
     lead_out = full[:-2] if nq > 2 or nk > 2 or nv > 2 else ()
     shape = (*lead_out, Lq, vs[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
-    return out if _plainly_equal(tuple(out.shape), shape) else out.reshape(shape)
+    out = out if _plainly_equal(tuple(out.shape), shape) else out.reshape(shape)
+    return out.contiguous()  # (torch's math path, which takes every call not 4-D: contiguous)
 
 
 def _laid_out_as_torch(out: Tensor, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
@@ -350,7 +351,7 @@ def _laid_out_as_torch(out: Tensor, q: Tensor, k: Tensor, v: Tensor, dropout_p: 
         return out
     if not _same_sizes(tuple(out.shape), tuple(q.shape)):  # (broadcast over k's batch)
         return out
-    if v.shape[-1] != q.shape[-1] or any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (q, k, v)):
+    if v.shape[-1] != q.shape[-1] or any(x.stride(-1) != 1 for x in (q, k, v)):
         return out
     want = torch.empty_like(q)
     return out if want.stride() == out.stride() else want.copy_(out)

@@ -628,7 +628,7 @@ at::Tensor empty_in_order_of(const at::Tensor& x, int64_t E) { return empty_in_o
 // path) contiguous.
 at::Tensor empty_output(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::ScalarType dtype,
                         bool dropout) {
-  const auto unit = [](const at::Tensor& x) { return x.stride(3) == 1 || x.size(3) <= 1; };
+  const auto unit = [](const at::Tensor& x) { return x.stride(3) == 1; };  // (torch asks it of a head dim of 1 too)
   const int64_t Dv = v.size(3);
   const auto options = q.options().dtype(dtype);
   if (!q.is_contiguous() && !dropout && Dv == q.size(3) && unit(q) && unit(k) && unit(v))
