@@ -389,7 +389,8 @@ class Mask:
 
 
 def _reading(mask: Mask, *sources: Mask) -> Mask:
-    """``mask``, reading the tensors of ``sources`` (``Mask.tensors``)."""
+    """``mask``, reading the tensors of ``sources`` (``Mask.tensors``) and calling their mask_mods
+    (``Mask.mods``)."""
     mask.tensors = tuple(t for m in sources for t in m.tensors)
     mask.mods = tuple(f for m in sources for f in m.mods)
     return mask
@@ -437,9 +438,10 @@ def equal_values(copied: Sequence[Tensor], now: Sequence[Tensor]) -> bool:
 def _bits(t: Tensor) -> Tensor:
     """A float tensor's bits as integers (what ``torch.equal`` compares: −0.0 is not 0.0, a NaN equals
     itself); any other tensor as it is."""
-    if not t.dtype.is_floating_point:
-        return t
-    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+    return t.view(_INTS[t.element_size()]) if t.dtype.is_floating_point else t
+
+
+_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}  # by element size
 
 
 def _made(mask: Mask, builder: Callable[..., Any], *args: Any, **kwargs: Any) -> Mask:

@@ -353,8 +353,8 @@ def _laid_out_as_torch(out: Tensor, q: Tensor, k: Tensor, v: Tensor, dropout_p: 
         return out
     if v.shape[-1] != q.shape[-1] or any(x.stride(-1) != 1 for x in (q, k, v)):
         return out
-    want = torch.empty_like(q)
-    return out if want.stride() == out.stride() else want.copy_(out)
+    want = torch.empty_like(q, device="meta").stride()  # (asked of a meta tensor: no memory taken)
+    return out if want == out.stride() else torch.empty_strided(q.shape, want, dtype=out.dtype).copy_(out)
 
 
 def _to4(x: Tensor) -> Tensor:
