@@ -163,6 +163,26 @@ def test_fully_blocked_rows_give_zero_and_no_nan(calls: dict[str, int]) -> None:
     assert calls["forward"] == 3 and calls["backward"] == 3
 
 
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_nan_or_inf_in_the_inputs_gives_nan_where_torch_does(where: str, bad: float, calls: dict[str, int]) -> None:
+    """One entry of q, k or v NaN or ±inf: the outputs that are NaN are torch's NaN outputs, and the
+    others agree — through the kernel's row max (which may pass over a NaN score: its exp is NaN) and
+    exp (not clamped above), on plain blocks and causal diagonal ones, keys past one block of 512."""
+    torch.manual_seed(0)
+    B, H, L, D = 1, 2, 600, 32
+    for causal in (False, True):
+        q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+        row = {"q": 300, "k": 100, "v": 550}[where]
+        {"q": q, "k": k, "v": v}[where][0, 1, row, 3] = bad
+        out = az.attention(q, k, v, causal=causal)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert torch.equal(out.isnan(), want.isnan()), (causal, int(out.isnan().sum()), int(want.isnan().sum()))
+        fine = ~want.isnan()
+        torch.testing.assert_close(out[fine], want[fine], atol=1e-5, rtol=1e-4)
+    assert calls["forward"] == 2
+
+
 @pytest.mark.parametrize("layout", ["transpose", "strided", "sliced"])
 def test_non_contiguous_inputs(layout: str, calls: dict[str, int]) -> None:
     q, k, v = qkv(2, 4, 2, 77, 90, 40, layout=layout)

@@ -444,11 +444,23 @@ inline float sum_lanes(const Vec& v) {
   return std::accumulate(lanes, lanes + Vec::size(), 0.f);
 }
 
+// max(a, b) in every lane, b where either is NaN (one instruction: at::vec::maximum spends a second
+// on giving NaN). The row max may pass over a NaN: the NaN reaches the output through its exp anyway.
+inline Vec max_lanes(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
 float row_max(const float* x, int64_t n) {
   const int64_t step = Vec::size();
   int64_t j = 0;
   Vec mv(NEG_INF);
-  for (; j + step <= n; j += step) mv = at::vec::maximum(mv, Vec::loadu(x + j));
+  for (; j + step <= n; j += step) mv = max_lanes(Vec::loadu(x + j), mv);
   float lanes[Vec::size()];
   mv.store(lanes);
   float m = *std::max_element(lanes, lanes + Vec::size());
@@ -459,13 +471,14 @@ float row_max(const float* x, int64_t n) {
 // e^x in every lane, as inline AVX-512 (MATH.md's p_ij = exp(s_ij − m_i)): e^x = 2^t with t = x · log2 e
 // = n + f (n the nearest integer, |f| <= 1/2; the product's rounding error and log2 e's low part go
 // into f), 2^f by fast_math.h's degree-6 polynomial, 2^n by vscalefps, which also rounds a subnormal
-// result once and gives 0 below 2^-150 and inf above 2^128. x is clamped to [−110, 100] first (e^−110
-// is 0 in float32, e^100 inf; −inf gives 0, NaN stays NaN). Within 1 ulp of e^x (at::vec's exp_u20,
-// which torch's CPU flash attention uses: ~3 ulp, and 20 % slower per element on the EPYC VM).
-// Without AVX-512: exp_u20.
+// result once and gives 0 below 2^-150. x is clamped below at −110 first (e^−110 is 0 in float32; −inf
+// gives 0, NaN stays NaN). Not above: every x here is at most 0 — a score less its row's max, or its
+// lse, which is at least that max.
+// Within 1 ulp of e^x (at::vec's exp_u20, which torch's CPU flash attention uses: ~3 ulp, and 20 %
+// slower per element on the EPYC VM). Without AVX-512: exp_u20.
 inline Vec exp_vec(Vec v) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x = _mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-110.f), v));  // (NaN: the 2nd operand)
+  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-110.f), v);  // (NaN: the 2nd operand)
   const __m512 log2e = _mm512_set1_ps(1.44269502f);
   const __m512 t = _mm512_mul_ps(x, log2e);
   const __m512 lo = _mm512_fmadd_ps(x, _mm512_set1_ps(1.925963e-8f), _mm512_fmsub_ps(x, log2e, t));
