@@ -2,7 +2,10 @@
 of square matrices at a few sizes (the best median is "the GEMM peak") and attnzero's causal
 forward at B1 H8 L2048 D64, all interleaved in one loop. The attention's FLOPs count only the kept
 half of the two products, Q Kᵀ and P V: 4·B·H·D·L²/2 (softmax's exp and the rescaling are not
-counted, so the fraction is a lower bound on how busy the multiply units are).
+counted, so the fraction is a lower bound on how busy the multiply units are). Each sample runs
+calls for at least 0.3 s, so that both sides are steady-state throughput: with 0.05 s the causal
+forward's sample was two calls, the first of them reading q, k, v back from memory after mm 4096
+had swept ~200 MB through the caches (2–3 % slower than the steady rate).
 
     .venv/bin/python benchmarks/cpu_kernel.py --only peak [--busy] [--quick]
 """
@@ -42,7 +45,7 @@ def section(quick: bool, repeats: int) -> Iterator[str]:
 
     runs["causal"] = causal
     with torch.no_grad():
-        t = time_interleaved(runs, repeats, min_sample_s=0.05)
+        t = time_interleaved(runs, repeats, min_sample_s=0.3)
     gemm = {int(name.split()[1]): 2.0 * int(name.split()[1]) ** 3 / t[name] / 1e9 for name in runs if name != "causal"}
     best = max(gemm, key=lambda n: gemm[n])
     attn = 4.0 * B * H * D * L * L / 2 / t["causal"] / 1e9
