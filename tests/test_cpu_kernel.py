@@ -166,20 +166,42 @@ def test_fully_blocked_rows_give_zero_and_no_nan(calls: dict[str, int]) -> None:
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_nan_or_inf_in_the_inputs_gives_nan_where_torch_does(where: str, bad: float, calls: dict[str, int]) -> None:
-    """One entry of q, k or v NaN or ±inf: the outputs that are NaN are torch's NaN outputs, and the
-    others agree — through the kernel's row max (which may pass over a NaN score: its exp is NaN) and
-    exp (not clamped above), on plain blocks and causal diagonal ones, keys past one block of 512."""
+    """One entry of q, k or v NaN or ±inf: the outputs and gradients that are NaN are torch's NaN ones,
+    and the others agree — through the kernel's row max (which may pass over a NaN score: its exp
+    makes the row sum NaN) and exp (not clamped above), on plain blocks and causal diagonal ones, keys
+    past one block of 512. A row whose sum is NaN has a NaN lse too (the backward's p then NaN)."""
     torch.manual_seed(0)
     B, H, L, D = 1, 2, 600, 32
     for causal in (False, True):
-        q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+        q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
         row = {"q": 300, "k": 100, "v": 550}[where]
-        {"q": q, "k": k, "v": v}[where][0, 1, row, 3] = bad
-        out = az.attention(q, k, v, causal=causal)
+        with torch.no_grad():
+            {"q": q, "k": k, "v": v}[where][0, 1, row, 3] = bad
+        out, lse = az.attention(q, k, v, causal=causal, return_lse=True)
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         assert torch.equal(out.isnan(), want.isnan()), (causal, int(out.isnan().sum()), int(want.isnan().sum()))
         fine = ~want.isnan()
         torch.testing.assert_close(out[fine], want[fine], atol=1e-5, rtol=1e-4)
+        assert torch.equal(lse.isnan(), out.isnan().any(-1)) or where == "v"  # (a NaN v leaves l alone)
+        if causal:  # (a NaN row's gradients spread through 0 · NaN over the blocked pairs each backend's
+            continue  # blocks still multiply: how far depends on the blocks, torch's or ours)
+        dout = torch.randn_like(out)
+        got, ref = (torch.autograd.grad(o, (q, k, v), dout) for o in (out, want))
+        for name, g, r in zip("qkv", got, ref, strict=True):
+            assert torch.equal(g.isnan(), r.isnan()), (name, int(g.isnan().sum()), int(r.isnan().sum()))
+            torch.testing.assert_close(g[~r.isnan()], r[~r.isnan()], atol=1e-4, rtol=1e-3)
+    assert calls["forward"] == 2 and calls["backward"] == 1
+
+
+@pytest.mark.parametrize("column", [0, 5])
+def test_a_nan_score_gives_nan_rows_with_dropout_too(column: int, calls: dict[str, int]) -> None:
+    """A NaN key: every row that sees it is NaN (out and lse), as torch's, also where dropout drops the
+    NaN's p from acc — the row sum l still holds it (its O was 0 where l's NaN was taken for l = 0)."""
+    q, k, v = (torch.randn(1, 1, 32, 64) for _ in range(3))
+    k[0, 0, column, 0] = float("nan")
+    for scale in (None, 1e3):
+        out, lse = az.attention(q, k, v, dropout_p=0.5, scale=scale, return_lse=True)
+        assert bool(out.isnan().any(-1).all()) and bool(lse.isnan().all()), (scale, int(out.isnan().any(-1).sum()))
     assert calls["forward"] == 2
 
 

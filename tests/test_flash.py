@@ -222,6 +222,19 @@ def test_fully_blocked_rows_give_zero_and_zero_gradients() -> None:
     assert_close(lse, want_lse, name="lse")
 
 
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_a_nan_score_gives_nan_rows_out_and_lse(backend: str) -> None:
+    """A NaN key: every row that sees it has a NaN row sum, so a NaN output and lse, as torch's — not
+    lse −inf (a row without keys, whose backward gives zero gradients), and not acc / 1 where dropout
+    dropped the NaN's p from acc (flash.py took a NaN l for l = 0)."""
+    q, k, v = (torch.randn(1, 1, 32, 16, dtype=F64) for _ in range(3))
+    k[0, 0, 5, 0] = float("nan")
+    for p in (0.0, 0.5):
+        with flash.block_sizes(rows=8, cols=8):
+            out, lse = az.attention(q, k, v, dropout_p=p, backend=backend, return_lse=True)
+        assert bool(out.isnan().any(-1).all()) and bool(lse.isnan().all()), (p, int(out.isnan().any(-1).sum()))
+
+
 def test_scores_growing_far_past_the_first_block_move_the_running_max() -> None:
     """Scores far too large for exp without a max (a later key block ~200× the first): the running
     max moves at the jump, alpha rescales what the first blocks gave, and the result stays exact

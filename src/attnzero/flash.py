@@ -234,8 +234,8 @@ def _forward(pb: _Problem, out_f32: bool = False) -> tuple[Tensor, Tensor]:
                 _forward_block(st, s, v[:, cols[0] : cols[1]], pb.dropout_keep(batches, rows, cols))
             if pb.dropout_p > 0.0:
                 st.acc.mul_(1.0 / (1.0 - pb.dropout_p))  # the kept entries' 1 / (1 − p_drop), once per row
-            # O = acc / l and lse = m + log l; a row with l = 0 saw no kept key: O = 0, lse = −inf
-            seen = st.l > 0
+            # O = acc / l, lse = m + log l; l = 0 (no kept key): O = 0, lse = −inf; l NaN (a NaN score): NaN
+            seen = st.l != 0
             o = out[batches[0] : batches[1], :, rows[0] : rows[1]]  # (nb, Hq, r, Dv), a view
             o.copy_((st.acc / torch.where(seen, st.l, 1.0)).view(o.shape))
             row_lse = torch.where(seen, st.m + torch.log(st.l), NEG_INF)  # (N, G·r, 1)

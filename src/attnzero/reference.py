@@ -87,7 +87,7 @@ def probabilities(
         l = l + torch.exp(sink - m)  # the sink's term: its probability exp(sink − lse) goes nowhere
     l_safe = l.clamp_min(1.0)  # = l for every row that has a key or a sink (>= 1); 1 for blocked rows
     p = e / l_safe  # blocked rows: 0 / 1 = 0
-    lse = torch.where(l > 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)  # (B, Hq, Lq)
+    lse = torch.where(l != 0, m + torch.log(l_safe), float("-inf")).squeeze(-1)  # (B, Hq, Lq); NaN l: NaN
     return p, lse
 
 

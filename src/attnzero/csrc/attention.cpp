@@ -444,8 +444,9 @@ inline float sum_lanes(const Vec& v) {
   return std::accumulate(lanes, lanes + Vec::size(), 0.f);
 }
 
-// max(a, b) in every lane, b where either is NaN (one instruction: at::vec::maximum spends a second
-// on giving NaN). The row max may pass over a NaN: the NaN reaches the output through its exp anyway.
+// max(a, b) in every lane, b where either is NaN (AVX-512 and AVX2: one instruction, where
+// at::vec::maximum spends a second on giving NaN; the scalar build's at::vec::maximum gives NaN). The
+// row max may pass over a NaN score: its exp makes the row sum l NaN, and with it the row's O and lse.
 inline Vec max_lanes(const Vec& a, const Vec& b) {
 #if defined(CPU_CAPABILITY_AVX512)
   return _mm512_max_ps(a, b);
@@ -471,11 +472,12 @@ float row_max(const float* x, int64_t n) {
 // e^x in every lane, as inline AVX-512 (MATH.md's p_ij = exp(s_ij − m_i)): e^x = 2^t with t = x · log2 e
 // = n + f (n the nearest integer, |f| <= 1/2; the product's rounding error and log2 e's low part go
 // into f), 2^f by fast_math.h's degree-6 polynomial, 2^n by vscalefps, which also rounds a subnormal
-// result once and gives 0 below 2^-150. x is clamped below at −110 first (e^−110 is 0 in float32; −inf
-// gives 0, NaN stays NaN). Not above: every x here is at most 0 — a score less its row's max, or its
-// lse, which is at least that max.
+// result once and gives 0 below 2^-150 and inf above 2^128. x is clamped below at −110 first (e^−110
+// is 0 in float32; −inf gives 0, NaN stays NaN). Not above: any finite x past 88.72 gives inf, and so
+// does +inf, whose f = inf − inf is NaN but vscalefps(NaN, +inf) = +inf (the instruction's table of
+// special cases) — bit for bit the results of a clamp at 100, over every float32 x.
 // Within 1 ulp of e^x (at::vec's exp_u20, which torch's CPU flash attention uses: ~3 ulp, and 20 %
-// slower per element on the EPYC VM). Without AVX-512: exp_u20.
+// slower per element on the EPYC VM). Without AVX-512: exp_u20, NaN kept NaN.
 inline Vec exp_vec(Vec v) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 x = _mm512_max_ps(_mm512_set1_ps(-110.f), v);  // (NaN: the 2nd operand)
@@ -489,7 +491,7 @@ inline Vec exp_vec(Vec v) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);  // p · 2^n
 #else
-  return v.exp_u20();
+  return Vec::blendv(v.exp_u20(), v, v.isnan());  // (exp_u20 of a NaN is not NaN)
 #endif
 }
 
@@ -904,9 +906,11 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         first = false;
       }
       if (first) std::fill(acc, acc + R * Dv, 0.f);  // no block kept anything: O = 0
-      for (int64_t r = 0; r < R; ++r) {  // O_i = acc / l, lse_i = m + log(l); a row with no kept key: 0, −inf
+      // O_i = acc / l, lse_i = m + log(l); a row with no kept key (l = 0): 0, −inf. A NaN score makes l
+      // NaN, and the row's O and lse NaN, as torch's (acc alone may miss it: dropout can drop its p)
+      for (int64_t r = 0; r < R; ++r) {
         const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
         const int64_t o0 = b * out.stride(0) + h * out.stride(1) + i * out.stride(2);  // (out's rows are unit-stride)
         const float* ar = acc + r * Dv;
         if (out_f32) {
@@ -914,7 +918,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         } else {
           for (int64_t d = 0; d < Dv; ++d) op[o0 + d] = static_cast<T>(ar[d] * inv);
         }
-        lp[(b * P.Hq + h) * P.Lq + i] = (m[r] == NEG_INF || l[r] == 0.f) ? NEG_INF : m[r] + std::log(l[r]);
+        lp[(b * P.Hq + h) * P.Lq + i] = l[r] == 0.f ? NEG_INF : m[r] + std::log(l[r]);  // (m = −inf: l is 0 or NaN)
       }
     }
   });
