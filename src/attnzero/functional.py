@@ -711,9 +711,9 @@ def _cu_seqlens(name: str, x: Any, total: int, device: torch.device) -> list[int
     """The cumulative lengths as a list of ints, checked: a 1-D integer tensor (N + 1,), N >= 0,
     starting at 0, non-decreasing, ending at ``total``, on q's device."""
     if not isinstance(x, Tensor):
-        raise ArgumentTypeError(f"{name}: expected a torch.Tensor of int32, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor of any integer dtype, got {type(x).__name__}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-        raise ArgumentTypeError(f"{name}: expected an integer tensor (int32), got {x.dtype}")
+        raise ArgumentTypeError(f"{name}: expected any integer dtype (int32, int64, …), got {x.dtype}")
     if x.ndim != 1 or len(x) < 1:
         raise ArgumentError(f"{name}: expected shape (N + 1,), got {tuple(x.shape)}")
     if x.device != device:
