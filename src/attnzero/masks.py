@@ -436,8 +436,8 @@ def equal_values(copied: Sequence[Tensor], now: Sequence[Tensor]) -> bool:
 
 
 def _bits(t: Tensor) -> Tensor:
-    """A float tensor's bits as integers (what ``torch.equal`` compares: −0.0 is not 0.0, a NaN equals
-    itself); any other tensor as it is."""
+    """A float tensor's bits as integers, so that ``torch.equal`` compares bits (−0.0 is then not 0.0,
+    and a NaN equals itself); any other tensor as it is."""
     return t.view(_INTS[t.element_size()]) if t.dtype.is_floating_point else t
 
 
