@@ -14,7 +14,7 @@ import torch
 from conftest import absent, check_against_golden, need_kernel, qkv
 
 import attnzero as az
-from attnzero import cpu_kernel, mods, reference
+from attnzero import cpu_kernel, flex, mods, reference
 
 Tensor = torch.Tensor
 
@@ -463,6 +463,29 @@ def test_score_mod_and_a_mask_from_a_mod_trace_under_torch_compile_fullgraph() -
     torch.testing.assert_close(got, fn(q, k, v))
     got.sum().backward()
     assert q.grad is not None
+
+
+def test_a_mod_over_a_python_int_that_compile_makes_dynamic_runs_on_its_next_values() -> None:
+    """A mod closing over an int (a decode step's offset, a window) that changes between calls: dynamo
+    makes it a SymInt on its second value, and vmap's scalar wrapping of ``w * x`` could not take one."""
+    q, k, v = (t.float() for t in qkv(1, 2, 2, 24, 24, 8))
+
+    def fn(q: Tensor, k: Tensor, v: Tensor, w: int) -> Tensor:
+        def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return s - 0.1 * w * (i - j).abs() + (i + w) / (j + 1) - torch.mul(j, w) / 100
+
+        out = az.attention(q, k, v, score_mod=score_mod)
+        assert isinstance(out, Tensor)
+        return out
+
+    def flex_fn(q: Tensor, k: Tensor, v: Tensor, w: int) -> Tensor:
+        return flex.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * w + (i < w))
+
+    for f in (fn, flex_fn):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend="eager")
+        for w in (2, 3):  # (3: traced again, w a SymInt)
+            torch.testing.assert_close(compiled(q, k, v, w), f(q, k, v, w))
 
 
 def test_a_disabled_call_keeps_the_eager_path_inside_a_compiled_function(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -235,7 +235,7 @@ def call_indices(mask_mod: mods.MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv
     flat = [i.expand(shape).reshape(-1).to(mods.INDEX_DTYPE) for i in idx]  # (N,) each
     if flat[0].numel() == 0:
         return torch.zeros(shape, dtype=torch.bool, device=kv_idx.device)
-    with mods.IndexWithTensors():
+    with mods.ModOps():
         out = torch.vmap(mask_mod)(*flat)  # (N,)
     out = out if out.dtype == torch.bool else out != 0
     return out.view(shape)

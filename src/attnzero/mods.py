@@ -60,10 +60,37 @@ class ModError(TypeError, RuntimeError):
     and a ``RuntimeError`` like torch's own errors."""
 
 
-class IndexWithTensors(TorchFunctionMode):
-    """``table[h, q_idx - kv_idx]`` with 0-d index tensors, under vmap: Python's indexing would ask
-    each index for an int (``__index__``), which a batched tensor cannot give, so indexing by
-    tensors only is sent to ``aten.index`` (advanced indexing, which vmap batches)."""
+# Arithmetic that torch's vmap cannot take a symbolic number into under torch.compile: ``w * q_idx``
+# with ``w`` an int the compiled program made dynamic (its second value) fails in vmap's scalar
+# wrapping (``_to_copy`` of a SymInt, torch 2.13); comparisons and subtraction pass as they are.
+_SCALAR_ARITHMETIC = frozenset(
+    {Tensor.__mul__, Tensor.__rmul__, Tensor.__add__, Tensor.__radd__, Tensor.__truediv__, Tensor.__rtruediv__,
+     Tensor.__floordiv__, Tensor.__rfloordiv__, Tensor.__mod__, Tensor.__rmod__, Tensor.__pow__, Tensor.__rpow__,
+     Tensor.mul, Tensor.add, Tensor.div, Tensor.remainder, Tensor.pow, torch.mul, torch.add, torch.div,
+     torch.remainder, torch.pow}
+)  # fmt: skip
+
+
+def _number_dtype(t: Tensor, n: float) -> torch.dtype:
+    """The dtype torch gives ``t op n`` for a Python number ``n`` (``torch.result_type``, which dynamo
+    cannot put in a graph): t's, unless n is of a higher kind (bool < int < float)."""
+    if isinstance(n, bool) or t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.dtype
+    if isinstance(n, int):
+        return t.dtype if t.dtype != torch.bool else torch.int64
+    return torch.get_default_dtype()
+
+
+class ModOps(TorchFunctionMode):
+    """The torch-function mode a mod runs under, for two things vmap cannot do as Flex's users write them:
+
+    * ``table[h, q_idx - kv_idx]`` with 0-d index tensors: Python's indexing would ask each index
+      for an int (``__index__``), which a batched tensor cannot give, so indexing by tensors only is
+      sent to ``aten.index`` (advanced indexing, which vmap batches);
+    * under torch.compile, a Python number in arithmetic with a tensor (``w * (q_idx - kv_idx)``)
+      enters as a 0-d tensor of the dtype the number would have given (``_number_dtype``), so a
+      captured int that the compiled program makes dynamic (a SymInt) does not fail on its second
+      value. (Traced, a SymInt reads as an int: every number is converted there, same result.)"""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is Tensor.__getitem__ and len(args) == 2:
@@ -71,6 +98,13 @@ class IndexWithTensors(TorchFunctionMode):
             parts = index if isinstance(index, tuple) else (index,)
             if parts and all(isinstance(i, Tensor) for i in parts):
                 return torch.ops.aten.index.Tensor(x, list(parts))
+        if func in _SCALAR_ARITHMETIC and torch.compiler.is_compiling() and len(args) == 2 and not kwargs:
+            a, b = args
+            if isinstance(a, Tensor) != isinstance(b, Tensor):
+                t, n = (a, b) if isinstance(a, Tensor) else (b, a)
+                if isinstance(n, (int, float)):
+                    n = torch.scalar_tensor(n, dtype=_number_dtype(t, n), device=t.device)
+                    args = (t, n) if isinstance(a, Tensor) else (n, t)
         return func(*args, **(kwargs or {}))
 
 
@@ -151,7 +185,7 @@ def score_block(score_mod: ScoreMod, s: Tensor, *, batches: Range, heads: Range,
         raise ValueError(f"s: expected the block's shape {want}, got {tuple(s.shape)}")
     if s.numel() == 0:
         return s
-    with IndexWithTensors():
+    with ModOps():
         out = _nest(score_mod, True)(s, *idx)  # (nb, nh, r, c)
     return _checked("score_mod", out, want, s.dtype, "score")
 
@@ -170,7 +204,7 @@ def mask_on(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tens
     want = (len(b), len(h), len(q_idx), len(kv_idx))
     if 0 in want:
         return torch.zeros(want, dtype=torch.bool, device=kv_idx.device)
-    with IndexWithTensors():
+    with ModOps():
         out = _nest(mask_mod, False)(b, h, q_idx, kv_idx)  # (nb, nh, r, c)
     out = _checked("mask_mod", out, want, None, "bool")
     return out if out.dtype == torch.bool else out != 0
@@ -346,7 +380,7 @@ def _reads_any(fn: Any, tensors: list[Tensor], device: torch.device) -> bool:
     reads = _Reads({id(t) for t in tensors})
     s = torch.zeros(1, 1, 1, 1, device=device)  # (b, h, q, kv)
     try:
-        with torch.no_grad(), reads, IndexWithTensors():
+        with torch.no_grad(), reads, ModOps():
             _nest(fn, True)(s, *_indices((0, 1), (0, 1), (0, 1), (0, 1), s.device))
     except Exception:  # any failure: refuse, as when it reads them
         return True
@@ -700,9 +734,9 @@ def check_callable(name: str, fn: Any) -> Any:
 
 __all__ = [
     "INDEX_DTYPE",
-    "IndexWithTensors",
     "MaskMod",
     "ModError",
+    "ModOps",
     "ScoreMod",
     "captured_tensors",
     "fingerprint",

@@ -940,7 +940,7 @@ def _trace(fn: Callable[..., Any], name: str, device: torch.device) -> torch.fx.
     reads = getattr(_WATCH, "reads", None)
 
     def one_pair(*a: Tensor) -> Tensor:
-        with mods.IndexWithTensors(), _ValueReads(reads if reads is not None else []):
+        with mods.ModOps(), _ValueReads(reads if reads is not None else []):
             return mods.call_one(name, fn, a)  # (a Python number refused: make_fx would make it a tensor)
 
     try:
