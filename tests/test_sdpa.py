@@ -167,6 +167,37 @@ def test_the_output_is_laid_out_as_torchs(layout: str, dtype: torch.dtype, path:
             torch.testing.assert_close(got, want, **tol)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("layout", ["one projection (B, L, H, E)", "sequence first (L, B, H, E)"])
+def test_the_output_is_laid_out_as_torchs_where_torch_leaves_its_flash_kernel(layout: str) -> None:
+    """torch's own choice decides the order: k / v broadcast over heads or batch, a mask that needs a
+    gradient, no keys, a CausalBias, flash turned off by ``sdpa_kernel`` send torch to its math path
+    (contiguous output; the drop-in's was q's order, and ``out.view(B, H * L, E)`` raised)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    make = _LAYOUTS[layout]
+    q = make(B, H, 7, D)
+    kv, one_head, one_batch, no_keys = make(B, H, 9, D), make(B, 1, 9, D), make(1, H, 9, D), make(B, H, 0, D)
+    bias = torch.randn(7, 9)
+    calls: dict[str, tuple[torch.Tensor, dict[str, object]]] = {
+        "same shapes": (kv, {}),
+        "k, v of one head": (one_head, {}),
+        "k, v of one batch": (one_batch, {}),
+        "no keys": (no_keys, {}),
+        "bool mask": (kv, {"attn_mask": torch.rand(7, 9) > 0.3}),
+        "float mask": (kv, {"attn_mask": bias}),
+        "float mask needing its gradient": (kv, {"attn_mask": bias.clone().requires_grad_()}),
+        "CausalBias lower right": (kv, {"attn_mask": causal_lower_right(7, 9)}),
+        "CausalBias upper left": (kv, {"attn_mask": causal_upper_left(7, 9)}),
+    }
+    for (name, (k, extra)), math in itertools.product(calls.items(), [False, True]):
+        with sdpa_kernel([SDPBackend.MATH]) if math else contextlib.nullcontext():
+            want = F.scaled_dot_product_attention(q, k, k, **extra)  # type: ignore[arg-type]
+            got = az.scaled_dot_product_attention(q, k, k, **extra)  # type: ignore[arg-type]
+        assert got.stride() == want.stride(), (name, math)
+        torch.testing.assert_close(got, want)
+
+
 def test_the_output_of_other_ranks_and_a_strided_head_dim_of_one_is_contiguous_as_torchs() -> None:
     """torch's math path (3-D and 5-D calls, rows not of unit stride) returns a contiguous output:
     the drop-in's was a view of its 4-D layout (out.view(-1) raised)."""

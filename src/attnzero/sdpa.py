@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 from torch.overrides import handle_torch_function
 
 from . import autocast, checks, functional
@@ -334,27 +335,39 @@ def _sdpa(
     if drop_all:
         out = (out * 0.0).contiguous()  # every weight dropped: 0, with zero gradients, laid out as torch's
     if plain or nq == nk == nv == 4:
-        return _laid_out_as_torch(out, query, key, value, dropout_p)  # (B, Hq, Lq, Ev): functional.run's shape
+        # (B, Hq, Lq, Ev): functional.run's shape
+        return _laid_out_as_torch(out, query, key, value, attn_mask, dropout_p, wants_causal, gqa)
     lead_out = full[:-2] if nq > 2 or nk > 2 or nv > 2 else ()
     shape = (*lead_out, Lq, vs[-1])  # (..., Hq, Lq, Ev), or (Lq, Ev) when all are 2-D
     out = out if _plainly_equal(tuple(out.shape), shape) else out.reshape(shape)
     return out.contiguous()  # (torch's math path, which takes every call not 4-D: contiguous)
 
 
-def _laid_out_as_torch(out: Tensor, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """``out`` in the memory order torch's CPU SDPA gives where its flash kernel runs — no dropout,
-    equal head dims, rows of unit stride: ``torch.empty_like(q)``'s — which code after the call may
-    rely on (``out.permute(2, 0, 1, 3).view(L * B, H * D)`` after a sequence-first projection).
-    attnzero's CPU kernel allocates it so; flash.py's and the reference's outputs (float64, no
-    kernel built) are copied into it. Elsewhere torch's output is contiguous, as theirs are."""
-    if dropout_p or out.stride() == q.stride() or out.device.type != "cpu" or torch.compiler.is_compiling():
-        return out
-    if not _same_sizes(tuple(out.shape), tuple(q.shape)):  # (broadcast over k's batch)
-        return out
-    if v.shape[-1] != q.shape[-1] or any(x.stride(-1) != 1 for x in (q, k, v)):
-        return out
+def _laid_out_as_torch(
+    out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Any, dropout_p: float, is_causal: bool, gqa: bool
+) -> Tensor:
+    """``out`` in the memory order torch's CPU SDPA gives, which code after the call may rely on
+    (``out.permute(2, 0, 1, 3).view(L * B, H * D)`` after a sequence-first projection; ``out.view(B,
+    H * L, D)`` after a call torch sends to its math path): ``torch.empty_like(q)``'s where torch
+    runs its flash kernel, contiguous elsewhere. Which of the two is torch's own choice
+    (``torch._fused_sdp_choice``: no dropout, 4-D, equal batch and heads, a mask needing no
+    gradient, ...). attnzero's CPU kernel allocates q's order; other outputs are copied."""
+    if out.device.type != "cpu" or torch.compiler.is_compiling() or (out.is_contiguous() and q.is_contiguous()):
+        return out  # (q contiguous: both orders are contiguous)
+    mask, causal = attn_mask, is_causal
+    if autocast.is_causal_bias(attn_mask):
+        from torch.nn.attention.bias import CausalVariant
+  # as CausalBias dispatches on CPU: causal, or its pattern as a mask
+        Lq, Lk = attn_mask.seq_len_q, attn_mask.seq_len_kv
+        full = Lq == Lk or attn_mask.variant == CausalVariant.UPPER_LEFT
+        mask, causal = (None, True) if full else (torch.ones((), dtype=torch.bool).expand(Lq, Lk), False)
+    choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, causal, enable_gqa=gqa)
+    if choice != SDPBackend.FLASH_ATTENTION.value:
+        return out.contiguous()
     want = torch.empty_like(q, device="meta").stride()  # (asked of a meta tensor: no memory taken)
-    return out if want == out.stride() else torch.empty_strided(q.shape, want, dtype=out.dtype).copy_(out)
+    if all(a == b or n <= 1 for a, b, n in zip(out.stride(), want, out.shape, strict=True)):
+        return out
+    return torch.empty_strided(q.shape, want, dtype=out.dtype).copy_(out)
 
 
 def _to4(x: Tensor) -> Tensor:
