@@ -255,13 +255,22 @@ def test_dropout_zero_is_deterministic_and_default() -> None:
 
 def test_dropout_one_and_a_tensor_scale_are_taken_as_torch_takes_them() -> None:
     """torch's SDPA takes dropout_p=1.0 (every weight dropped: the output 0, zero gradients) and a
-    0-d tensor as ``scale`` (its argument parser reads the float): so does the drop-in."""
+    0-d tensor as ``scale`` or ``dropout_p``, or a bool as ``dropout_p`` (its argument parser reads
+    the float): so does the drop-in."""
     q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
-    for attend in (F.scaled_dot_product_attention, az.scaled_dot_product_attention):
-        out = attend(q, k, v, dropout_p=1.0)
+    for attend, p in itertools.product((F.scaled_dot_product_attention, az.scaled_dot_product_attention),
+                                       (1.0, True, torch.tensor(1.0), torch.tensor(1))):  # fmt: skip
+        out = attend(q, k, v, dropout_p=p)  # type: ignore[arg-type]
         assert torch.equal(out, torch.zeros(2, 3, 5, 8))
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         assert all(not g.any() for g in grads)
+    for p in (False, torch.tensor(0.0)):
+        torch.testing.assert_close(
+            az.scaled_dot_product_attention(q, k, v, dropout_p=p),  # type: ignore[arg-type]
+            F.scaled_dot_product_attention(q, k, v, dropout_p=p),  # type: ignore[arg-type]
+        )
+    dropped = az.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.5))  # type: ignore[arg-type]
+    assert not torch.allclose(dropped, az.scaled_dot_product_attention(q, k, v))
     torch.testing.assert_close(
         az.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3)),
         F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3)),  # type: ignore[arg-type]

@@ -172,7 +172,11 @@ def _sdpa(
     name, x = "query", query  # the argument checked, for torch's words when a check fails
     if isinstance(scale, Tensor) and scale.ndim == 0 and not scale.requires_grad:
         scale = float(scale)  # torch's argument parser takes a 0-d tensor as the float (not one asking for a grad)
-    drop_all = dropout_p == 1.0 and not isinstance(dropout_p, bool)  # torch: every entry dropped, the output 0
+    if isinstance(dropout_p, bool) or (
+        isinstance(dropout_p, Tensor) and dropout_p.ndim == 0 and not dropout_p.requires_grad
+    ):
+        dropout_p = float(dropout_p)  # (so it takes a bool: True drops every weight)
+    drop_all = dropout_p == 1.0  # torch: every entry dropped, the output 0
     try:
         for name, x in (("query", query), ("key", key), ("value", value)):
             checks.tensor(name, x, empty_ok=True)
