@@ -467,14 +467,22 @@ def test_score_mod_and_a_mask_from_a_mod_trace_under_torch_compile_fullgraph() -
 
 def test_a_mod_over_a_python_int_that_compile_makes_dynamic_runs_on_its_next_values() -> None:
     """A mod closing over an int (a decode step's offset, a window) that changes between calls: dynamo
-    makes it a SymInt on its second value, and vmap's scalar wrapping of ``w * x`` could not take one."""
+    makes it a SymInt on its second value, and vmap's scalar wrapping of ``w * x``, ``x - w``, ``x / w``
+    could not take one."""
     q, k, v = (t.float() for t in qkv(1, 2, 2, 24, 24, 8))
 
     def fn(q: Tensor, k: Tensor, v: Tensor, w: int) -> Tensor:
         def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            return s - 0.1 * w * (i - j).abs() + (i + w) / (j + 1) - torch.mul(j, w) / 100
+            with_w = s - 0.1 * w * (i - j).abs() + (i + w) / (j + 1) - torch.mul(j, w) / 100 + (i - w) * 0.01
+            # and numbers that are constants (the mode's change must not break them): //, %, **, 1 / x,
+            # an int beyond int32's (wrapped as eager wraps it)
+            plain = (i // 4 == j // 4) + 2.0 ** -(i - j).abs() + 1 / (i + 1) + (i * 3000000000) % 7 * 0.01
+            return with_w + plain + s**2 * 1e-3 + 40 % (j + 1)
 
-        out = az.attention(q, k, v, score_mod=score_mod)
+        def mask_mod(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return (i // w == j // w) | (j <= i - w)
+
+        out = az.attention(q, k, v, score_mod=score_mod, mask=az.masks.from_mod(mask_mod, 1, 1, 24, 24))
         assert isinstance(out, Tensor)
         return out
 

@@ -60,14 +60,14 @@ class ModError(TypeError, RuntimeError):
     and a ``RuntimeError`` like torch's own errors."""
 
 
-# Arithmetic that torch's vmap cannot take a symbolic number into under torch.compile: ``w * q_idx``
-# with ``w`` an int the compiled program made dynamic (its second value) fails in vmap's scalar
-# wrapping (``_to_copy`` of a SymInt, torch 2.13); comparisons and subtraction pass as they are.
+# Arithmetic that torch's vmap cannot take a symbolic number into under torch.compile: ``w * q_idx``,
+# ``q_idx - w``, ``q_idx / w`` with ``w`` an int the compiled program made dynamic (its second value)
+# fail in vmap's scalar wrapping (``_to_copy`` of a SymInt, torch 2.13). By name: dynamo guards a
+# set of functions badly (membership tests failed their own guards).
 _SCALAR_ARITHMETIC = frozenset(
-    {Tensor.__mul__, Tensor.__rmul__, Tensor.__add__, Tensor.__radd__, Tensor.__truediv__, Tensor.__rtruediv__,
-     Tensor.__floordiv__, Tensor.__rfloordiv__, Tensor.__mod__, Tensor.__rmod__, Tensor.__pow__, Tensor.__rpow__,
-     Tensor.mul, Tensor.add, Tensor.div, Tensor.remainder, Tensor.pow, torch.mul, torch.add, torch.div,
-     torch.remainder, torch.pow}
+    {"__mul__", "__rmul__", "mul", "multiply", "__add__", "__radd__", "add", "__sub__", "sub", "subtract",
+     "__truediv__", "__rtruediv__", "div", "divide", "true_divide", "__floordiv__", "__rfloordiv__",
+     "floor_divide", "__mod__", "__rmod__", "remainder"}
 )  # fmt: skip
 
 
@@ -79,6 +79,15 @@ def _number_dtype(t: Tensor, n: float) -> torch.dtype:
     if isinstance(n, int):
         return t.dtype if t.dtype != torch.bool else torch.int64
     return torch.get_default_dtype()
+
+
+def _fits(n: float, dtype: torch.dtype) -> bool:
+    """Whether ``n`` is a value of ``dtype`` (an int beyond an integer dtype's range stays a number,
+    which eager arithmetic wraps)."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return True
+    info = torch.iinfo(dtype)
+    return info.min <= n <= info.max
 
 
 class ModOps(TorchFunctionMode):
@@ -98,12 +107,13 @@ class ModOps(TorchFunctionMode):
             parts = index if isinstance(index, tuple) else (index,)
             if parts and all(isinstance(i, Tensor) for i in parts):
                 return torch.ops.aten.index.Tensor(x, list(parts))
-        if func in _SCALAR_ARITHMETIC and torch.compiler.is_compiling() and len(args) == 2 and not kwargs:
+        if torch.compiler.is_compiling() and len(args) == 2 and getattr(func, "__name__", "") in _SCALAR_ARITHMETIC:
             a, b = args
             if isinstance(a, Tensor) != isinstance(b, Tensor):
                 t, n = (a, b) if isinstance(a, Tensor) else (b, a)
-                if isinstance(n, (int, float)):
-                    n = torch.scalar_tensor(n, dtype=_number_dtype(t, n), device=t.device)
+                dtype = _number_dtype(t, n) if isinstance(n, int | float) else None
+                if dtype is not None and _fits(n, dtype):
+                    n = torch.scalar_tensor(n, dtype=dtype, device=t.device)
                     args = (t, n) if isinstance(a, Tensor) else (n, t)
         return func(*args, **(kwargs or {}))
 
