@@ -347,6 +347,9 @@ def _sdpa(
     return out.contiguous()  # (torch's math path, which takes every call not 4-D: contiguous)
 
 
+_FLASH = int(SDPBackend.FLASH_ATTENTION.value)  # what torch._fused_sdp_choice answers for its flash kernel
+
+
 def _laid_out_as_torch(
     out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Any, dropout_p: float, is_causal: bool, gqa: bool
 ) -> Tensor:
@@ -356,18 +359,20 @@ def _laid_out_as_torch(
     runs its flash kernel, contiguous elsewhere. Which of the two is torch's own choice
     (``torch._fused_sdp_choice``: no dropout, 4-D, equal batch and heads, a mask needing no
     gradient, ...). attnzero's CPU kernel allocates q's order; other outputs are copied."""
-    if out.device.type != "cpu" or torch.compiler.is_compiling() or (out.is_contiguous() and q.is_contiguous()):
+    if torch.compiler.is_compiling() or (q.is_contiguous() and out.is_contiguous()) or out.device.type != "cpu":
         return out  # (q contiguous: both orders are contiguous)
     mask, causal = attn_mask, is_causal
-    if autocast.is_causal_bias(attn_mask):
+    if autocast.is_causal_bias(attn_mask):  # as CausalBias dispatches on CPU: causal, or its pattern as a mask
         from torch.nn.attention.bias import CausalVariant
-  # as CausalBias dispatches on CPU: causal, or its pattern as a mask
+
         Lq, Lk = attn_mask.seq_len_q, attn_mask.seq_len_kv
         full = Lq == Lk or attn_mask.variant == CausalVariant.UPPER_LEFT
         mask, causal = (None, True) if full else (torch.ones((), dtype=torch.bool).expand(Lq, Lk), False)
     choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, causal, enable_gqa=gqa)
-    if choice != SDPBackend.FLASH_ATTENTION.value:
+    if choice != _FLASH:
         return out.contiguous()
+    if out.stride() == q.stride():  # (q dense in some order: the kernel's output has it)
+        return out
     want = torch.empty_like(q, device="meta").stride()  # (asked of a meta tensor: no memory taken)
     if all(a == b or n <= 1 for a, b, n in zip(out.stride(), want, out.shape, strict=True)):
         return out
