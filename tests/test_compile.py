@@ -254,6 +254,13 @@ def test_export_a_score_mod_with_dynamic_batch_and_length() -> None:
     ep = torch.export.export(Modded(), (q, q, q), dynamic_shapes={x: {0: B, 2: L} for x in ("q", "k", "v")})
     x = torch.randn(1, 2, 5, 16)
     torch.testing.assert_close(ep.module()(x, x, x), az.attention(x, x, x, score_mod=_alibi_like, backend="reference"))
+    # with GQA (4 query heads on 2): the formula's grouped scores were a view of a matmul's output,
+    # whose symbolic strides made export specialise L
+    q4, kv = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    ep = torch.export.export(Modded(), (q4, kv, kv), dynamic_shapes={x: {0: B, 2: L} for x in ("q", "k", "v")})
+    x4, y = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16)
+    want = az.attention(x4, y, y, score_mod=_alibi_like, backend="reference")
+    torch.testing.assert_close(ep.module()(x4, y, y), want)
 
 
 class _TableMod(nn.Module):
@@ -294,6 +301,23 @@ def test_a_scale_from_a_traced_size_compiles_with_dynamic_shapes() -> None:
     for D in (8, 16):
         q = torch.randn(1, 2, 5, D)
         torch.testing.assert_close(compiled(q), fn(q))
+
+
+def test_a_softcap_passed_in_compiles_as_a_symbolic_float() -> None:
+    """A softcap given as an argument (Gemma 2's, a module's field) is a symbolic float under
+    dynamic=True, and on its second value by default: the finiteness check could not trace it."""
+
+    def fn(q: torch.Tensor, cap: float) -> torch.Tensor:
+        out = az.attention(q, q, q, softcap=cap, causal=True)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    q = torch.randn(1, 2, 5, 8)
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=dynamic)
+        for cap in (30.0, 50.0):
+            torch.testing.assert_close(compiled(q, cap), fn(q, cap))
 
 
 @pytest.mark.parametrize("case", ["score_mod", "reference_lse"])

@@ -51,15 +51,14 @@ def probabilities(
     term ``exp(sink)`` in each row's denominator (and in the lse); a row with no kept key then has
     P = 0 and lse = sink. ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites each scaled score first
     (``mods.py``)."""
-    B, Hq, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    Hq, Lq, Hkv, Lk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]  # q (B, Hq, Lq, D), k (B, Hkv, Lk, D)
     G = Hq // Hkv
     acc = accum_dtype(q.dtype)
 
-    # 1. scores = Q Kᵀ · scale. Group g of key/value head n is query head n·G + g.
-    q_grouped = q.reshape(B, Hkv, G * Lq, D)  # (B, Hkv, G·Lq, D)
-    s = q_grouped.to(acc) @ k.to(acc).transpose(-2, -1)  # (B, Hkv, G·Lq, Lk)
-    s = s.view(B, Hq, Lq, Lk) * scale  # (B, Hq, Lq, Lk)
+    # 1. scores = Q Kᵀ · scale. Group g of key/value head n is query head n·G + g (k broadcast over g).
+    q_grouped = q.unflatten(1, (Hkv, G))  # (B, Hkv, G, Lq, D)
+    s = q_grouped.to(acc) @ k.to(acc).unsqueeze(2).transpose(-2, -1)  # (B, Hkv, G, Lq, Lk)
+    s = s.flatten(1, 2) * scale  # (B, Hq, Lq, Lk)
     if score_mod is not None:
         s = mods.score_grid(score_mod, s)  # the user's function of (score, b, h, q_idx, kv_idx)
     if softcap is not None:
@@ -114,16 +113,16 @@ def attention(
         score_mod=score_mod,
     )  # fmt: skip
     B, Hq, Lq, Lk = p.shape
-    Hkv, Dv = v.shape[1], v.shape[3]
+    Hkv = v.shape[1]  # v (B, Hkv, Lk, Dv)
 
     # 4. dropout on the probabilities, rescaled by 1 / (1 - p) (dropout.py says which entries).
     if dropout_p > 0.0:
         kept = dropout.keep_mask(dropout_seed, dropout_p, (B, Hq, Lq, Lk), device=q.device)
         p = p * kept / (1.0 - dropout_p)
 
-    # 5. weighted sum of values, one matmul per key/value head (its G query heads stacked).
-    p_grouped = p.to(v.dtype).reshape(B, Hkv, (Hq // Hkv) * Lq, Lk)  # (B, Hkv, G·Lq, Lk)
-    out = (p_grouped @ v).view(B, Hq, Lq, Dv)  # (B, Hq, Lq, Dv)
+    # 5. weighted sum of values, one matmul per key/value head (broadcast over its G query heads).
+    p_grouped = p.to(v.dtype).unflatten(1, (Hkv, Hq // Hkv))  # (B, Hkv, G, Lq, Lk)
+    out = (p_grouped @ v.unsqueeze(2)).flatten(1, 2)  # (B, Hq, Lq, Dv)
     return out, lse
 
 
