@@ -303,6 +303,26 @@ def test_a_scale_from_a_traced_size_compiles_with_dynamic_shapes() -> None:
         torch.testing.assert_close(compiled(q), fn(q))
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_masks_built_from_the_inputs_sizes(strict: bool) -> None:
+    """``az.masks.causal(Lq, Lk) & az.masks.window(...)`` from q's and k's lengths: non-strict export
+    (torch's default) hands the builders SymInts, which they refused ("expected a positive int") and
+    the Mask made ints of (the lengths specialised)."""
+
+    class Masked(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            Lq, Lk = q.shape[2], k.shape[2]
+            out = az.attention(q, k, v, mask=az.masks.causal(Lq, Lk) & az.masks.window(Lq, Lk, 4, None))
+            assert isinstance(out, torch.Tensor)
+            return out
+
+    L, S = torch.export.Dim("L", min=2, max=64), torch.export.Dim("S", min=2, max=64)
+    q, kv = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 12, 8)
+    ep = torch.export.export(Masked(), (q, kv, kv), dynamic_shapes=({2: L}, {2: S}, {2: S}), strict=strict)
+    q2, kv2 = torch.randn(1, 2, 17, 8), torch.randn(1, 2, 30, 8)
+    torch.testing.assert_close(ep.module()(q2, kv2, kv2), Masked()(q2, kv2, kv2))
+
+
 def test_a_softcap_passed_in_compiles_as_a_symbolic_float() -> None:
     """A softcap given as an argument (Gemma 2's, a module's field) is a symbolic float under
     dynamic=True, and on its second value by default: the finiteness check could not trace it."""

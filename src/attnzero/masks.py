@@ -213,7 +213,7 @@ class Mask:
         if len(shape) != 4 or any(isinstance(n, int) and n < 0 for n in shape):
             raise ValueError(f"shape: expected 4 sizes (B, H, Lq, Lk), none negative, got {tuple(shape)}")
         self.keep = keep
-        self.shape: Shape4 = (int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]))
+        self.shape: Shape4 = tuple(n if isinstance(n, torch.SymInt) else int(n) for n in shape)  # type: ignore[assignment]
         self.name = name
         self.band = band  # pairs kept only where lo <= j - i <= hi
         self._segments = segments  # pairs kept only where the ids are equal
@@ -460,7 +460,7 @@ MAX_INT = 2**62
 
 
 def _check_len(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int | torch.SymInt) or value < 1:  # (SymInt: export's sizes)
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if value > MAX_INT:
         raise ValueError(f"{name}: expected at most 2**62, got {value}")
