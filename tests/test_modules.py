@@ -239,6 +239,33 @@ def test_from_torch_same_outputs(batch_first: bool, bias: bool, kvdim: tuple[int
     torch.testing.assert_close(ours(q, k, v, mask=~blocked), t_out, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["in_proj", "kdim_vdim"])
+def test_from_torch_keeps_frozen_parameters_frozen(packed: bool) -> None:
+    """A parameter the source does not train stays untrained: the copy made every weight trainable."""
+    theirs = nn.MultiheadAttention(16, 2) if packed else nn.MultiheadAttention(16, 2, kdim=8, vdim=8)
+    frozen = theirs.in_proj_weight if packed else theirs.k_proj_weight
+    assert frozen is not None
+    frozen.requires_grad_(False)
+    theirs.out_proj.bias.requires_grad_(False)
+    ours = az.MultiHeadAttention.from_torch(theirs)
+    trains = {name: p.requires_grad for name, p in ours.named_parameters()}
+    assert trains["W_o.bias"] is False and trains["W_o.weight"] is True
+    assert trains["W_k.weight"] is False and trains["W_q.bias"] is True
+    assert trains["W_q.weight"] is (not packed) and trains["W_v.weight"] is (not packed)
+
+
+def test_a_message_names_a_key_or_value_it_defaulted() -> None:
+    """key and value default to query and key: a width that does not fit says it was defaulted."""
+    mha = az.MultiHeadAttention(16, 4, kdim=10, vdim=6)
+    q, k = torch.randn(2, 3, 16), torch.randn(2, 5, 10)
+    with pytest.raises(ValueError, match=r"value: expected last dim 6, got 10 \(value defaults to key\)"):
+        mha(q, k)
+    with pytest.raises(ValueError, match=r"key: expected last dim 10, got 16 \(key defaults to query\)"):
+        mha(q)
+    with pytest.raises(ValueError, match=r"value: expected last dim 6, got 10$"):
+        mha(q, k, k)
+
+
 def test_from_torch_self_attention_noncontiguous_sequence_first() -> None:
     """A (L, B, E) tensor made batch first by a transpose (not contiguous) works as is."""
     theirs = nn.MultiheadAttention(16, 2).eval()  # batch_first=False

@@ -216,9 +216,10 @@ class MultiHeadAttention(nn.Module):
         """
         if cache is not None:
             self._check_cache(cache, query, key, value, key_padding_mask)
+        defaulted = (key is None, value is None)
         key = query if key is None else key
         value = key if value is None else value
-        self._check_inputs(query, key, value, key_padding_mask)
+        self._check_inputs(query, key, value, key_padding_mask, defaulted)
         B, Lq = query.shape[0], query.shape[1]
         past = 0 if cache is None else len(cache)  # tokens cached before this call
         Lk = past + key.shape[1]  # keys attended to: the cached ones and the new ones
@@ -269,11 +270,16 @@ class MultiHeadAttention(nn.Module):
             q, k, mask=keep, causal=is_causal, softcap=self.softcap, sinks=self.sinks, score_mod=score_mod
         )
 
-    def _check_inputs(self, query: Any, key: Any, value: Any, key_padding_mask: Any) -> None:
+    def _check_inputs(
+        self, query: Any, key: Any, value: Any, key_padding_mask: Any, defaulted: tuple[bool, bool] = (False, False)
+    ) -> None:
+        """``defaulted``: key, value were not given (key is query, value is key): the messages say so."""
+        whence = {"query": "", "key": " (key defaults to query)" if defaulted[0] else "",
+                  "value": " (value defaults to key)" if defaulted[1] else ""}  # fmt: skip
         for name, x, width in (("query", query, self.d_model), ("key", key, self.kdim), ("value", value, self.vdim)):
             checks.tensor(name, x, 3, "(B, L, d_model)", empty_ok=True)  # B or L = 0: as torch's module
             if x.shape[-1] != width:
-                raise ValueError(f"{name}: expected last dim {width}, got {x.shape[-1]}")
+                raise ValueError(f"{name}: expected last dim {width}, got {x.shape[-1]}{whence[name]}")
             checks.same_kind(name, x, "W_q.weight", self.W_q.weight, dtypes_may_differ=autocast.on(x.device))
         if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
             raise ValueError(
@@ -355,6 +361,14 @@ class MultiHeadAttention(nn.Module):
                 for lin, b in zip((ours.W_q, ours.W_k, ours.W_v), mha.in_proj_bias.split(E)):
                     lin.bias.copy_(b)
                 ours.W_o.bias.copy_(mha.out_proj.bias)
+        # a frozen weight stays frozen: requires_grad as the source parameter's (the packed in_proj's one flag)
+        packed = mha.in_proj_weight
+        weights = [packed] * 3 if packed is not None else [mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight]
+        biases = [mha.in_proj_bias] * 3 + [mha.out_proj.bias]
+        for lin, w, b in zip((ours.W_q, ours.W_k, ours.W_v, ours.W_o), [*weights, mha.out_proj.weight], biases):
+            lin.weight.requires_grad_(w.requires_grad)
+            if has_bias and b is not None:
+                lin.bias.requires_grad_(b.requires_grad)
         ours.train(mha.training)
         return ours
 
