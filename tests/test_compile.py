@@ -338,6 +338,9 @@ def test_a_softcap_passed_in_compiles_as_a_symbolic_float() -> None:
         compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=dynamic)
         for cap in (30.0, 50.0):
             torch.testing.assert_close(compiled(q, cap), fn(q, cap))
+        for bad in (0.0, -1.0, math.inf):  # refused compiled too (the check is comparisons, not skipped)
+            with pytest.raises(Exception, match=r"softcap|exception"):
+                compiled(q, bad)
 
 
 @pytest.mark.parametrize("case", ["score_mod", "reference_lse"])

@@ -304,9 +304,7 @@ def softcap(x: Any) -> float | None:
     except OverflowError:
         bits = int(x).bit_length()
         raise ArgumentError(f"softcap: expected a finite float > 0, got an integer of {bits} bits") from None
-    if torch.compiler.is_compiling():  # (as scale: a cap passed in is a float dynamo cannot test)
-        return value
-    if not (math.isfinite(value) and value > 0.0):
+    if not 0.0 < value < math.inf:  # (comparisons, not math.isfinite: traced, a cap passed in is a symbolic float)
         raise ArgumentError(f"softcap: expected a finite float > 0 (or None), got {x}")
     if not _F32_TINY <= value <= _F32_MAX:  # float32 makes a cap beyond these inf or 0: NaN, or no cap
         raise ArgumentError(
