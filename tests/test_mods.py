@@ -492,7 +492,7 @@ def test_a_mod_over_a_python_int_that_compile_makes_dynamic_runs_on_its_next_val
     for f in (fn, flex_fn):
         torch._dynamo.reset()
         compiled = torch.compile(f, fullgraph=True, backend="eager")
-        for w in (2, 3):  # (3: traced again, w a SymInt)
+        for w in (2, 3, 2**32 + 5):  # (3: traced again, w a SymInt; 2**32 + 5: beyond int32, wrapped as eager does)
             torch.testing.assert_close(compiled(q, k, v, w), f(q, k, v, w))
 
 

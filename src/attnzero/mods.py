@@ -60,7 +60,7 @@ class ModError(TypeError, RuntimeError):
     and a ``RuntimeError`` like torch's own errors."""
 
 
-# Arithmetic that torch's vmap cannot take a symbolic number into under torch.compile: ``w * q_idx``,
+# Arithmetic that torch's vmap cannot take a symbolic int into under torch.compile: ``w * q_idx``,
 # ``q_idx - w``, ``q_idx / w`` with ``w`` an int the compiled program made dynamic (its second value)
 # fail in vmap's scalar wrapping (``_to_copy`` of a SymInt, torch 2.13). By name: dynamo guards a
 # set of functions badly (membership tests failed their own guards).
@@ -71,23 +71,16 @@ _SCALAR_ARITHMETIC = frozenset(
 )  # fmt: skip
 
 
-def _number_dtype(t: Tensor, n: float) -> torch.dtype:
-    """The dtype torch gives ``t op n`` for a Python number ``n`` (``torch.result_type``, which dynamo
-    cannot put in a graph): t's, unless n is of a higher kind (bool < int < float)."""
-    if isinstance(n, bool) or t.dtype.is_floating_point or t.dtype.is_complex:
-        return t.dtype
-    if isinstance(n, int):
-        return t.dtype if t.dtype != torch.bool else torch.int64
-    return torch.get_default_dtype()
-
-
-def _fits(n: float, dtype: torch.dtype) -> bool:
-    """Whether ``n`` is a value of ``dtype`` (an int beyond an integer dtype's range stays a number,
-    which eager arithmetic wraps)."""
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        return True
+def _int_operand(t: Tensor, n: int) -> Any:
+    """The Python int ``n`` (a SymInt when traced) as vmap can take it beside ``t``, with the result
+    eager gives: beside a float tensor a float number (exact to 2**53; torch computes in t's dtype
+    either way), beside an integer or bool one a 0-d tensor of the result's dtype holding ``n``
+    wrapped into its range (two's complement, as eager's cast of the number wraps it)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return n * 1.0
+    dtype = t.dtype if t.dtype != torch.bool else torch.int64
     info = torch.iinfo(dtype)
-    return info.min <= n <= info.max
+    return torch.scalar_tensor((n - info.min) % (1 << info.bits) + info.min, dtype=dtype, device=t.device)
 
 
 class ModOps(TorchFunctionMode):
@@ -96,10 +89,10 @@ class ModOps(TorchFunctionMode):
     * ``table[h, q_idx - kv_idx]`` with 0-d index tensors: Python's indexing would ask each index
       for an int (``__index__``), which a batched tensor cannot give, so indexing by tensors only is
       sent to ``aten.index`` (advanced indexing, which vmap batches);
-    * under torch.compile, a Python number in arithmetic with a tensor (``w * (q_idx - kv_idx)``)
-      enters as a 0-d tensor of the dtype the number would have given (``_number_dtype``), so a
-      captured int that the compiled program makes dynamic (a SymInt) does not fail on its second
-      value. (Traced, a SymInt reads as an int: every number is converted there, same result.)"""
+    * under torch.compile, a Python int in arithmetic with a tensor (``w * (q_idx - kv_idx)``)
+      enters as vmap can take it (``_int_operand``), so a captured int that the compiled program
+      makes dynamic (a SymInt) does not fail on its second value. (Traced, a SymInt reads as an int:
+      every int is converted there, with eager's result. A symbolic float passes as it is.)"""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is Tensor.__getitem__ and len(args) == 2:
@@ -111,9 +104,8 @@ class ModOps(TorchFunctionMode):
             a, b = args
             if isinstance(a, Tensor) != isinstance(b, Tensor):
                 t, n = (a, b) if isinstance(a, Tensor) else (b, a)
-                dtype = _number_dtype(t, n) if isinstance(n, int | float) else None
-                if dtype is not None and _fits(n, dtype):
-                    n = torch.scalar_tensor(n, dtype=dtype, device=t.device)
+                if isinstance(n, int) and not isinstance(n, bool):  # (a SymInt reads as an int when traced)
+                    n = _int_operand(t, n)
                     args = (t, n) if isinstance(a, Tensor) else (n, t)
         return func(*args, **(kwargs or {}))
 
