@@ -470,10 +470,12 @@ def test_a_mod_over_a_python_int_that_compile_makes_dynamic_runs_on_its_next_val
     makes it a SymInt on its second value, and vmap's scalar wrapping of ``w * x``, ``x - w``, ``x / w``
     could not take one."""
     q, k, v = (t.float() for t in qkv(1, 2, 2, 24, 24, 8))
+    table = torch.arange(0, 240, 10, dtype=torch.uint8)  # (24,)
 
     def fn(q: Tensor, k: Tensor, v: Tensor, w: int) -> Tensor:
         def score_mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
             with_w = s - 0.1 * w * (i - j).abs() + (i + w) / (j + 1) - torch.mul(j, w) / 100 + (i - w) * 0.01
+            with_w = with_w + table[j] / w * 30 + (table[j] + w) % 7  # an int table: / by w's value, + wraps
             # and numbers that are constants (the mode's change must not break them): //, %, **, 1 / x,
             # an int beyond int32's (wrapped as eager wraps it)
             plain = (i // 4 == j // 4) + 2.0 ** -(i - j).abs() + 1 / (i + 1) + (i * 3000000000) % 7 * 0.01
@@ -492,7 +494,7 @@ def test_a_mod_over_a_python_int_that_compile_makes_dynamic_runs_on_its_next_val
     for f in (fn, flex_fn):
         torch._dynamo.reset()
         compiled = torch.compile(f, fullgraph=True, backend="eager")
-        for w in (2, 3, 2**32 + 5):  # (3: traced again, w a SymInt; 2**32 + 5: beyond int32, wrapped as eager does)
+        for w in (2, 3, 300, 2**32 + 5):  # (3: traced again, w a SymInt; 300, 2**32 + 5: beyond uint8's, int32's range)
             torch.testing.assert_close(compiled(q, k, v, w), f(q, k, v, w))
 
 

@@ -71,12 +71,18 @@ _SCALAR_ARITHMETIC = frozenset(
 )  # fmt: skip
 
 
-def _int_operand(t: Tensor, n: int) -> Any:
+_TRUE_DIVISION = frozenset({"__truediv__", "__rtruediv__", "div", "divide", "true_divide"})
+
+
+def _int_operand(t: Tensor, n: int, true_division: bool) -> Any:
     """The Python int ``n`` (a SymInt when traced) as vmap can take it beside ``t``, with the result
-    eager gives: beside a float tensor a float number (exact to 2**53; torch computes in t's dtype
-    either way), beside an integer or bool one a 0-d tensor of the result's dtype holding ``n``
-    wrapped into its range (two's complement, as eager's cast of the number wraps it)."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
+    eager gives: beside a float tensor, or in a true division, a float number (exact to 2**53; torch
+    divides by the number's value, and computes in t's dtype either way); beside an integer or bool
+    tensor a 0-d tensor of the result's dtype holding ``n`` wrapped into its range (two's complement,
+    as eager's cast of the number wraps it). An int beyond int64's stays as it is (eager refuses it)."""
+    if not -(2**63) <= n < 2**63:
+        return n
+    if t.dtype.is_floating_point or t.dtype.is_complex or true_division:
         return n * 1.0
     dtype = t.dtype if t.dtype != torch.bool else torch.int64
     info = torch.iinfo(dtype)
@@ -100,12 +106,14 @@ class ModOps(TorchFunctionMode):
             parts = index if isinstance(index, tuple) else (index,)
             if parts and all(isinstance(i, Tensor) for i in parts):
                 return torch.ops.aten.index.Tensor(x, list(parts))
-        if torch.compiler.is_compiling() and len(args) == 2 and getattr(func, "__name__", "") in _SCALAR_ARITHMETIC:
+        name = getattr(func, "__name__", "") if torch.compiler.is_compiling() and len(args) == 2 else ""
+        if name in _SCALAR_ARITHMETIC:
             a, b = args
             if isinstance(a, Tensor) != isinstance(b, Tensor):
                 t, n = (a, b) if isinstance(a, Tensor) else (b, a)
                 if isinstance(n, int) and not isinstance(n, bool):  # (a SymInt reads as an int when traced)
-                    n = _int_operand(t, n)
+                    true_division = name in _TRUE_DIVISION and (kwargs or {}).get("rounding_mode") is None
+                    n = _int_operand(t, n, true_division)
                     args = (t, n) if isinstance(a, Tensor) else (n, t)
         return func(*args, **(kwargs or {}))
 
