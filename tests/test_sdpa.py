@@ -279,6 +279,8 @@ def test_dropout_one_and_a_tensor_scale_are_taken_as_torch_takes_them() -> None:
     for attend in (F.scaled_dot_product_attention, az.scaled_dot_product_attention):
         with pytest.raises(TypeError):
             attend(q, k, v, scale=torch.tensor(0.3, requires_grad=True))  # type: ignore[arg-type]
+        with pytest.raises(TypeError):  # (1.0 too: not taken as "every weight dropped")
+            attend(q, k, v, dropout_p=torch.tensor(1.0, requires_grad=True))  # type: ignore[arg-type]
 
 
 def test_numpy_scalars_are_taken_as_torch_takes_them() -> None:

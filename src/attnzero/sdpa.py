@@ -176,7 +176,7 @@ def _sdpa(
         isinstance(dropout_p, Tensor) and dropout_p.ndim == 0 and not dropout_p.requires_grad
     ):
         dropout_p = float(dropout_p)  # (so it takes a bool: True drops every weight)
-    drop_all = dropout_p == 1.0  # torch: every entry dropped, the output 0
+    drop_all = not isinstance(dropout_p, Tensor) and dropout_p == 1.0  # torch: every entry dropped, the output 0
     try:
         for name, x in (("query", query), ("key", key), ("value", value)):
             checks.tensor(name, x, empty_ok=True)
