@@ -223,7 +223,7 @@ def _error(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[type, str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["heads", "gqa", "embed", "batch", "ndim", "length", "device"],
+    ["heads", "gqa", "embed", "batch", "ndim", "length", "device", "sliced", "sliced, all full"],
 )
 def test_errors_are_torchs(case: str) -> None:
     q, k, v = _qkv(2, 4, 4, 16, 16, 8)
@@ -242,6 +242,11 @@ def test_errors_are_torchs(case: str) -> None:
         kw = {"block_mask": TF.create_block_mask(causal, None, None, 32, 32, device="cpu")}
     elif case == "device":
         v = v.to("meta")
+    elif case == "sliced":  # a mask for 64 query rows cut to the first 16: its mask_mod no longer fits
+        kw = {"block_mask": TF.create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)[:, :, :1]}
+    elif case == "sliced, all full":  # (ran: every block full, the mod never called)
+        full = TF.create_block_mask(lambda b, h, i, j: j >= 0, 2, 1, 16, 16, device="cpu", BLOCK_SIZE=8)
+        kw = {"block_mask": full[0:2]}
     theirs = _error(_torch_flex, q, k, v, **kw)
     ours = _error(flex.flex_attention, q, k, v, **kw)
     assert ours == theirs

@@ -100,6 +100,11 @@ def _kernel_options(options: Any) -> None:
             )
 
 
+# The stub torch puts in a sliced BlockMask's mask_mod (``block_mask[:, :, :n]``): torch refuses such a
+# mask, whose mod no longer fits its blocks (private in torch, hence looked up).
+_SLICED = getattr(torch.nn.attention.flex_attention, "_sliced_mask_mod_error", None)
+
+
 def _validate(query: Any, key: Any, value: Any, block_mask: Any, enable_gqa: bool) -> None:
     """torch's input checks, in torch's order, with torch's error types and messages."""
     for x in (query, key, value):
@@ -151,6 +156,8 @@ def _validate(query: Any, key: Any, value: Any, block_mask: Any, enable_gqa: boo
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask: expected a torch BlockMask or None, got {type(block_mask).__name__}")
+        if _SLICED is not None and block_mask.mask_mod is _SLICED:  # (torch's words; before any shape check)
+            raise RuntimeError("Cannot use mask_mod from a sliced BlockMask")
         if tuple(block_mask.BLOCK_SIZE) != (_LARGE, _LARGE):
             Lq_m, Lk_m = block_mask.shape[-2], block_mask.shape[-1]
             if query.size(-2) > Lq_m or key.size(-2) > Lk_m:
