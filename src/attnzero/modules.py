@@ -271,7 +271,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _check_inputs(
-        self, query: Any, key: Any, value: Any, key_padding_mask: Any, defaulted: tuple[bool, bool] = (False, False)
+        self, query: Any, key: Any, value: Any, key_padding_mask: Any, defaulted: tuple[bool, bool]
     ) -> None:
         """``defaulted``: key, value were not given (key is query, value is key): the messages say so."""
         whence = {"query": "", "key": " (key defaults to query)" if defaulted[0] else "",
