@@ -364,3 +364,33 @@ def test_dropout_traces_without_a_graph_break(case: str) -> None:
     got = compiled(q)
     torch.manual_seed(3)
     torch.testing.assert_close(got, f(q))
+
+
+def test_a_compiled_model_runs_varlen_for_new_sequence_lengths_without_recompiling() -> None:
+    # One graph break around the call, whatever the lengths: traced, each new cu_seqlens recompiled
+    # the call's frames (and twenty graphs broke around its read-backs).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    proj = nn.Linear(8, 16)
+
+    def step(x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        q, k = proj(x).view(-1, 2, 2, 4).unbind(1)  # (T, 8) → (T, 16) → q, k (T, 2, 4)
+        return az.attention_varlen(q * 2, k, k, cu, cu, causal=True).square().sum()
+
+    compiled = torch.compile(step, backend=counter)
+    torch.manual_seed(0)
+    x = torch.randn(24, 8)
+    for n, cu in enumerate(([0, 10, 24], [0, 5, 24], [0, 17, 24], [0, 3, 24])):
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        got = compiled(x, cu_t)
+        got_grads = torch.autograd.grad(got, list(proj.parameters()))
+        want = step(x, cu_t)
+        want_grads = torch.autograd.grad(want, list(proj.parameters()))
+        torch.testing.assert_close(got, want)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b)
+        if n == 0:
+            frames = counter.frame_count
+    assert counter.frame_count == frames
+    assert frames <= 2  # the code before the call and the code after it

@@ -568,6 +568,11 @@ def _empty(shape: tuple[int, ...], *inputs: Tensor | None) -> Tensor:
     return first.new_zeros(shape) + 0.0 * tie  # an empty tensor: the scalar's value never shows
 
 
+# torch.compile runs a varlen call as one eager call (a single graph break): its sequences are
+# read back as Python ints (the blocks between sequences are chosen from them), and traced they
+# became constants of the graph — a recompile for every new cu_seqlens and a graph break at every
+# read-back (twenty graphs for one call). The model around it still compiles.
+@torch.compiler.disable
 def attention_varlen(
     q: Tensor,
     k: Tensor,
@@ -608,7 +613,8 @@ def attention_varlen(
         out (Tq, Hq, Dv), or ``(out, lse (Hq, Tq))``. Equal to :func:`attention` on each sequence
         alone (with a score_mod: one that sees ``b = n``); the cost is that of the sequences
         (Σ Lq_n · Lk_n), not of the packed length squared. An empty sequence gives nothing; a
-        sequence with queries but no keys gives 0.
+        sequence with queries but no keys gives 0. Under ``torch.compile`` the call runs eagerly
+        (one graph break; new cu_seqlens do not recompile).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, empty_ok=True)
