@@ -162,6 +162,16 @@ def test_table_is_cached_and_grows() -> None:
     assert rot.state_dict() == {}  # a cache, not state: module.half() cannot touch it
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_positions_of_any_integer_dtype_rotate_as_int64(dtype: torch.dtype) -> None:
+    # uint8 positions were read as a boolean mask ([1, 2, 2] rotated as [0, 1, 2]); int8 / int16 raised
+    rot = az.RotaryEmbedding(8)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    for pos in ([1, 2, 2], [2, 0, 1], [0, 0, 0]):
+        want = rot(x, torch.tensor(pos))
+        torch.testing.assert_close(rot(x, torch.tensor(pos, dtype=dtype)), want, rtol=0, atol=0)
+
+
 def test_rotate_from_equals_explicit_positions() -> None:
     rot = az.RotaryEmbedding(40)
     x = torch.randn(2, 5, 13, 40)

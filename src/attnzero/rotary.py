@@ -98,7 +98,8 @@ class RotaryEmbedding(nn.Module):
         if int(lo) < 0:
             raise ValueError(f"positions: expected integers >= 0, got a minimum of {int(lo)}")
         cos, sin = self.cos_sin(int(hi) + 1, x.device, _table_dtype(x.dtype))
-        return self._rotate(x, cos[positions], sin[positions])
+        rows = positions.long()  # (torch reads a uint8 index as a boolean mask, and refuses int8 / int16)
+        return self._rotate(x, cos[rows], sin[rows])
 
     def rotate_from(self, x: Tensor, start: int) -> Tensor:
         """``rot(x, arange(start, start + L))`` without a device sync: what a decoder with a KV
