@@ -319,6 +319,10 @@ def test_single_process_group(tmp_path: Path) -> None:
         exp = torch.autograd.grad(want, (q, k, v), g)
         for a, b in zip(got, exp):
             torch.testing.assert_close(a, b)
+        # no second derivative: refused, not a gradient with the penalty's share silently missing
+        out = az.distributed.ring_attention(q, k, v, causal=True)
+        with pytest.raises(RuntimeError, match="ring_attention: no second derivative"):
+            torch.autograd.grad(out.sum(), q, create_graph=True)
         even = q[:, :, :8]
         assert az.distributed.gather(az.distributed.shard(even, layout="zigzag"), layout="zigzag").equal(even)
         with pytest.raises(ValueError, match=r"x: expected a length .* divisible by 2 .*got 9"):

@@ -63,7 +63,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import checks, functional, geometry, masks, mods, ops, trace
 from . import sinks as sinks_
@@ -452,8 +451,15 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    @once_differentiable  # a second derivative would need the ring inside autograd: refused clearly
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        # A second derivative would need the ring inside autograd: refused. (once_differentiable
+        # refused it only when the incoming gradient itself needed one; after loss = out.sum() it
+        # handed back gradients without a graph, and a gradient penalty silently added nothing.)
+        if torch.is_grad_enabled():  # a graph of the gradients asked for (create_graph=True)
+            raise RuntimeError(
+                "ring_attention: no second derivative (backward with create_graph=True); use "
+                "az.attention on one process for a gradient penalty or a double backward"
+            )
         q, k, v, sinks, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
         dout = dout.contiguous()
         dq = dk = dv = dsinks = None
