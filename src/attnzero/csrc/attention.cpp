@@ -314,6 +314,22 @@ struct Problem {
     *hi = right == UNBOUNDED ? n : std::clamp<int64_t>(p + right + 1 - j0, 0, n);
   }
 
+  // The columns of a PARTIAL block (the band's right edge bounds it) that each group of MR stacked
+  // rows needs: reach[r / MR] = the most any of its rows keeps, counted from the block's first column
+  // (rows r = g·ni + ii, ii < ni, of the query heads g stacked). A causal diagonal block then computes
+  // about its triangle, not its square: the columns past a group's reach are blocked in all its rows.
+  void reach(const Block& blk, int64_t R, int64_t ni, int64_t* out) const {
+    for (int64_t r0 = 0; r0 < R; r0 += MR) {
+      int64_t most = 0;
+      for (int64_t r = r0; r < std::min(R, r0 + MR); ++r) {
+        int64_t lo, hi;
+        band_cols(blk.i0 + r % ni + Lk - Lq, blk.j0, blk.nc, &lo, &hi);
+        most = std::max(most, hi);
+      }
+      out[r0 / MR] = most;
+    }
+  }
+
   // Query block ib × key block jb of batch b (rows ni, columns nc): false when nothing in it is kept
   // (SKIP: not computed). Its kind is the meet of the band (on the trimmed columns), the Mask's
   // table and a dense mask.
@@ -714,6 +730,15 @@ void set_mod(Problem& P, int64_t mod_fwd, int64_t mod_bwd, const std::optional<a
   P.mod_tmp = mod_tmp;
 }
 
+// f(r0, m, n) for the rows of a block: all R rows over its nc columns at once, or (trim: the band's
+// right edge crosses the block) in groups of MR rows [r0, r0 + m), each over the n = reach[r0 / MR]
+// columns its rows can keep (Problem::reach).
+template <typename F>
+void by_groups(bool trim, int64_t R, int64_t nc, const int64_t* reach, const F& f) {
+  if (!trim) return f(int64_t(0), R, nc);
+  for (int64_t r0 = 0; r0 < R; r0 += MR) f(r0, std::min<int64_t>(MR, R - r0), reach[r0 / MR]);
+}
+
 // Pieces of a thread's work memory (run_tasks), 64-byte aligned, handed out in order.
 struct Scratch {
   float* next;
@@ -843,6 +868,8 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
     float* l = pool.take(R_max);
     KPanels& kt = panels[slot];
     kt.data = pool.take(n_panels * PANEL * D);
+    std::vector<int64_t> reach_of((R_max + MR - 1) / MR);  // per group of MR rows: the columns it computes
+    int64_t* reach = reach_of.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.nqb, ib = zigzag(task % P.nqb, P.nqb);
       const int64_t b = bh / P.Hkv, hkv = bh % P.Hkv;
@@ -870,8 +897,14 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         const int64_t j0 = blk.j0, nc = blk.nc;
         int64_t ldk, ldv;
         const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb, &ldv);
+        // A block the band's right edge crosses (causal's diagonal): each group of MR rows computes
+        // only the columns its rows can keep (P.reach), about the block's triangle
+        const bool trim = tiled && blk.kind == PARTIAL && P.right != UNBOUNDED;
+        if (trim) P.reach(blk, R, ni, reach);
         if (tiled) {  // x_ij = q_i · k_j
-          kt.scores(R, j0, nc, qa, ldq, s, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
+          by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {
+            kt.scores(rows, j0, n, qa + r0 * ldq, ldq, s + r0 * bn, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
+          });
         } else {
           const float* kp = kv_block<T>(k, b, hkv, j0, nc, kb, &ldk);
           gemm(false, true, R, nc, D, 1.f, qa, ldq, kp, ldk, 0.f, s, bn);
@@ -880,28 +913,33 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         for (int64_t r = 0; r < R; ++r) {
           const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
           float* sr = s + r * bn;
+          Block row = blk;  // this row's columns: [0, reach_r) of the block
+          if (trim) row.nc = reach[r / MR];
+          const int64_t n = row.nc;
           float f = 1.f, top;  // s_ij = f · sr_j; top = max_j s_ij
           if (plain) {
-            f = P.scale, top = P.scale * row_max(sr, nc);
+            f = P.scale, top = P.scale * row_max(sr, n);
           } else {
-            P.scores(sr, nullptr, nullptr, blk, b, h, ii);  // s_ij (−inf where blocked)
-            top = row_max(sr, nc);
+            P.scores(sr, nullptr, nullptr, row, b, h, ii);  // s_ij (−inf where blocked)
+            top = row_max(sr, n);
           }
           const float m_new = std::max(m[r], top);                // m_new = max(m, max_j s_ij)
           const float m_use = m_new == NEG_INF ? 0.f : m_new;     // a safe 0 inside the exp only
           const float alpha = std::exp(m[r] - m_use);             // alpha = exp(m − m_new)
-          const float rowsum = exp_sum(sr, nc, f, m_use);         // p_ij = exp(s_ij − m_new)
+          const float rowsum = exp_sum(sr, n, f, m_use);          // p_ij = exp(s_ij − m_new)
           l[r] = alpha * l[r] + rowsum;                           // l = alpha·l + Σ_j p_ij
           m[r] = m_new;                                           // m = m_new
           if (!first && alpha != 1.f) {                           // acc = alpha·acc (+ Σ_j p_ij v_j below)
             float* ar = acc + r * Dv;
             for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
           }
-          if (P.dropout) P.drop(sr, nc, b, h, i, j0);  // p̃_ij = p_ij · Z_ij / (1 − p) for the values only
+          if (P.dropout) P.drop(sr, n, b, h, i, j0);  // p̃_ij = p_ij · Z_ij / (1 − p) for the values only
         }
-        if (tiled)  // acc += Σ_j p_ij v_j
-          product({R, Dv, nc, s, bn, 1, vp, ldv, acc, Dv, 1.f, !first});
-        else
+        if (tiled) {  // acc += Σ_j p_ij v_j
+          by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {
+            product({rows, Dv, n, s + r0 * bn, bn, 1, vp, ldv, acc + r0 * Dv, Dv, 1.f, !first});
+          });
+        } else
           gemm(false, false, R, Dv, nc, 1.f, s, bn, vp, ldv, first ? 0.f : 1.f, acc, Dv);
         first = false;
       }
@@ -996,6 +1034,8 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
     float *dka = pool.take(bn * D), *dva = pool.take(bn * Dv), *s = pool.take(RB), *dp = pool.take(RB);
     float *pd = pool.take(nd), *th = pool.take(nt), *xs = pool.take(nx), *mt = pool.take(nm);
     float *kt = pool.take(npanel * D), *vt = pool.take(npanel * Dv);  // the key block's Kᵀ, Vᵀ as panels
+    std::vector<int64_t> reach_of((R_max + MR - 1) / MR);  // per group of MR rows: the columns it computes
+    int64_t* reach = reach_of.data();
     float* db = dbias == nullptr ? nullptr : dbias + (dbias_per_thread ? slot * dbias_per_thread : 0);
     double* mg = P.mod_grad == nullptr ? nullptr : P.mod_grad + slot * P.mod_grad_stride;
     for (int64_t task = begin; task < end; ++task) {
@@ -1055,59 +1095,76 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           float* dvb = dva + c0 * Dv;
           const float* qi = qf + row0 * ldq;
           const float* doi = dof + row0 * ldo;
-          if (tiled)  // x_ij = q_i · k_j
-            product_t(R, c0, nc, D, qi, ldq, kt, s, bn, 1.f);
-          else
+          // as in the forward, a block the band's right edge crosses is computed by groups of MR
+          // rows, each up to its reach (S, dp and dQ); past it p and ds are 0 (dV and dK read them)
+          const bool trim = tiled && blk.kind == PARTIAL && P.right != UNBOUNDED;
+          if (trim) P.reach(blk, R, ni, reach);
+          if (tiled) {  // x_ij = q_i · k_j
+            by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {
+              product_t(rows, c0, n, D, qi + r0 * ldq, ldq, kt, s + r0 * bn, bn, 1.f);
+            });
+          } else {
             gemm(false, true, R, nc, D, 1.f, qi, ldq, kp, ldk, 0.f, s, bn);
+          }
           const bool plain = P.plain(blk.kind);  // s_ij = scale · x_ij, folded into the exp
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
             float* sr = s + r * bn;
-            if (!plain) P.scores(sr, P.cap > 0.f ? th + r * bn : nullptr, nx ? xs + r * bn : nullptr, blk, b, h, ii);
+            Block row = blk;  // this row's columns: [0, reach_r) of the block
+            if (trim) row.nc = reach[r / MR];
+            const int64_t n = row.nc;
+            if (!plain) P.scores(sr, P.cap > 0.f ? th + r * bn : nullptr, nx ? xs + r * bn : nullptr, row, b, h, ii);
             const float lse_i = lser[row0 + r];
             if (lse_i == NEG_INF) {  // p_ij = 0 for a row with no kept key
-              std::fill(sr, sr + nc, 0.f);
+              std::fill(sr, sr + n, 0.f);
             } else {
-              exp_sum(sr, nc, plain ? P.scale : 1.f, lse_i);  // p_ij = exp(s_ij − lse_i) (0 where blocked)
+              exp_sum(sr, n, plain ? P.scale : 1.f, lse_i);  // p_ij = exp(s_ij − lse_i) (0 where blocked)
             }
+            std::fill(sr + n, sr + nc, 0.f);  // (past the reach)
             if (P.dropout) {  // p̃_ij = p_ij · Z_ij / (1 − p)
               float* pr = pd + r * bn;
               std::copy(sr, sr + nc, pr);
-              P.drop(pr, nc, b, h, i, j0);
+              P.drop(pr, n, b, h, i, j0);
             }
           }
           const float* pt = P.dropout ? pd : s;
           if (tiled) {
             product({nc, Dv, R, pt, 1, bn, doi, ldo, dvb, Dv, 1.f, true});  // dV_j += Σ_i p̃_ij dO_i
-            product_t(R, c0, nc, Dv, doi, ldo, vt, dp, bn, 1.f);            // dp_ij = dO_i · v_j
+            by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {  // dp_ij = dO_i · v_j
+              product_t(rows, c0, n, Dv, doi + r0 * ldo, ldo, vt, dp + r0 * bn, bn, 1.f);
+            });
           } else {
             gemm(true, false, nc, Dv, R, 1.f, pt, bn, doi, ldo, 1.f, dvb, Dv);
             gemm(false, true, R, nc, Dv, 1.f, doi, ldo, vp, ldv, 0.f, dp, bn);
           }
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
+            const int64_t n = trim ? reach[r / MR] : nc;  // this row's columns
             float* dpr = dp + r * bn;
             const float* pr = s + r * bn;
             const float Di = Dr[row0 + r];
             if (P.dropout) {  // ds_ij = p_ij (Z_ij · dp_ij / (1 − p) − D_i) = p̃_ij · dp_ij − p_ij · D_i
               const float* ptr = pd + r * bn;
-              for (int64_t j = 0; j < nc; ++j) dpr[j] = ptr[j] * dpr[j] - pr[j] * Di;
+              for (int64_t j = 0; j < n; ++j) dpr[j] = ptr[j] * dpr[j] - pr[j] * Di;
             } else {  // ds_ij = p_ij (dp_ij − D_i)
-              for (int64_t j = 0; j < nc; ++j) dpr[j] = pr[j] * (dpr[j] - Di);
+              for (int64_t j = 0; j < n; ++j) dpr[j] = pr[j] * (dpr[j] - Di);
             }
+            std::fill(dpr + n, dpr + nc, 0.f);  // (past the reach)
             if (db != nullptr) {  // dbias_ij += ds_ij (summed where the bias broadcasts)
               float* dbr = db + b * dbs[0] + h * dbs[1] + i * dbs[2] + j0 * dbs[3];
-              for (int64_t j = 0; j < nc; ++j) dbr[j * dbs[3]] += dpr[j];
+              for (int64_t j = 0; j < n; ++j) dbr[j * dbs[3]] += dpr[j];
             }
             if (P.cap > 0.f) {  // through the cap: ds · (1 − t²)
               const float* tr = th + r * bn;
-              for (int64_t j = 0; j < nc; ++j) dpr[j] *= 1.f - tr[j] * tr[j];
+              for (int64_t j = 0; j < n; ++j) dpr[j] *= 1.f - tr[j] * tr[j];
             }
-            if (nx) P.mod_bwd(xs + r * bn, dpr, nc, b, h, i, j0, P.caps, mg, mt);  // through the mod: ds · ∂y/∂x (+ dθ)
+            if (nx) P.mod_bwd(xs + r * bn, dpr, n, b, h, i, j0, P.caps, mg, mt);  // through the mod: ds · ∂y/∂x (+ dθ)
           }
           if (tiled) {
-            product({R, D, nc, dp, bn, 1, kp, ldk, dqa + row0 * D, D, P.scale, true});  // dQ_i += scale · Σ_j ds_ij k_j
-            product({nc, D, R, dp, 1, bn, qi, ldq, dkb, D, P.scale, true});            // dK_j += scale · Σ_i ds_ij q_i
+            by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {  // dQ_i += scale · Σ_j ds_ij k_j
+              product({rows, D, n, dp + r0 * bn, bn, 1, kp, ldk, dqa + (row0 + r0) * D, D, P.scale, true});
+            });
+            product({nc, D, R, dp, 1, bn, qi, ldq, dkb, D, P.scale, true});  // dK_j += scale · Σ_i ds_ij q_i
           } else {
             gemm(false, false, R, D, nc, P.scale, dp, bn, kp, ldk, 1.f, dqa + row0 * D, D);
             gemm(true, false, nc, D, R, P.scale, dp, bn, qi, ldq, 1.f, dkb, D);
