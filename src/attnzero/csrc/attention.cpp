@@ -21,6 +21,8 @@
 // p = i + Lk - Lq and keeps p - left <= j <= p + right) and, for an az.masks.Mask, of a table the
 // Python side fills from the Mask's own structure (`table`, with the PARTIAL tiles evaluated into
 // `tiles`). A dense bool mask makes every block PARTIAL and is read through its (broadcast) strides.
+// Inside a PARTIAL block the band's right edge crosses (causal's diagonal), the register tiles stop
+// at the last key each group of six rows keeps (`by_groups`): about the block's triangle is computed.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
