@@ -384,6 +384,14 @@ def test_unknown_keywords_are_refused_naming_them() -> None:
             forward(_Module(), q, q, q, None, attention_temperature=value)
 
 
+def test_an_integer_attention_mask_is_refused_naming_it() -> None:
+    # (it went on as an additive bias, refused as "bias: expected a floating dtype")
+    forward = hf.make_attention_forward("reference")
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match=r"^attention_mask: expected a bool mask .* got torch\.int64"):
+        forward(_Module(), q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.long))
+
+
 def test_ignored_keywords_are_written_down_and_change_nothing() -> None:
     forward = hf.make_attention_forward("reference")
     q = torch.randn(1, 2, 3, 8)
