@@ -51,7 +51,7 @@ HEADER = SOURCE.with_name("fast_math.h")  # its float32 tanh (shared with cpu_mo
 # (fewer rescales by alpha, longer rows; torch's CPU flash attention takes 512 too); 64 query rows
 # under causal / window (a diagonal block computes only the keys its last row keeps — and each group
 # of six rows in it only the keys that group keeps — so smaller row blocks waste less: GPT-2's
-# causal forward 1.09 → 1.20× torch; with the groups, 48–192 rows time alike at causal L=2048), else
+# causal forward 1.09 → 1.20× torch; with the groups, 64–192 rows time alike at causal L=2048), else
 # 256 rows in all (BERT's forward 0.83 → 0.95×). A Mask with block structure keeps 128 × 128: its
 # table (``_mask_table``) skips at that grain (documents, padding).
 BLOCK_ROWS_BAND, BLOCK_ROWS_FULL, BLOCK_KEYS = 64, 256, 512
