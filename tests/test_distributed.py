@@ -319,10 +319,20 @@ def test_single_process_group(tmp_path: Path) -> None:
         exp = torch.autograd.grad(want, (q, k, v), g)
         for a, b in zip(got, exp):
             torch.testing.assert_close(a, b)
-        # no second derivative: refused, not a gradient with the penalty's share silently missing
+        # No second derivative through the ring: refused when taken, not a gradient with the penalty's
+        # share silently missing; one that does not pass through it (a later layer's) runs.
         out = az.distributed.ring_attention(q, k, v, causal=True)
-        with pytest.raises(RuntimeError, match="ring_attention: no second derivative"):
-            torch.autograd.grad(out.sum(), q, create_graph=True)
+        (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="ring_attention: no second derivative through it"):
+            torch.autograd.grad(dq.square().sum(), q)
+        w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+        penalties = []
+        for fn in (az.distributed.ring_attention, az.attention):
+            y = fn(q, k, v, causal=True) @ w  # (2, 4, 9, 8) @ (8, 8)
+            (dw,) = torch.autograd.grad(y.square().sum(), w, create_graph=True)
+            penalties.append(torch.autograd.grad(dw.square().sum(), (q, w)))
+        for a, b in zip(*penalties):
+            torch.testing.assert_close(a, b)
         even = q[:, :, :8]
         assert az.distributed.gather(az.distributed.shard(even, layout="zigzag"), layout="zigzag").equal(even)
         with pytest.raises(ValueError, match=r"x: expected a length .* divisible by 2 .*got 9"):

@@ -437,6 +437,21 @@ def _ring_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dcap
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """A gradient of the ring, as a function of the ring's inputs whose own derivative raises."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: Tensor, *inputs: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+    @staticmethod
+    def backward(ctx: Any, *_: Tensor) -> None:  # type: ignore[override]
+        raise RuntimeError(
+            "ring_attention: no second derivative through it (a gradient taken with create_graph=True); "
+            "az.attention on one process has one"
+        )
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -452,14 +467,21 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        # A second derivative would need the ring inside autograd: refused. (once_differentiable
-        # refused it only when the incoming gradient itself needed one; after loss = out.sum() it
-        # handed back gradients without a graph, and a gradient penalty silently added nothing.)
-        if torch.is_grad_enabled():  # a graph of the gradients asked for (create_graph=True)
-            raise RuntimeError(
-                "ring_attention: no second derivative (backward with create_graph=True); use "
-                "az.attention on one process for a gradient penalty or a double backward"
-            )
+        with torch.no_grad():
+            grads = _RingAttention._grads(ctx, dout)
+        if not torch.is_grad_enabled():
+            return grads
+        # A graph of the gradients asked for (create_graph=True): a second derivative would need the
+        # ring inside autograd, so each gradient comes back as a function of the ring's inputs whose
+        # derivative raises (once_differentiable refused only when the incoming gradient needed one:
+        # after loss = out.sum() a gradient penalty through the ring silently added nothing). A second
+        # derivative that does not pass through the ring (a later layer's gradient) still runs.
+        q, k, v, sinks, _, _, *captured = ctx.saved_tensors
+        inputs = [t for t in (q, k, v, sinks, *captured) if t is not None and t.requires_grad]
+        return tuple(None if g is None else _NoSecondDerivative.apply(g, *inputs) for g in grads)
+
+    @staticmethod
+    def _grads(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, sinks, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
         dout = dout.contiguous()
         dq = dk = dv = dsinks = None
