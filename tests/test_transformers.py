@@ -390,6 +390,12 @@ def test_an_integer_attention_mask_is_refused_naming_it() -> None:
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(TypeError, match=r"^attention_mask: expected a bool mask .* got torch\.int64"):
         forward(_Module(), q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.long))
+    # with T5's position_bias it is an additive mask, as in transformers' eager and SDPA paths
+    blocked = torch.tensor([[0, -(10**9), 0], [0, 0, 0], [-(10**9), 0, 0]])[None, None]  # (1, 1, 3, 3)
+    position_bias = torch.randn(1, 2, 3, 3)
+    got, _ = forward(_Module(), q, q, q, blocked, position_bias=position_bias)
+    want, _ = forward(_Module(), q, q, q, blocked.float(), position_bias=position_bias)
+    torch.testing.assert_close(got, want)
 
 
 def test_ignored_keywords_are_written_down_and_change_nothing() -> None:

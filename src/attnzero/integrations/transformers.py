@@ -449,7 +449,9 @@ def make_attention_forward(backend: str = "auto") -> Callable[..., tuple[Tensor,
                     keep = torch.ones(Lq, Lk, dtype=torch.bool, device=query.device).tril()  # top-left
         elif attention_mask.dtype == torch.bool:
             keep = attention_mask  # (B|1, 1|H, Lq, Lk), True = may attend
-        elif not attention_mask.is_floating_point():  # (named here: as a bias it would be called `bias`)
+        elif not attention_mask.is_floating_point() and position_bias is None:
+            # (named here: as a bias it is refused as `bias`; T5's position_bias makes it a float bias, as
+            # in transformers' eager and SDPA paths)
             raise TypeError(
                 f"attention_mask: expected a bool mask (True = may attend) or a floating additive one, "
                 f"got {attention_mask.dtype}"
