@@ -326,10 +326,15 @@ def test_single_process_group(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="ring_attention: no second derivative through it"):
             torch.autograd.grad(dq.square().sum(), q)
         w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+        y = az.distributed.ring_attention(q, k, v, causal=True) @ w  # (2, 4, 9, 8) @ (8, 8)
+        (dq,) = torch.autograd.grad(y.square().sum(), q, create_graph=True)  # dO depends on w
+        with pytest.raises(RuntimeError, match="ring_attention: no second derivative through it"):
+            torch.autograd.grad(dq.square().sum(), w, allow_unused=True)
         penalties = []
         for fn in (az.distributed.ring_attention, az.attention):
-            y = fn(q, k, v, causal=True) @ w  # (2, 4, 9, 8) @ (8, 8)
-            (dw,) = torch.autograd.grad(y.square().sum(), w, create_graph=True)
+            layer = lambda x, fn=fn: fn(x, k, v, causal=True)  # noqa: E731
+            y = torch.utils.checkpoint.checkpoint(layer, q, use_reentrant=False) @ w
+            _, dw = torch.autograd.grad(y.square().sum(), (q, w), create_graph=True)  # (the ring's backward runs)
             penalties.append(torch.autograd.grad(dw.square().sum(), (q, w)))
         for a, b in zip(*penalties):
             torch.testing.assert_close(a, b)

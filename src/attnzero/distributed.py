@@ -467,8 +467,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        saved = ctx.saved_tensors  # (read once: a non-reentrant checkpoint refuses a second unpacking)
         with torch.no_grad():
-            grads = _RingAttention._grads(ctx, dout)
+            grads = _RingAttention._grads(ctx, saved, dout)
         if not torch.is_grad_enabled():
             return grads
         # A graph of the gradients asked for (create_graph=True): a second derivative would need the
@@ -476,13 +477,14 @@ class _RingAttention(torch.autograd.Function):
         # derivative raises (once_differentiable refused only when the incoming gradient needed one:
         # after loss = out.sum() a gradient penalty through the ring silently added nothing). A second
         # derivative that does not pass through the ring (a later layer's gradient) still runs.
-        q, k, v, sinks, _, _, *captured = ctx.saved_tensors
-        inputs = [t for t in (q, k, v, sinks, *captured) if t is not None and t.requires_grad]
+        # dout too: a later layer's weight reaches the ring's gradients through it
+        q, k, v, sinks, _, _, *captured = saved
+        inputs = [t for t in (q, k, v, sinks, dout, *captured) if t is not None and t.requires_grad]
         return tuple(None if g is None else _NoSecondDerivative.apply(g, *inputs) for g in grads)
 
     @staticmethod
-    def _grads(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, sinks, out, lse, *_ = ctx.saved_tensors  # (unpacked: autograd's check of the captured)
+    def _grads(ctx: Any, saved: tuple[Tensor, ...], dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, sinks, out, lse, *_ = saved  # (unpacked: autograd's check of the captured)
         dout = dout.contiguous()
         dq = dk = dv = dsinks = None
         mo: _Mods = ctx.args[-1]
