@@ -246,6 +246,13 @@ def test_and_or_not() -> None:
     assert torch.equal(dense(~c), ~tri)
     assert torch.equal(dense(az.masks.and_(c, w, ~az.masks.window(4, 4, 0, 0))), tri & band & ~torch.eye(4).bool())
     assert "not" in (~c).name and "and" in (c & w).name and "or" in (c | w).name
+    # a combination's name keeps its grouping: two different masks never print alike
+    pad = az.masks.padding(torch.tensor([3]), 4)
+    names = {m.name: m for m in ((c | w) & pad, c | (w & pad), ~(c & w), ~c & w, c & w & pad)}
+    assert len(names) == 5, list(names)
+    assert (c & w & pad).name == f"{c.name} and {w.name} and {pad.name}"  # (one kind: no brackets)
+    assert ((c | w) & pad).name == f"({c.name} or {w.name}) and {pad.name}"
+    assert (~(c & w)).name == f"not ({c.name} and {w.name})"
 
 
 def test_combining_with_tensors_broadcasts() -> None:

@@ -369,7 +369,8 @@ class Mask:
         return or_(other, self)
 
     def __invert__(self) -> Mask:  # (no structure: the complement of a band is not a band)
-        out = Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, f"not {self.name}")
+        name = f"not {_grouped(self.name, 'not')}"
+        out = Mask(lambda b, h, q, kv: self(b, h, q, kv).logical_not(), self.shape, name)
         return _made(_reading(out, self), operator.invert, self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -724,7 +725,7 @@ def _combined(ms: list[Mask], op: Callable[[Tensor, Tensor], Tensor], word: str)
 
     full: Shape4 = (shape[0], shape[1], shape[2], shape[3])
     parts = [m.at(full[2], full[3]) for m in ms]  # a band broadcast along a length says nothing there
-    name = f" {word} ".join(m.name for m in ms)
+    name = f" {word} ".join(_grouped(m.name, word) for m in ms)
     bands = [m.band for m in parts]
     if any(m.table is not None or m.parts is not None for m in parts):
         return _combine_blocks(keep, full, name, parts, word)
@@ -781,6 +782,17 @@ def _join(segs: list[Segments], shape: Shape4) -> Segments | None:
     _, labels = torch.unique(torch.cat([q.reshape(-1, n), k.reshape(-1, n)]), dim=0, return_inverse=True)
     return Segments(labels[: B * Lq].view(B, Lq), labels[B * Lq :].view(B, Lk), shape)
 
+
+
+def _grouped(name: str, word: str) -> str:
+    """A part's name inside a combination by ``word`` ("and", "or", "not"), bracketed where the part
+    is itself a combination of another kind: ``(causal or window) and padding`` and ``causal or
+    (window and padding)`` are different masks, and so are ``not (causal and window)`` and ``not
+    causal and window`` ("not" binding first, then "and", then "or")."""
+    combined = " and " in name or " or " in name or name.startswith("not ")
+    other = {"and": " or ", "or": " and "}.get(word)
+    alike = other is not None and other not in name and not name.startswith("not ")  # a ∧ b ∧ c: no brackets
+    return f"({name})" if combined and not alike else name
 
 def and_(*masks: Mask | Tensor) -> Mask:
     """Keep a pair only where every mask keeps it."""
