@@ -476,8 +476,8 @@ class _RingAttention(torch.autograd.Function):
         # ring inside autograd, so each gradient comes back as a function of the ring's inputs whose
         # derivative raises (once_differentiable refused only when the incoming gradient needed one:
         # after loss = out.sum() a gradient penalty through the ring silently added nothing). A second
-        # derivative that does not pass through the ring (a later layer's gradient) still runs.
-        # dout too: a later layer's weight reaches the ring's gradients through it
+        # derivative that does not pass through the ring (a later layer's gradient) still runs. dout
+        # counts among the inputs: a later layer's weight reaches the ring's gradients through it.
         q, k, v, sinks, _, _, *captured = saved
         inputs = [t for t in (q, k, v, sinks, dout, *captured) if t is not None and t.requires_grad]
         return tuple(None if g is None else _NoSecondDerivative.apply(g, *inputs) for g in grads)

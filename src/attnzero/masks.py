@@ -783,7 +783,6 @@ def _join(segs: list[Segments], shape: Shape4) -> Segments | None:
     return Segments(labels[: B * Lq].view(B, Lq), labels[B * Lq :].view(B, Lk), shape)
 
 
-
 def _grouped(name: str, word: str) -> str:
     """A part's name inside a combination by ``word`` ("and", "or", "not"), bracketed where the part
     is itself a combination of another kind: ``(causal or window) and padding`` and ``causal or
@@ -793,6 +792,7 @@ def _grouped(name: str, word: str) -> str:
     other = {"and": " or ", "or": " and "}.get(word)
     alike = other is not None and other not in name and not name.startswith("not ")  # a ∧ b ∧ c: no brackets
     return f"({name})" if combined and not alike else name
+
 
 def and_(*masks: Mask | Tensor) -> Mask:
     """Keep a pair only where every mask keeps it."""
