@@ -316,11 +316,13 @@ struct Problem {
     *hi = right == UNBOUNDED ? n : std::clamp<int64_t>(p + right + 1 - j0, 0, n);
   }
 
-  // The columns of a PARTIAL block (the band's right edge bounds it) that each group of MR stacked
-  // rows needs: reach[r / MR] = the most any of its rows keeps, counted from the block's first column
-  // (rows r = g·ni + ii, ii < ni, of the query heads g stacked). A causal diagonal block then computes
-  // about its triangle, not its square: the columns past a group's reach are blocked in all its rows.
-  void reach(const Block& blk, int64_t R, int64_t ni, int64_t* out) const {
+  // Whether the register tiles trim a block — PARTIAL, the band's right edge bounding it (causal's
+  // diagonal) — and then the columns each group of MR stacked rows needs: out[r / MR] = the most any
+  // of its rows keeps, counted from the block's first column (rows r = g·ni + ii, ii < ni, of the
+  // query heads g stacked). A causal diagonal block then computes about its triangle, not its square:
+  // the columns past a group's reach are blocked in all its rows.
+  bool reach(const Block& blk, int64_t R, int64_t ni, int64_t* out) const {
+    if (!tiled() || blk.kind != PARTIAL || right == UNBOUNDED) return false;
     for (int64_t r0 = 0; r0 < R; r0 += MR) {
       int64_t most = 0;
       for (int64_t r = r0; r < std::min(R, r0 + MR); ++r) {
@@ -330,6 +332,7 @@ struct Problem {
       }
       out[r0 / MR] = most;
     }
+    return true;
   }
 
   // Query block ib × key block jb of batch b (rows ni, columns nc): false when nothing in it is kept
@@ -901,8 +904,7 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         const float* vp = kv_block<T>(v, b, hkv, j0, nc, vb, &ldv);
         // A block the band's right edge crosses (causal's diagonal): each group of MR rows computes
         // only the columns its rows can keep (P.reach), about the block's triangle
-        const bool trim = tiled && blk.kind == PARTIAL && P.right != UNBOUNDED;
-        if (trim) P.reach(blk, R, ni, reach);
+        const bool trim = P.reach(blk, R, ni, reach);
         if (tiled) {  // x_ij = q_i · k_j
           by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {
             kt.scores(rows, j0, n, qa + r0 * ldq, ldq, s + r0 * bn, bn, kh, P.Lk, D, k.stride(2), k.stride(3));
@@ -915,9 +917,9 @@ void forward_impl(const Problem& P, const at::Tensor& q, const at::Tensor& k, co
         for (int64_t r = 0; r < R; ++r) {
           const int64_t g = r / ni, ii = r % ni, h = hkv * P.G + g, i = i0 + ii;
           float* sr = s + r * bn;
-          Block row = blk;  // this row's columns: [0, reach_r) of the block
-          if (trim) row.nc = reach[r / MR];
-          const int64_t n = row.nc;
+          const int64_t n = trim ? reach[r / MR] : nc;  // this row's columns
+          Block row = blk;
+          row.nc = n;
           float f = 1.f, top;  // s_ij = f · sr_j; top = max_j s_ij
           if (plain) {
             f = P.scale, top = P.scale * row_max(sr, n);
@@ -1099,8 +1101,7 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           const float* doi = dof + row0 * ldo;
           // as in the forward, a block the band's right edge crosses is computed by groups of MR
           // rows, each up to its reach (S, dp and dQ); past it p and ds are 0 (dV and dK read them)
-          const bool trim = tiled && blk.kind == PARTIAL && P.right != UNBOUNDED;
-          if (trim) P.reach(blk, R, ni, reach);
+          const bool trim = P.reach(blk, R, ni, reach);
           if (tiled) {  // x_ij = q_i · k_j
             by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {
               product_t(rows, c0, n, D, qi + r0 * ldq, ldq, kt, s + r0 * bn, bn, 1.f);
@@ -1112,9 +1113,9 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           for (int64_t r = 0; r < R; ++r) {
             const int64_t g = r / ni, ii = r % ni, h = hkv * G + g, i = i0 + ii;
             float* sr = s + r * bn;
-            Block row = blk;  // this row's columns: [0, reach_r) of the block
-            if (trim) row.nc = reach[r / MR];
-            const int64_t n = row.nc;
+            const int64_t n = trim ? reach[r / MR] : nc;  // this row's columns
+            Block row = blk;
+            row.nc = n;
             if (!plain) P.scores(sr, P.cap > 0.f ? th + r * bn : nullptr, nx ? xs + r * bn : nullptr, row, b, h, ii);
             const float lse_i = lser[row0 + r];
             if (lse_i == NEG_INF) {  // p_ij = 0 for a row with no kept key
