@@ -744,6 +744,27 @@ void by_groups(bool trim, int64_t R, int64_t nc, const int64_t* reach, const F& 
   for (int64_t r0 = 0; r0 < R; r0 += MR) f(r0, std::min<int64_t>(MR, R - r0), reach[r0 / MR]);
 }
 
+// The backward's dV and dK of a trimmed block, Σ over its query rows for each key column c: the
+// groups of MR rows before the first that reaches c hold p = ds = 0 there, so the sum starts at that
+// group's first row. f(c0, cols, r0): key columns [c0, c0 + cols), from row r0 (R: none reaches
+// them) to R; columns in groups of MR, as the product's tiles take them, runs of equal r0 together.
+template <typename F>
+void by_key_groups(bool trim, int64_t R, int64_t nc, const int64_t* reach, const F& f) {
+  if (!trim) return f(int64_t(0), nc, int64_t(0));
+  const auto first_row = [&](int64_t c) {
+    int64_t r0 = 0;
+    while (r0 < R && reach[r0 / MR] <= c) r0 += MR;
+    return std::min(r0, R);
+  };
+  for (int64_t c0 = 0; c0 < nc;) {
+    const int64_t r0 = first_row(c0);
+    int64_t c1 = std::min(nc, c0 + MR);
+    while (c1 < nc && first_row(c1) == r0) c1 = std::min(nc, c1 + MR);
+    f(c0, c1 - c0, r0);
+    c0 = c1;
+  }
+}
+
 // Pieces of a thread's work memory (run_tasks), 64-byte aligned, handed out in order.
 struct Scratch {
   float* next;
@@ -1100,7 +1121,8 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           const float* qi = qf + row0 * ldq;
           const float* doi = dof + row0 * ldo;
           // as in the forward, a block the band's right edge crosses is computed by groups of MR
-          // rows, each up to its reach (S, dp and dQ); past it p and ds are 0 (dV and dK read them)
+          // rows, each up to its reach (S, dp and dQ); past it p and ds are 0, and dV and dK sum
+          // each key's rows from the first group that reaches it
           const bool trim = P.reach(blk, R, ni, reach);
           if (tiled) {  // x_ij = q_i · k_j
             by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {
@@ -1132,7 +1154,9 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
           }
           const float* pt = P.dropout ? pd : s;
           if (tiled) {
-            product({nc, Dv, R, pt, 1, bn, doi, ldo, dvb, Dv, 1.f, true});  // dV_j += Σ_i p̃_ij dO_i
+            by_key_groups(trim, R, nc, reach, [&](int64_t c, int64_t cols, int64_t r0) {  // dV_j += Σ_i p̃_ij dO_i
+              product({cols, Dv, R - r0, pt + r0 * bn + c, 1, bn, doi + r0 * ldo, ldo, dvb + c * Dv, Dv, 1.f, true});
+            });
             by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {  // dp_ij = dO_i · v_j
               product_t(rows, c0, n, Dv, doi + r0 * ldo, ldo, vt, dp + r0 * bn, bn, 1.f);
             });
@@ -1167,7 +1191,9 @@ void backward_impl(const Problem& P, const at::Tensor& dout, const at::Tensor& q
             by_groups(trim, R, nc, reach, [&](int64_t r0, int64_t rows, int64_t n) {  // dQ_i += scale · Σ_j ds_ij k_j
               product({rows, D, n, dp + r0 * bn, bn, 1, kp, ldk, dqa + (row0 + r0) * D, D, P.scale, true});
             });
-            product({nc, D, R, dp, 1, bn, qi, ldq, dkb, D, P.scale, true});  // dK_j += scale · Σ_i ds_ij q_i
+            by_key_groups(trim, R, nc, reach, [&](int64_t c, int64_t cols, int64_t r0) {  // dK_j += scale · Σ_i ds_ij q_i
+              product({cols, D, R - r0, dp + r0 * bn + c, 1, bn, qi + r0 * ldq, ldq, dkb + c * D, D, P.scale, true});
+            });
           } else {
             gemm(false, false, R, D, nc, P.scale, dp, bn, kp, ldk, 1.f, dqa + row0 * D, D);
             gemm(true, false, nc, D, R, P.scale, dp, bn, qi, ldq, 1.f, dkb, D);
