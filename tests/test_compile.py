@@ -394,3 +394,55 @@ def test_a_compiled_model_runs_varlen_for_new_sequence_lengths_without_recompili
             frames = counter.frame_count
     assert counter.frame_count == frames
     assert frames <= 2  # the code before the call and the code after it
+
+
+@pytest.mark.parametrize("builder", ["padding", "document"])
+def test_a_mask_built_inside_a_compiled_model_costs_no_recompile(builder: str) -> None:
+    # masks.padding / document read their lengths or ids (checks, the blocks to skip): traced, each
+    # call broke the graph five to eight times and new lengths recompiled; run eagerly, neither.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    proj = nn.Linear(8, 8)
+
+    def step(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        q = proj(x).view(2, 12, 2, 4).transpose(1, 2)  # (2·12, 8) → (2, 2, 12, 4)
+        if builder == "padding":
+            keep = az.masks.padding(lengths, 12)
+        else:  # two documents per row, packed: ids from the lengths
+            keep = az.masks.document(cu_seqlens=torch.cat([lengths.new_zeros(1), lengths, lengths.new_full((1,), 12)]))
+        out = az.attention(q, q, q, mask=keep, causal=True)
+        assert isinstance(out, torch.Tensor)
+        return out.square().sum()
+
+    compiled = torch.compile(step, backend=counter)
+    torch.manual_seed(0)
+    x = torch.randn(24, 8)
+    for n, lengths in enumerate(([12, 7], [3, 12], [5, 9])):
+        arg = torch.tensor(lengths if builder == "padding" else lengths[:1])
+        got = compiled(x, arg)
+        got_grads = torch.autograd.grad(got, list(proj.parameters()))
+        want = step(x, arg)
+        want_grads = torch.autograd.grad(want, list(proj.parameters()))
+        torch.testing.assert_close(got, want)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b)
+        if n == 0:
+            frames = counter.frame_count
+    assert counter.frame_count == frames
+    assert frames <= 2  # the code before the call and the code after it
+
+
+@pytest.mark.parametrize("how", ["and_", "from_tensor"])
+def test_a_tensor_joined_to_a_mask_the_readme_way_traces_whole(how: str) -> None:
+    # (`pad & causal` itself makes dynamo run the whole function eagerly: README says what to write)
+    def fn(q: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        causal = az.masks.causal(q.shape[2])
+        keep = az.masks.and_(pad, causal) if how == "and_" else az.masks.from_tensor(pad) & causal
+        out = az.attention(q, q, q, mask=keep)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    q, pad = torch.randn(2, 2, 10, 4), torch.arange(10).view(1, 1, 1, 10) < torch.tensor([10, 6]).view(2, 1, 1, 1)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, pad), fn(q, pad))

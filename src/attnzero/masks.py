@@ -533,9 +533,13 @@ def window(q_len: int, kv_len: int | None = None, left: int | None = None, right
     return _made(made, window, Lq, Lk, left, right)
 
 
+@torch.compiler.disable  # (see the docstring)
 def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
     """Key padding from the true lengths of each sequence: key ``j`` of batch ``b`` is kept iff
-    ``j < lengths[b]``. Shape (B, 1, 1, kv_len), kv_len defaulting to ``max(lengths)``."""
+    ``j < lengths[b]``. Shape (B, 1, 1, kv_len), kv_len defaulting to ``max(lengths)``.
+
+    The lengths are read (checked, and turned into the blocks a backend skips), so under
+    ``torch.compile`` the call runs eagerly: one graph break, and new lengths do not recompile."""
     lens = _ints("lengths", lengths, "a 1-D sequence of ints").clone()  # the mask as made (its blocks are)
     if lens.ndim != 1:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got {tuple(lens.shape)} {lens.dtype}")
@@ -571,6 +575,7 @@ def _ids_from_cu(name: str, cu: Tensor | Sequence[int]) -> Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (T,)
 
 
+@torch.compiler.disable  # (as padding: the ids are read)
 def document(
     ids: Tensor | Sequence[int] | None = None,
     kv_ids: Tensor | Sequence[int] | None = None,
@@ -592,6 +597,7 @@ def document(
         · · ■ ■ ■
 
     Sorted ids (documents back to back) let backends skip every block between two documents.
+    Under ``torch.compile`` the call runs eagerly, as :func:`padding` does.
     """
     if cu_seqlens is not None or cu_seqlens_kv is not None:
         if ids is not None or kv_ids is not None:
