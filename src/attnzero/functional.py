@@ -614,7 +614,10 @@ def attention_varlen(
         alone (with a score_mod: one that sees ``b = n``); the cost is that of the sequences
         (Σ Lq_n · Lk_n), not of the packed length squared. An empty sequence gives nothing; a
         sequence with queries but no keys gives 0. Under ``torch.compile`` the call runs eagerly
-        (one graph break; new cu_seqlens do not recompile).
+        (one graph break; new cu_seqlens do not recompile). Where queries and keys are packed alike
+        it is one call over the packed row with the documents as a mask, so a NaN or infinity in one
+        sequence's q, k, v or output gradient can reach another's result through a block both share
+        (0 · NaN, as in a dense masked softmax); with finite values each sequence is on its own.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, empty_ok=True)
