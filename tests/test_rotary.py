@@ -156,10 +156,28 @@ def test_table_is_cached_and_grows() -> None:
     assert table is not None
     rot(x, torch.tensor([3, 4, 5]))
     assert rot._cos64 is table  # reused, not rebuilt
-    big = torch.tensor([5000, 10, 12345])
+    big = torch.tensor([500, 10, 2345])
     torch.testing.assert_close(rot(x, big), half_split_formula(x, big), rtol=0, atol=1e-12)
-    assert rot._cos64 is not None and rot._cos64.shape[0] > 12345
+    assert rot._cos64 is not None and rot._cos64.shape[0] > 2345
     assert rot.state_dict() == {}  # a cache, not state: module.half() cannot touch it
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_few_far_positions_take_their_own_angles_not_a_table(interleaved: bool) -> None:
+    # A table up to position 10⁹ would hold every position below it (10⁷ at D = 128 was 10 GB).
+    rot = az.RotaryEmbedding(8, interleaved=interleaved)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    far = torch.tensor([10**9, 5, 10**7])
+    want = half_split_formula(x, far) if not interleaved else None
+    got = rot(x, far)
+    assert rot._cos64 is None or rot._cos64.shape[0] <= 4096
+    if want is not None:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)  # (angles of 10⁹ lose ~1e-7 to float64)
+    # the same values as the table's, bit for bit, where a table holds them
+    x32, mid = torch.randn(2, 3, 8), torch.tensor([20000, 3, 9000])
+    direct = rot(x32, mid)
+    rot.cos_sin(20001, x32.device, torch.float32)
+    torch.testing.assert_close(rot(x32, mid), direct, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
