@@ -100,6 +100,7 @@ GRID_MODS: dict[str, Callable[..., Tensor]] = {
     "casts_logic": lambda s, b, h, i, j: s + ((i > j) & ~(j == 3) | (h == 2)).float() + (i ^ j).float() * 0.01
     + (b + h).to(torch.float16).float() + s.detach() * 0.5,
     "documents": lambda s, b, h, i, j: torch.where(doc[i] == doc[j], s, -float("inf")),
+    "float64_sqrt": lambda s, b, h, i, j: s + ((j + 1).double().sqrt() * s.double()).float(),  # (sqrt_rn: float32 only)
 }  # fmt: skip
 GRID_MODS.update(torch_semantics_mods(DEVICE))  # where C and torch differ (conftest)
 
@@ -286,6 +287,40 @@ def test_backend_triton_names_an_op_it_cannot_generate(mod: Any, op: str) -> Non
     q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 4, 4, 5, 5, 16))
     with pytest.raises(ValueError, match=rf"score_mod: cannot generate Triton code for {op}.*backend='flash'"):
         az.attention(q, k, v, score_mod=mod, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16], ids=["f16", "bf16"])
+def test_a_16_bit_value_in_a_mod_is_refused_and_a_table_read_as_float32_runs(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Computing 16-bit values as torch does takes its rounding op by op: tl.exp refused them (Triton's
+    # math takes float32 / 64) and the interpreter multiplied bfloat16 as raw bits (lse ~1e36).
+    # Refused by name on "triton", run by flash.py on "auto"; `.float()` reads are generated.
+    temp = (torch.rand(4, device=DEVICE) + 0.5).to(dtype)
+    slope = slopes.detach().to(dtype).requires_grad_()
+
+    def sixteen(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * torch.exp(temp[h] - 1) - slope[h] * (i - j).abs()
+
+    def read_as_float(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * torch.exp(temp[h].float() - 1) - slope[h].float() * (i - j).abs()
+
+    q, k, v = (t.to(DEVICE) for t in qkv(1, 4, 2, 17, 23, 16))
+    with pytest.raises(ValueError, match=rf"score_mod: cannot generate Triton code for .*{dtype}.*float32"):
+        az.attention(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=sixteen, backend="triton")
+    monkeypatch.setattr(functional, "_auto", lambda q, v: "triton")
+    ran: list[str] = []
+    real = functional._flash_with_mod
+    monkeypatch.setattr(functional, "_flash_with_mod", lambda *a, **kw: ran.append("flash") or real(*a, **kw))
+    check_against_golden("auto", dtype, q, k, v, score_mod=sixteen, causal=True)
+    assert ran and set(ran) == {"flash"}
+    check_against_golden("triton", dtype, q, k, v, score_mod=read_as_float, causal=True)
+    grads = {}
+    for backend in ("reference", "triton"):
+        out = az.attention(q.float(), k.float(), v.float(), score_mod=read_as_float, causal=True, backend=backend)
+        grads[backend] = torch.autograd.grad(out.square().sum(), slope)[0]  # type: ignore[union-attr]
+    assert grads["reference"].abs().sum() > 0
+    torch.testing.assert_close(grads["triton"].float(), grads["reference"].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_auto_runs_a_mod_it_cannot_generate_on_flash_and_one_it_can_on_triton(

@@ -95,6 +95,9 @@ class _Cpp(codegen._Lang):
     def to(self, expr: str, dtype: torch.dtype) -> str:
         return f"static_cast<{self.type(dtype)}>({expr})"
 
+    def computes(self, dtype: torch.dtype) -> bool:
+        return True  # each value in a C++ type of its own (`type` refuses a dtype C++ has none of here)
+
     def where(self, c: str, a: str, b: str) -> str:
         return f"({c} ? {a} : {b})"
 

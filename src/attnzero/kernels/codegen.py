@@ -181,7 +181,7 @@ class _Lang:
     varying: ClassVar[frozenset[str]] = frozenset({"score", "q_idx", "kv_idx"})
     fns: ClassVar[dict[str, str]] = {
         "floor": "tl.floor", "ceil": "tl.ceil", "abs": "tl.abs", "exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log",
-        "log2": "tl.log2", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt", "tanh": "_tanh", "sigmoid": "tl.sigmoid",
+        "log2": "tl.log2", "sqrt": "_sqrt", "rsqrt": "tl.rsqrt", "tanh": "_tanh", "sigmoid": "tl.sigmoid",
         "sin": "tl.sin", "cos": "tl.cos",
     }  # fmt: skip
 
@@ -190,6 +190,21 @@ class _Lang:
 
     def type(self, dtype: torch.dtype) -> str:
         return _TL[dtype]
+
+    def computes(self, dtype: torch.dtype) -> bool:
+        """Whether ops compute values of ``dtype`` here. Not float16 / bfloat16: torch rounds each
+        16-bit op's result (and, op by op, some Python numbers) to the dtype, Triton's math takes
+        float32 or float64 only, and its CPU interpreter multiplies bfloat16 as raw bits. A 16-bit
+        value is held as the float32 it converts to exactly (read from a tensor, or rounded by a
+        cast: ``round16``), which casts, tests and float32 arithmetic take as torch does."""
+        return dtype in _TL and dtype not in (torch.float16, torch.bfloat16)
+
+    def round16(self, expr: str, source: torch.dtype, dtype: torch.dtype) -> str:
+        """``expr`` (of ``source``) rounded to float16 / bfloat16, as float32. bfloat16 by ``_bf16``:
+        the interpreter's own conversion truncates."""
+        if dtype == torch.float16:
+            return f"{expr}.to(tl.float16).to(tl.float32)"
+        return f"_bf16_of_f64({expr})" if source == torch.float64 else f"_bf16({expr}.to(tl.float32))"
 
     def to(self, expr: str, dtype: torch.dtype) -> str:
         return f"{expr}.to({self.type(dtype)})"
@@ -235,6 +250,7 @@ _LOGICAL = {"logical_and": "_and", "logical_or": "_or", "logical_xor": "_xor"}
 _BOOL_FN = {"&": "_and", "|": "_or", "^": "_xor"}
 _UNARY = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "floor", "ceil"}
 _INLINE = {"neg": "(-{})", "reciprocal": "(1.0 / {})", "square": "({0} * {0})"}  # fmt: skip
+_WHY_16 = "— the generated code computes none: keep the tensors it reads in float32, or read them with .float()"
 _FLOAT_ONLY = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "reciprocal"}
 _IDENTITY = {
     "alias",
@@ -324,10 +340,18 @@ class _Emitter:
         )  # fmt: skip
         expr = self.lang.load(v.slot, v.offset, v.ok, v.dtype)
         load = Load(v.slot, v.offset, v.ok, v.varies, grad)
-        if v.cast is None or v.cast == v.dtype:
+        target = v.dtype if v.cast is None else v.cast
+        source = v.dtype
+        if not self.lang.computes(v.dtype):  # a 16-bit element: as the float32 it converts to exactly
+            expr, source = self.lang.to(expr, F32), F32
+        if target == v.dtype:
             return self.new(expr, v.dtype, v.varies, load)
+        if not self.lang.computes(target):  # read as float16 / bfloat16 (d(cast)/d(read) = 1)
+            return self.new(self.lang.round16(expr, source, target), target, v.varies, load)
+        if source != v.dtype:
+            return self.new(self.lang.to(expr, target), target, v.varies, load)
         got = self.new(expr, v.dtype, v.varies)
-        return self.new(self.cast(got, v.cast), v.cast, v.varies, load)  # d(cast)/d(read) = 1
+        return self.new(self.cast(got, target), target, v.varies, load)  # d(cast)/d(read) = 1
 
     # -- the graph
 
@@ -384,6 +408,8 @@ class _Emitter:
         dt = val.dtype
         if dt not in _TL:
             raise self.refuse(node, f"dtype {dt}")
+        if not self.lang.computes(dt) and op != "_to_copy":
+            raise self.refuse(node, f"a {dt} value {_WHY_16}")
         if op in _CONSTANTS:
             value = {"full": 1, "scalar_tensor": 0, "new_full": 2, "full_like": 1}.get(op)
             number = args[value] if value is not None else (1 if "ones" in op else 0)
@@ -398,6 +424,12 @@ class _Emitter:
         xs: list[Any] = [self.scalar(node, a) if isinstance(a, (torch.fx.Node, bool, int, float)) else a for a in args]
         varies = any(isinstance(x, Scalar) and x.varies for x in xs)
         if op == "_to_copy":
+            if not self.lang.computes(dt):  # rounded to float16 / bfloat16, held as float32
+                x = xs[0]
+                if x.value is not None:
+                    raise self.refuse(node, f"a {dt} constant {_WHY_16}")
+                source = x.dtype if self.lang.computes(x.dtype) else F32
+                return self.new(self.lang.round16(x.expr, source, dt), dt, varies)
             return self.new(self.cast(xs[0], dt), dt, varies)
         if op in _BINARY or op == "rsub":
             a, b = xs[0], xs[1]
@@ -431,6 +463,8 @@ class _Emitter:
             return self.new(expr, dt, varies)
         if op in _COMPARE:
             ct = torch.result_type(_meta(xs[0]), _meta(xs[1]))
+            if not self.lang.computes(ct):  # (torch rounds a Python number to the 16-bit dtype first)
+                raise self.refuse(node, f"a comparison of {ct} values {_WHY_16}")
             return self.new(f"{self.cast(xs[0], ct)} {_COMPARE[op]} {self.cast(xs[1], ct)}", dt, varies)
         if op in _LOGICAL:
             return self.new(f"{_LOGICAL[op]}({self.cast(xs[0], torch.bool)}, {self.cast(xs[1], torch.bool)})",
@@ -612,10 +646,11 @@ class _Backward:
             return
         v = self.em.vals[node]
         assert isinstance(v, Scalar)
-        if v.dtype != dtype:
-            expr = self.em.lang.to(f"({expr})", v.dtype)
+        held = v.dtype if self.em.lang.computes(v.dtype) else F32  # (a 16-bit value's adjoint: float32)
+        if held != dtype:
+            expr = self.em.lang.to(f"({expr})", held)
         before = self.adj.get(node)
-        self.adj[node] = self.var(expr if before is None else f"{before} + {expr}", v.dtype)
+        self.adj[node] = self.var(expr if before is None else f"{before} + {expr}", held)
 
     def mark(self) -> None:
         """Which nodes need a gradient: the score, reads that want one, and float nodes computed
@@ -795,6 +830,30 @@ from attnzero.kernels.forward import tanh as _tanh
 
 INF: tl.constexpr = tl.constexpr(float("inf"))
 NAN: tl.constexpr = tl.constexpr(float("nan"))
+
+
+@triton.jit
+def _bf16(x):
+    # float32 x rounded to bfloat16 (to nearest, ties to even), as float32: in integer arithmetic,
+    # as torch rounds (Triton's CPU interpreter truncates in its own conversion)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _bf16_of_f64(x):
+    # float64 x rounded to bfloat16 once (8 significant bits of 53), as float32
+    bits = x.to(tl.uint64, bitcast=True)
+    bits = ((bits + 0xFFFFFFFFFFF + ((bits >> 45) & 1)) >> 45) << 45
+    return tl.where(x != x, x, bits.to(tl.float64, bitcast=True)).to(tl.float32)
+
+
+@triton.jit
+def _sqrt(x):
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)  # (tl.sqrt_rn takes float32 only)
+    return tl.sqrt_rn(x)  # correctly rounded, as torch's
 
 
 @triton.jit
