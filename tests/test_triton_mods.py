@@ -323,6 +323,27 @@ def test_a_16_bit_value_in_a_mod_is_refused_and_a_table_read_as_float32_runs(
     torch.testing.assert_close(grads["triton"].float(), grads["reference"].float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, BF16], ids=["f16", "bf16"])
+def test_a_float64_table_cast_to_16_bits_rounds_as_torch_and_a_cast_chain_is_refused(dtype: torch.dtype) -> None:
+    # torch rounds float64 to float32, then to 16 bits (values just past a tie: once would round up);
+    # a whole table cast twice kept only the last cast (T.half().float() read T as float32)
+    tie = 1.0 + 2.0 ** (-11 if dtype == torch.float16 else -8)
+    t64 = torch.tensor([tie + 2.0**-40, 1e-40, -tie - 2.0**-40, 3.0] * 6, dtype=torch.float64, device=DEVICE)
+
+    def rounded(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + 4.0 * t64[j].to(dtype).float()
+
+    def chain(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + t64.to(dtype).float()[j]
+
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 2, 2, 9, 23, 16))
+    got = az.attention(q, k, v, score_mod=rounded, backend="triton")
+    want = az.attention(q, k, v, score_mod=rounded, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="a second cast"):
+        az.attention(q, k, v, score_mod=chain, backend="triton")
+
+
 def test_auto_runs_a_mod_it_cannot_generate_on_flash_and_one_it_can_on_triton(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

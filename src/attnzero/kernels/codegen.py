@@ -202,9 +202,8 @@ class _Lang:
     def round16(self, expr: str, source: torch.dtype, dtype: torch.dtype) -> str:
         """``expr`` (of ``source``) rounded to float16 / bfloat16, as float32. bfloat16 by ``_bf16``:
         the interpreter's own conversion truncates."""
-        if dtype == torch.float16:
-            return f"{expr}.to(tl.float16).to(tl.float32)"
-        return f"_bf16_of_f64({expr})" if source == torch.float64 else f"_bf16({expr}.to(tl.float32))"
+        x = f"{expr}.to(tl.float32)" if source != F32 else expr  # (float64: rounded twice, as torch on CPU)
+        return f"{x}.to(tl.float16).to(tl.float32)" if dtype == torch.float16 else f"_bf16({x})"
 
     def to(self, expr: str, dtype: torch.dtype) -> str:
         return f"{expr}.to({self.type(dtype)})"
@@ -530,7 +529,10 @@ class _Emitter:
         v = self.vals[args[0]]
         assert isinstance(v, View)
         if op == "_to_copy":
-            res = View(**{**v.__dict__, "cast": kw.get("dtype", v.cast)})
+            to = kw.get("dtype", v.cast)
+            if v.cast is not None and v.cast != v.dtype and to != v.cast:  # (one cast is kept per read)
+                raise self.refuse(node, f"a second cast ({v.cast}, then {to}) of a whole captured tensor; index first")
+            res = View(**{**v.__dict__, "cast": to})
         elif op == "detach":
             res = View(**{**v.__dict__, "detached": True})
         elif op in _IDENTITY:
@@ -839,14 +841,6 @@ def _bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _bf16_of_f64(x):
-    # float64 x rounded to bfloat16 once (8 significant bits of 53), as float32
-    bits = x.to(tl.uint64, bitcast=True)
-    bits = ((bits + 0xFFFFFFFFFFF + ((bits >> 45) & 1)) >> 45) << 45
-    return tl.where(x != x, x, bits.to(tl.float64, bitcast=True)).to(tl.float32)
 
 
 @triton.jit
