@@ -228,6 +228,18 @@ def test_the_kernel_runs_a_score_mod_against_the_golden(case: str, ran: list[boo
     assert ran and all(ran)
 
 
+def test_a_table_cast_twice_is_left_to_flash_py(ran: list[bool]) -> None:
+    # the generated read kept only a whole table's last cast: t.half().float()[j] read t as float32
+    t = torch.randn(37, dtype=torch.float64) * 3
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + t.half().float()[j] + t.int().float()[j] * 0.5
+
+    q, k, v = qkv(1, 2, 2, 9, 37, 16)
+    check_against_golden("flash", F32, q, k, v, score_mod=mod)
+    assert ran and not any(ran)
+
+
 @pytest.mark.parametrize(("Lq", "Lk", "D"), [(1, 1, 8), (17, 113, 40), (113, 17, 64), (130, 600, 96)])
 def test_awkward_sizes(Lq: int, Lk: int, D: int, ran: list[bool]) -> None:
     """Rows and key blocks cut anywhere (the kernel's 512-key blocks: 600 keys are two of them)."""
