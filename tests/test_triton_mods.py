@@ -303,7 +303,7 @@ def test_a_16_bit_value_in_a_mod_is_refused_and_a_table_read_as_float32_runs(
         return s * torch.exp(temp[h] - 1) - slope[h] * (i - j).abs()
 
     def read_as_float(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return s * torch.exp(temp[h].float() - 1) - slope[h].float() * (i - j).abs()
+        return s * torch.exp(temp[h].clone().float() - 1) - slope[h].float() * (i - j).abs()  # (clone: the value)
 
     q, k, v = (t.to(DEVICE) for t in qkv(1, 4, 2, 17, 23, 16))
     with pytest.raises(ValueError, match=rf"score_mod: cannot generate Triton code for .*{dtype}.*float32"):

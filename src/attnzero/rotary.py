@@ -20,8 +20,9 @@ Two ways of pairing the D channels are in use:
 
 The cos/sin table is built in float64, kept in float32 (float64 for float64 inputs), grown when a
 larger position is asked for, and the rotation runs in that precision; the output has x's dtype.
-A few positions far past the table (beyond 4096 and four times their number) take their own angles
-instead, the same values, so that the table never holds millions of positions for a handful.
+A few positions far past the table (beyond 65536 and sixteen times their number) take their own
+angles instead, the same values, so that ``forward`` builds no table of millions of positions for a
+handful (``rotate_from``, a decoder's, still holds every position up to its last).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"positions: expected integers >= 0, got a minimum of {int(lo)}")
         table = self._cos64
         covered = table is not None and table.device == x.device and table.shape[0] > int(hi)
-        if not covered and int(hi) >= max(4096, 4 * positions.numel()):
+        if not covered and int(hi) >= max(65536, 16 * positions.numel()):
             # few positions far out: their own angles (the same float64 products and cos / sin as
             # the table's), not a table of every position below them (10⁷ at D = 128: 10 GB)
             angles = positions.to(torch.float64)[:, None] * self.inv_freq(x.device)  # (L, D/2)

@@ -41,7 +41,9 @@ logical and bitwise and / or / xor / not, dtype casts, 0-d constants (``full``, 
 backward (its forward is traced, but its own backward would be replaced by the derivative of that
 forward). Precision: the generated code computes in the dtypes torch's type promotion gives each
 node (float32 for a float32 score), with Triton's float32 ``exp`` / ``log`` / ``tanh``
-(``forward.tanh``) — within the tolerance rule, not bitwise torch's.
+(``forward.tanh``) — within the tolerance rule, not bitwise torch's. A float16 / bfloat16 value is
+read, cast and promoted only (held as the float32 it is exactly: ``_Lang.computes``, ``round16``);
+an op that would compute a 16-bit result is refused.
 
 The source goes to a file in ``$ATTNZERO_CACHE/triton_mods`` (``cpu_kernel.cache_dir()``), named by
 its hash, and is imported from there: Triton reads a jit function's source with ``inspect``.
@@ -407,7 +409,7 @@ class _Emitter:
         dt = val.dtype
         if dt not in _TL:
             raise self.refuse(node, f"dtype {dt}")
-        if not self.lang.computes(dt) and op != "_to_copy":
+        if not self.lang.computes(dt) and op not in ("_to_copy", "detach", *_IDENTITY):  # (those keep the value)
             raise self.refuse(node, f"a {dt} value {_WHY_16}")
         if op in _CONSTANTS:
             value = {"full": 1, "scalar_tensor": 0, "new_full": 2, "full_like": 1}.get(op)
