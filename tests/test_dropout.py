@@ -61,3 +61,24 @@ def test_a_block_crossing_two_to_the_32_takes_the_carry_path() -> None:
     Lk = shape[3]
     crossing = [i for i in range(r0, r1) if (i * Lk + c0) >> 32 != (i * Lk + c1 - 1) >> 32]
     assert crossing
+
+
+@pytest.mark.parametrize("p", [1 - 1e-12, 1 - 2.0**-34, 1e-12])
+def test_p_within_two_to_the_minus_33_of_0_or_1(p: float) -> None:
+    # round(p · 2^32) = 2^32 near 1: compared in int32 it wrapped to -2^31 and every entry was kept
+    # (the kernel's uint64 comparison dropped every one); near 0 every entry is kept
+    for shape, bs, hs, rs, cs in (CASES[0], CASES[3]):
+        want = spec(5, p, shape, tuple(slice(*r) for r in (bs, hs, rs, cs)))
+        got = dropout.keep_mask(5, p, shape, rows=rs, cols=cs, batches=bs, heads=hs)
+        assert torch.equal(got, want) and bool(want.all() if p < 0.5 else not want.any())
+    import attnzero as az
+
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    for backend in ("reference", "flash", "auto"):
+        torch.manual_seed(0)
+        out = az.attention(q, k, v, dropout_p=p, backend=backend)  # type: ignore[arg-type]
+        assert isinstance(out, torch.Tensor)
+        if p > 0.5:
+            assert torch.equal(out, torch.zeros_like(out)), backend
+        else:
+            torch.testing.assert_close(out, az.attention(q, k, v, backend="reference"))

@@ -95,5 +95,7 @@ def keep_mask(
     _mix32_(x, tmp)
     # keep iff x >= threshold as uint32: flipping the sign bit maps uint32 order onto int32 order
     threshold = min(round(p * 2.0**32), 2**32)
+    if threshold == 2**32:  # p within 2^-33 of 1: nothing kept (2^31 as an int32 wraps to -2^31: all kept)
+        return torch.zeros_like(x, dtype=torch.bool)
     x ^= _I32_MIN
     return x >= threshold + _I32_MIN
