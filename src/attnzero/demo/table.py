@@ -35,7 +35,8 @@ def print_focus_table(console: Any, number: int, text: str, view: viz.SentenceVi
             ((tok, w),) = viz.top_tokens(row, view.tokens, k=1)
             cells.append(f"{tok}\n[dim]{w:.2f}[/dim]")
         mean = view.weights[n, :, view.focus].float().mean(0).where(words, torch.tensor(-1.0))  # (L,): mean of heads
-        top = ", ".join(f"{t} {w:.2f}" for t, w in viz.top_tokens(mean, view.tokens, k=3))
+        shown = min(3, int(words.sum()))  # (a sentence of one or two words: no [CLS] / [SEP] at -1 after them)
+        top = ", ".join(f"{t} {w:.2f}" for t, w in viz.top_tokens(mean, view.tokens, k=shown))
         table.add_row(str(n), *cells, top)
     console.print()
     console.print(table)
