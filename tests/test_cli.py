@@ -138,6 +138,14 @@ def test_the_demo_lists_no_special_token_for_a_one_word_sentence(
     assert "hello 0." in printed and "-1.00" not in printed and "[CLS] " not in printed
 
 
+def test_bench_measures_memory_with_causal_only() -> None:
+    # --full --causal-only left "peak extra MB" empty: memory was measured on the full mask only
+    from attnzero import bench
+
+    rows = bench.sweep([64], ["flash"], modes=(False,), masks=(True,), repeats=1, memory=True, B=1, H=1, D=16)
+    assert rows and all(r.peak_mb is not None for r in rows)
+
+
 def test_bench_writes_a_table_json_and_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     need("matplotlib", "rich")
     import json
