@@ -74,6 +74,27 @@ def test_check_fails_with_a_wrong_backend(monkeypatch: pytest.MonkeyPatch, capsy
     assert any(line.startswith("reference") and " ok " in line for line in out.splitlines())
 
 
+def test_check_fails_a_backend_that_gives_nan_where_a_row_keeps_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no case of `attnzero check` had such a row: a NaN there, the headline fix, passed
+    real = functional._backend
+
+    def broken(name):  # type: ignore[no-untyped-def]
+        fn = real(name)
+        if name != "flash":
+            return fn
+
+        def nan_rows(q, k, v, **kw):  # type: ignore[no-untyped-def]
+            out, lse = fn(q, k, v, **kw)
+            dead = lse == float("-inf")  # (B, H, Lq): rows with no key
+            return out.masked_fill(dead[..., None], float("nan")), lse
+
+        return nan_rows
+
+    monkeypatch.setattr(functional, "_backend", broken)
+    rows = selfcheck.run(backends=("flash",))
+    assert any(r.verdict == "FAIL" for r in rows)
+
+
 def test_focus_index_picks_the_last_match_or_the_last_word() -> None:
     tokens = ["[CLS]", "it", "is", "what", "it", "is", ".", "[SEP]"]
     assert focus.focus_index(tokens, "it") == 4

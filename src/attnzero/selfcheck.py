@@ -1,10 +1,10 @@
 """``attnzero check``: every backend that can run on this machine, against the reference.
 
 For each backend, device and dtype X, a few awkward cases (GQA, Lq ≠ Lk, a single decoding query,
-padding masks, causal, a window, a bias) run forward and backward, and are compared with the golden
-— the reference backend in float64 — by DESIGN.md's rule (``attnzero.testing``): the backend's error
-in X may be at most 2× (outputs) / 3× (gradients) the error of the reference backend in X, plus a
-floor of about one rounding in X.
+padding masks, causal, a window, a bias, rows that keep no key) run forward and backward, and are
+compared with the golden — the reference backend in float64 — by DESIGN.md's rule
+(``attnzero.testing``): the backend's error in X may be at most 2× (outputs) / 3× (gradients) the
+error of the reference backend in X, plus a floor of about one rounding in X.
 The reference backend itself is checked the same way against torch's own
 ``scaled_dot_product_attention`` (float64 golden, torch in X as the baseline). NaN never passes.
 """
@@ -55,6 +55,7 @@ CASES = (
     Case(2, 4, 2, 17, 113, 40, padding=True, bias=True),
     Case(1, 8, 1, 1, 65, 96, causal=True),  # MQA, one decoding query against a cache of 65 keys
     Case(1, 2, 2, 50, 50, 8, window=(7, 3)),
+    Case(1, 4, 2, 40, 24, 16, causal=True),  # bottom-right: queries 0..15 keep no key (0, never NaN)
 )
 
 
@@ -129,9 +130,14 @@ def _torch_sdpa(q: Tensor, k: Tensor, v: Tensor, case: Case, keep: Tensor | None
         full = full & masks.window(case.Lq, case.Lk, *case.window).to_tensor(q.device)
     if keep is not None:
         full = full & keep
-    add = torch.zeros(full.shape, dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
-    add = add.masked_fill(~full, float("-inf"))  # (B|1, H|1, Lq, Lk)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=add, enable_gqa=case.Hq != case.Hkv)
+    # a row that keeps no key gives 0 (torch's softmax of a row of -inf is NaN): it reads key 0 here,
+    # and its output is then set to 0, which also gives it no share of any gradient
+    empty = ~full.any(-1, keepdim=True)  # (B|1, 1, Lq, 1)
+    safe = full | (empty & (torch.arange(case.Lk, device=q.device) == 0))
+    add = torch.zeros(safe.shape, dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
+    add = add.masked_fill(~safe, float("-inf"))  # (B|1, H|1, Lq, Lk)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=add, enable_gqa=case.Hq != case.Hkv)
+    return out.masked_fill(empty, 0.0)
 
 
 @dataclass
