@@ -157,6 +157,8 @@ def test_the_demo_lists_no_special_token_for_a_one_word_sentence(
     assert cli.main(["demo", "--text", "Hello", "--out", str(tmp_path / "demo")]) == 0
     printed = capsys.readouterr().out
     assert "hello 0." in printed and "-1.00" not in printed and "[CLS] " not in printed
+    assert cli.main(["demo", "--text", "\U0001f917", "--out", str(tmp_path / "demo2")]) == 0  # no word at all
+    assert "-1.00" not in capsys.readouterr().out
 
 
 def test_bench_measures_memory_with_causal_only() -> None:

@@ -199,3 +199,15 @@ def test_nothing_is_recorded_when_not_recording() -> None:
         after = az.attention(q, k, v, backend="flash", causal=True)
     assert len(rec.of("flash.tile")) == 10
     assert torch.equal(plain, recorded) and torch.equal(plain, after)  # recording changes nothing computed
+
+
+def test_rung_5_times_flash_py_s_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # it timed az.attention(backend="flash"), which in float32 runs the compiled CPU kernel, while its
+    # text and picture are about flash.py's tiles
+    from attnzero import flash, ladder
+
+    shapes: list[tuple[int, ...]] = []
+    real = flash.attention
+    monkeypatch.setattr(flash, "attention", lambda q, *a, **kw: shapes.append(tuple(q.shape)) or real(q, *a, **kw))
+    result = ladder.run(5, None, small=True, quiet=True)
+    assert (1, 4, 256, 64) in shapes and "time_flash.py_s" in result.numbers

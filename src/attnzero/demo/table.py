@@ -31,6 +31,9 @@ def print_focus_table(console: Any, number: int, text: str, view: viz.SentenceVi
     for n in range(N):
         cells = []
         for h in range(H):
+            if not words.any():  # (a text the tokenizer reads as no word: nothing to show)
+                cells.append("—")
+                continue
             row = view.weights[n, h, view.focus].float().where(words, torch.tensor(-1.0))  # specials out
             ((tok, w),) = viz.top_tokens(row, view.tokens, k=1)
             cells.append(f"{tok}\n[dim]{w:.2f}[/dim]")

@@ -39,7 +39,8 @@ from .r4_online import online_softmax_row
 
 TITLE = "Tiled forward: the flash backend's tiles, visited and skipped"
 
-# the backends rung 6 compares: the formula, materialised, and the tiled one
+# the backends rung 6 compares: the formula, materialised, and the tiled one (in float32 on a CPU,
+# "flash" is the compiled kernel: the same tiles in C++)
 BACKENDS: tuple[BackendName, ...] = ("reference", "flash")
 
 # What a tile of the picture shows (codes of ``tile_map``)
