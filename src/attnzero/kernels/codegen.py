@@ -201,10 +201,11 @@ class _Lang:
         cast: ``round16``), which casts, tests and float32 arithmetic take as torch does."""
         return dtype in _TL and dtype not in (torch.float16, torch.bfloat16)
 
-    def round16(self, expr: str, source: torch.dtype, dtype: torch.dtype) -> str:
-        """``expr`` (of ``source``) rounded to float16 / bfloat16, as float32. bfloat16 by ``_bf16``:
-        the interpreter's own conversion truncates."""
-        x = f"{expr}.to(tl.float32)" if source != F32 else expr  # (float64: rounded twice, as torch on CPU)
+    def round16(self, expr: str, dtype: torch.dtype) -> str:
+        """``expr`` rounded to float16 / bfloat16, as float32: through float32 first (a float64 is
+        rounded twice, as torch does on CPU); bfloat16 by ``_bf16`` — the interpreter's own conversion
+        truncates."""
+        x = f"{expr}.to(tl.float32)"
         return f"{x}.to(tl.float16).to(tl.float32)" if dtype == torch.float16 else f"_bf16({x})"
 
     def to(self, expr: str, dtype: torch.dtype) -> str:
@@ -342,15 +343,12 @@ class _Emitter:
         expr = self.lang.load(v.slot, v.offset, v.ok, v.dtype)
         load = Load(v.slot, v.offset, v.ok, v.varies, grad)
         target = v.dtype if v.cast is None else v.cast
-        source = v.dtype
         if not self.lang.computes(v.dtype):  # a 16-bit element: as the float32 it converts to exactly
-            expr, source = self.lang.to(expr, F32), F32
+            expr = self.lang.to(expr, F32)
         if target == v.dtype:
             return self.new(expr, v.dtype, v.varies, load)
         if not self.lang.computes(target):  # read as float16 / bfloat16 (d(cast)/d(read) = 1)
-            return self.new(self.lang.round16(expr, source, target), target, v.varies, load)
-        if source != v.dtype:
-            return self.new(self.lang.to(expr, target), target, v.varies, load)
+            return self.new(self.lang.round16(expr, target), target, v.varies, load)
         got = self.new(expr, v.dtype, v.varies)
         return self.new(self.cast(got, target), target, v.varies, load)  # d(cast)/d(read) = 1
 
@@ -429,8 +427,7 @@ class _Emitter:
                 x = xs[0]
                 if x.value is not None:
                     raise self.refuse(node, f"a {dt} constant {_WHY_16}")
-                source = x.dtype if self.lang.computes(x.dtype) else F32
-                return self.new(self.lang.round16(x.expr, source, dt), dt, varies)
+                return self.new(self.lang.round16(x.expr, dt), dt, varies)
             return self.new(self.cast(xs[0], dt), dt, varies)
         if op in _BINARY or op == "rsub":
             a, b = xs[0], xs[1]
