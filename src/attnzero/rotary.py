@@ -97,18 +97,18 @@ class RotaryEmbedding(nn.Module):
         _check_positions(positions, x)
         if positions.numel() == 0:
             return x.clone()
-        lo, hi = torch.aminmax(positions)
-        if int(lo) < 0:
-            raise ValueError(f"positions: expected integers >= 0, got a minimum of {int(lo)}")
+        lo, hi = (int(t) for t in torch.aminmax(positions))
+        if lo < 0:
+            raise ValueError(f"positions: expected integers >= 0, got a minimum of {lo}")
         table = self._cos64
-        covered = table is not None and table.device == x.device and table.shape[0] > int(hi)
-        if not covered and int(hi) >= max(65536, 16 * positions.numel()):
+        covered = table is not None and table.device == x.device and table.shape[0] > hi
+        if not covered and hi >= max(65536, 16 * positions.numel()):
             # few positions far out: their own angles (the same float64 products and cos / sin as
             # the table's), not a table of every position below them (10⁷ at D = 128: 10 GB)
             angles = positions.to(torch.float64)[:, None] * self.inv_freq(x.device)  # (L, D/2)
             dtype = _table_dtype(x.dtype)
             return self._rotate(x, angles.cos().to(dtype), angles.sin().to(dtype))
-        cos, sin = self.cos_sin(int(hi) + 1, x.device, _table_dtype(x.dtype))
+        cos, sin = self.cos_sin(hi + 1, x.device, _table_dtype(x.dtype))
         rows = positions.long()  # (torch reads a uint8 index as a boolean mask, and refuses int8 / int16)
         return self._rotate(x, cos[rows], sin[rows])
 
