@@ -28,17 +28,17 @@ def print_focus_table(console: Any, number: int, text: str, view: viz.SentenceVi
     for h in range(H):
         table.add_column(f"h{h}", justify="center", no_wrap=True)
     table.add_column("top 3 words, mean of heads", no_wrap=True)
+    shown = min(3, int(words.sum()))  # words listed: a sentence of one or two has no third ([CLS] at -1)
     for n in range(N):
         cells = []
         for h in range(H):
-            if not words.any():  # (a text the tokenizer reads as no word: nothing to show)
+            if not shown:  # (a text the tokenizer reads as no word: nothing to show)
                 cells.append("—")
                 continue
             row = view.weights[n, h, view.focus].float().where(words, torch.tensor(-1.0))  # specials out
             ((tok, w),) = viz.top_tokens(row, view.tokens, k=1)
             cells.append(f"{tok}\n[dim]{w:.2f}[/dim]")
         mean = view.weights[n, :, view.focus].float().mean(0).where(words, torch.tensor(-1.0))  # (L,): mean of heads
-        shown = min(3, int(words.sum()))  # (a sentence of one or two words: no [CLS] / [SEP] at -1 after them)
         top = ", ".join(f"{t} {w:.2f}" for t, w in viz.top_tokens(mean, view.tokens, k=shown))
         table.add_row(str(n), *cells, top)
     console.print()
