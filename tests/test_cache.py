@@ -356,3 +356,80 @@ def test_a_call_that_attention_refuses_leaves_the_cache_storage_as_it_was() -> N
     with pytest.raises(RuntimeError, match="a bug in the score_mod"):
         m(torch.randn(2, 2, 32), cache=cache)
     assert_untouched(cache, snap)
+
+
+# ---------------------------------------------------------------------------------------------
+# With autograd
+
+
+def test_updates_under_autograd_give_the_gradients_of_concatenated_keys() -> None:
+    """Each step's attention saves the views it was given; a later update must not write into them
+    (its backward raised "modified by an inplace operation"). Gradients reach every step's k and v,
+    as with keys and values concatenated by torch.cat."""
+    torch.manual_seed(0)
+    B, H, D, steps = 2, 3, 8, [3, 1, 2]
+    ks = [torch.randn(B, H, n, D, dtype=torch.float64, requires_grad=True) for n in steps]
+    vs = [torch.randn(B, H, n, D, dtype=torch.float64, requires_grad=True) for n in steps]
+    qs = [torch.randn(B, H, n, D, dtype=torch.float64) for n in steps]
+    cache = az.KVCache(B, 8, H, D, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    seen = []
+    for q, k, v in zip(qs, ks, vs):
+        k_all, v_all = cache.update(k, v)
+        seen.append((k_all, k_all.detach().clone()))
+        loss = loss + az.attention(q, k_all, v_all, causal=True).square().sum()
+    for view, values in seen:  # what each step's attention read is as it was
+        assert torch.equal(view.detach(), values)
+    got = torch.autograd.grad(loss, ks + vs)
+    want_loss = torch.zeros((), dtype=torch.float64)
+    for i, q in enumerate(qs):
+        k_all, v_all = torch.cat(ks[: i + 1], dim=2), torch.cat(vs[: i + 1], dim=2)
+        want_loss = want_loss + az.attention(q, k_all, v_all, causal=True).square().sum()
+    want = torch.autograd.grad(want_loss, ks + vs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    assert len(cache) == sum(steps)
+
+
+def test_module_decoding_under_autograd_gives_one_causal_pass_gradients() -> None:
+    """MultiHeadAttention with a cache, gradients recorded: token by token, the weights' gradients
+    are those of one causal pass over the whole sequence; then, gradients off, the same cache goes on
+    writing in place."""
+    torch.manual_seed(1)
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2, rope=True).double()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    cache = az.KVCache(2, 9, 2, 8, dtype=torch.float64)
+    decode_in_pieces(m, x, [3, 1, 1, 2], cache).square().sum().backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    m(x, causal=True).square().sum().backward()
+    assert got.keys() == {n for n, p in m.named_parameters() if p.grad is not None} and got
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=0, atol=1e-10, msg=n)
+    with torch.no_grad():
+        before = cache.k
+        out = m(torch.randn(2, 1, 32, dtype=torch.float64), cache=cache)
+    assert cache.k is not before and not cache.k.requires_grad and not out.requires_grad
+    with torch.no_grad():
+        storage = cache.k
+        m(torch.randn(2, 1, 32, dtype=torch.float64), cache=cache)
+    assert cache.k is storage and len(cache) == 9  # in place again
+
+
+def test_a_refused_call_under_autograd_leaves_the_earlier_steps_backward_working() -> None:
+    """A call that raises after a recorded step restores the storage that step's graph saved, untouched:
+    its backward still runs."""
+
+    def buggy(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a bug in the score_mod")
+
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2)
+    cache = az.KVCache(2, 8, 2, 8)
+    out = m(torch.randn(2, 4, 32), cache=cache)
+    snap = snapshot(cache)
+    m.score_mod = buggy
+    with pytest.raises(RuntimeError, match="a bug in the score_mod"):
+        m(torch.randn(2, 2, 32), cache=cache)
+    assert len(cache) == 4 and torch.equal(cache.k.detach(), snap[1]) and torch.equal(cache.v.detach(), snap[2])
+    out.sum().backward()
+    assert m.W_k.weight.grad is not None

@@ -12,8 +12,10 @@ first n rows, with no reallocation and no concatenation::
     out = az.attention(q_new, k_all, v_all, causal=True)   # bottom-right: the last query sees all
 
 Every argument is checked before anything is written: a call that raises leaves the length and the
-contents exactly as they were. The cache is for inference (run decoding under ``torch.no_grad()``):
-it stores the values of k and v, and later writes into the same storage.
+contents exactly as they were. The cache is made for inference (decoding under ``torch.no_grad()``),
+where each step writes into the same storage. It also works with autograd: while gradients are
+recorded, a step writes into a new copy of the storage instead (each step's keys and values stay as
+its attention saw them, and gradients reach every k and v given), at the cost of that copy.
 """
 
 from __future__ import annotations
@@ -134,10 +136,23 @@ class KVCache:
         """
         self.check(k, v)
         start, end = self._len, self._len + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+        if self._tracked(k, v):
+            # autograd saved the views an earlier step returned: writing into them would make its
+            # backward fail ("modified by an inplace operation"), so the new rows go into a copy of
+            # the storage (O(T) per step, only while gradients are being recorded)
+            self.k = self.k.slice_scatter(k, dim=2, start=start, end=end)
+            self.v = self.v.slice_scatter(v, dim=2, start=start, end=end)
+        else:
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
         self._len = end
         return self.keys(), self.values()
+
+    def _tracked(self, k: Tensor, v: Tensor) -> bool:
+        """Whether autograd records this update: the storage holds rows with a gradient, or the new
+        rows have one and gradients are being recorded."""
+        new_grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        return new_grad or self.k.requires_grad or self.v.requires_grad
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` tokens (0 <= length <= len(cache)): drop the rest, e.g. to

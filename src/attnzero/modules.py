@@ -240,8 +240,9 @@ class MultiHeadAttention(nn.Module):
             q = self.rope.rotate_from(q, Lk - Lq + shift)
             k = self.rope.rotate_from(k, past + shift)
         if cache is not None:
-            # the storage rows this call writes, kept to put back should attention refuse the call
-            # (its backend, a score_mod): a call that raises leaves the cache as it was
+            # the storage and the rows this call writes, kept to put back should attention refuse
+            # the call (its backend, a score_mod): a call that raises leaves the cache as it was
+            storage = (cache.k, cache.v)
             old = (cache.k[:, :, past:Lk].clone(), cache.v[:, :, past:Lk].clone())  # (B, Hkv, Lq, d_k) each
             # in the cache's dtype (under autocast the projections may give another); then every cached token
             k, v = cache.update(k.to(cache.dtype), v.to(cache.dtype))  # (B, Hkv, past + Lq, d_k) each
@@ -257,7 +258,10 @@ class MultiHeadAttention(nn.Module):
         except BaseException:
             if cache is not None:
                 cache.truncate(past)  # undo this call's append
-                cache.k[:, :, past:Lk], cache.v[:, :, past:Lk] = old
+                if cache.k is storage[0]:  # written in place: the rows put back
+                    cache.k[:, :, past:Lk], cache.v[:, :, past:Lk] = old
+                else:  # written into a copy (under autograd): the storage before it, untouched
+                    cache.k, cache.v = storage
             raise
         assert isinstance(out, Tensor)
         if p == 1.0:
