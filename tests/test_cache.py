@@ -433,3 +433,66 @@ def test_a_refused_call_under_autograd_leaves_the_earlier_steps_backward_working
     assert len(cache) == 4 and torch.equal(cache.k.detach(), snap[1]) and torch.equal(cache.v.detach(), snap[2])
     out.sum().backward()
     assert m.W_k.weight.grad is not None
+
+
+def test_only_the_query_trained_still_keeps_what_each_step_saw() -> None:
+    """W_k and W_v frozen: the new keys need no gradient, but attention saved them for dq — a later
+    step writing into them in place broke the backward."""
+    torch.manual_seed(2)
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2).double()
+    m.W_k.requires_grad_(False)
+    m.W_v.requires_grad_(False)
+    x = torch.randn(2, 4, 32, dtype=torch.float64)
+    decode_in_pieces(m, x, [2, 1, 1], az.KVCache(2, 8, 2, 8, dtype=torch.float64)).square().sum().backward()
+    assert m.W_q.weight.grad is not None
+    got = m.W_q.weight.grad.clone()
+    m.zero_grad()
+    m(x, causal=True).square().sum().backward()
+    torch.testing.assert_close(got, m.W_q.weight.grad, rtol=0, atol=1e-10)
+
+
+def test_reset_and_truncate_under_autograd_start_from_the_kept_tokens_only() -> None:
+    """One cache over several sequences, each with its backward: reset drops the earlier sequences'
+    graphs (the storage kept them, and a backward ran into the freed ones), and truncate to a prompt
+    decoded without gradients keeps only the prompt."""
+    torch.manual_seed(3)
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2).double()
+    cache = az.KVCache(2, 8, 2, 8, dtype=torch.float64)
+    for _ in range(3):
+        cache.reset()
+        x = torch.randn(2, 3, 32, dtype=torch.float64)
+        m.zero_grad()
+        decode_in_pieces(m, x, [1, 1, 1], cache).square().sum().backward()
+        got = m.W_k.weight.grad.clone()  # type: ignore[union-attr]
+        m.zero_grad()
+        m(x, causal=True).square().sum().backward()
+        torch.testing.assert_close(got, m.W_k.weight.grad, rtol=0, atol=1e-10)
+    prompt = torch.randn(2, 2, 32, dtype=torch.float64)
+    with torch.no_grad():
+        cache.reset()
+        m(prompt, cache=cache)
+    for _ in range(2):
+        cache.truncate(2)
+        x = torch.randn(2, 1, 32, dtype=torch.float64)
+        m.zero_grad()
+        m(x, cache=cache).square().sum().backward()
+        got = m.W_q.weight.grad.clone()  # type: ignore[union-attr]
+        m.zero_grad()
+        m(torch.cat([prompt, x], dim=1), causal=True)[:, 2:].square().sum().backward()
+        torch.testing.assert_close(got, m.W_q.weight.grad, rtol=0, atol=1e-10)
+        assert len(cache) == 3
+    cache.reset()
+    assert not cache.k.requires_grad and not cache.v.requires_grad
+
+
+def test_inference_mode_after_a_recorded_step_leaves_a_storage_later_steps_can_write() -> None:
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2)
+    cache = az.KVCache(1, 8, 2, 8)
+    m(torch.randn(1, 2, 32), cache=cache)
+    with torch.inference_mode():
+        m(torch.randn(1, 1, 32), cache=cache)
+    assert not cache.k.is_inference()
+    with torch.no_grad():
+        m(torch.randn(1, 1, 32), cache=cache)
+        m(torch.randn(1, 1, 32), cache=cache)
+    assert len(cache) == 5

@@ -12,14 +12,17 @@ first n rows, with no reallocation and no concatenation::
     out = az.attention(q_new, k_all, v_all, causal=True)   # bottom-right: the last query sees all
 
 Every argument is checked before anything is written: a call that raises leaves the length and the
-contents exactly as they were. The cache is made for inference (decoding under ``torch.no_grad()``),
-where each step writes into the same storage. It also works with autograd: while gradients are
-recorded, a step writes into a new copy of the storage instead (each step's keys and values stay as
-its attention saw them, and gradients reach every k and v given), at the cost of that copy.
+contents exactly as they were. The cache is made for inference (decoding under ``torch.no_grad()``
+or ``torch.inference_mode()``), where each step writes into the same storage. It also works with
+autograd: a step taken while gradients are recorded, and the step after it, write into a new copy of
+the storage instead (O(T) each) — an earlier step's attention may have saved the views it was given
+for its backward, and each step's keys and values stay as that attention saw them. Gradients reach
+every k and v given, as through ``torch.cat`` of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -72,6 +75,8 @@ class KVCache:
         self.dtype: torch.dtype = dtype
         self.device: torch.device = self.k.device
         self._len = 0
+        self._recorded = False  # the storage was handed to a step that recorded gradients
+        self._pieces: list[tuple[int, Tensor, Tensor]] = []  # (start, k, v) of each append with a gradient
 
     def __len__(self) -> int:
         return self._len
@@ -90,7 +95,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every token (length 0). The storage is kept, not cleared: rows past the length are
         never read."""
-        self._len = 0
+        self.truncate(0)
 
     def keys(self) -> Tensor:
         """The stored keys, a view (B, Hkv, n, D)."""
@@ -136,27 +141,58 @@ class KVCache:
         """
         self.check(k, v)
         start, end = self._len, self._len + k.shape[2]
-        if self._tracked(k, v):
-            # autograd saved the views an earlier step returned: writing into them would make its
-            # backward fail ("modified by an inplace operation"), so the new rows go into a copy of
-            # the storage (O(T) per step, only while gradients are being recorded)
-            self.k = self.k.slice_scatter(k, dim=2, start=start, end=end)
-            self.v = self.v.slice_scatter(v, dim=2, start=start, end=end)
+        recording = torch.is_grad_enabled()
+        if recording or self._recorded:
+            # a step recording gradients (this one, or the one before) may have saved the views it
+            # was given: writing into them would change what its backward reads (autograd raises
+            # "modified by an inplace operation"), so the new rows go into a copy of the storage
+            # (made outside inference mode, so that later steps may write into it in place)
+            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+                self.k = self.k.slice_scatter(k, dim=2, start=start, end=end)
+                self.v = self.v.slice_scatter(v, dim=2, start=start, end=end)
         else:
             self.k[:, :, start:end] = k
             self.v[:, :, start:end] = v
         self._len = end
+        self._recorded = recording
+        if recording and (k.requires_grad or v.requires_grad):
+            self._pieces.append((start, k, v))
         return self.keys(), self.values()
 
-    def _tracked(self, k: Tensor, v: Tensor) -> bool:
-        """Whether autograd records this update: the storage holds rows with a gradient, or the new
-        rows have one and gradients are being recorded."""
-        new_grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
-        return new_grad or self.k.requires_grad or self.v.requires_grad
+    def _save(self, start: int, end: int) -> tuple[Any, ...]:
+        """What an ``update`` of rows [start, end) may change, for ``_restore``: MultiHeadAttention
+        puts it back when attention refuses the call that appended."""
+        rows = (self.k[:, :, start:end].detach().clone(), self.v[:, :, start:end].detach().clone())
+        return self.k, self.v, self._len, self._recorded, list(self._pieces), rows
+
+    def _restore(self, saved: tuple[Any, ...]) -> None:
+        k, v, n, recorded, pieces, (k_rows, v_rows) = saved
+        if self.k is k:  # written in place: the rows put back
+            with torch.no_grad():
+                self.k[:, :, n : n + k_rows.shape[2]], self.v[:, :, n : n + v_rows.shape[2]] = k_rows, v_rows
+        # (else a copy was made: the storage before it, untouched)
+        self.k, self.v, self._len, self._recorded, self._pieces = k, v, n, recorded, pieces
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` tokens (0 <= length <= len(cache)): drop the rest, e.g. to
-        undo a step or to rewind to a shared prompt."""
+        undo a step or to rewind to a shared prompt. (Where tokens were appended with a gradient, the
+        storage is then new: a backward through the kept tokens reaches only their own graphs.)"""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"length: expected an int in [0, {self._len}], got {length!r}")
         self._len = length
+        self._pieces = [(s, k[:, :, : length - s], v[:, :, : length - s]) for s, k, v in self._pieces if s < length]
+        if self.k.requires_grad or self.v.requires_grad:
+            # the storage's graph reaches every append made with a gradient, the dropped ones too (a
+            # backward would run into them, and raise where their graph was freed): new storage, of
+            # the kept rows' own tensors
+            self.k, self.v = self._joined(0), self._joined(1)
+
+    def _joined(self, which: int) -> Tensor:
+        """The storage (k: 0, v: 1) as one new tensor: the kept appends made with a gradient as they
+        were given, the other rows' values as stored."""
+        stored = (self.k, self.v)[which].detach()
+        parts, at = [], 0
+        for start, *given in self._pieces:
+            parts += [stored[:, :, at:start], given[which]]
+            at = start + given[which].shape[2]
+        return torch.cat([*parts, stored[:, :, at:]], dim=2)  # (B, Hkv, T, D)

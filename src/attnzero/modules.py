@@ -240,10 +240,9 @@ class MultiHeadAttention(nn.Module):
             q = self.rope.rotate_from(q, Lk - Lq + shift)
             k = self.rope.rotate_from(k, past + shift)
         if cache is not None:
-            # the storage and the rows this call writes, kept to put back should attention refuse
-            # the call (its backend, a score_mod): a call that raises leaves the cache as it was
-            storage = (cache.k, cache.v)
-            old = (cache.k[:, :, past:Lk].clone(), cache.v[:, :, past:Lk].clone())  # (B, Hkv, Lq, d_k) each
+            # what the append changes, kept to put back should attention refuse the call (its
+            # backend, a score_mod): a call that raises leaves the cache as it was
+            saved = cache._save(past, Lk)
             # in the cache's dtype (under autocast the projections may give another); then every cached token
             k, v = cache.update(k.to(cache.dtype), v.to(cache.dtype))  # (B, Hkv, past + Lq, d_k) each
         score_mod = self.score_mod
@@ -257,11 +256,7 @@ class MultiHeadAttention(nn.Module):
             )
         except BaseException:
             if cache is not None:
-                cache.truncate(past)  # undo this call's append
-                if cache.k is storage[0]:  # written in place: the rows put back
-                    cache.k[:, :, past:Lk], cache.v[:, :, past:Lk] = old
-                else:  # written into a copy (under autograd): the storage before it, untouched
-                    cache.k, cache.v = storage
+                cache._restore(saved)  # undo this call's append
             raise
         assert isinstance(out, Tensor)
         if p == 1.0:
