@@ -144,6 +144,7 @@ def test_varlen_cost_is_that_of_the_sequences() -> None:
         ({"v": torch.zeros(10, 2, 4)}, ValueError, "10 packed keys"),
         ({"q": torch.zeros(1, 9, 2, 4)}, ValueError, r"\(T, H, D\)"),
         ({"sinks": torch.zeros(2, 3)}, ValueError, "sinks"),
+        ({"sinks": torch.zeros(3)}, ValueError, r"\(Hq,\) = \(2,\) or \(Hq, Tq\) = \(2, 9\), got \(3,\)"),
     ],
 )
 def test_varlen_refuses_bad_input(change: dict[str, object], error: type[Exception], words: str) -> None:

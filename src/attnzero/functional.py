@@ -643,7 +643,7 @@ def attention_varlen(
             raise ArgumentError(f"{name}: expected at least the longest sequence, {max(lens)}, got {given}")
     if sinks is not None:
         checks.tensor("sinks", sinks, empty_ok=True)
-        if sinks.ndim not in (1, 2) or (sinks.ndim == 2 and tuple(sinks.shape) != (Hq, Tq)):
+        if tuple(sinks.shape) not in ((Hq,), (Hq, Tq)):
             raise ArgumentError(
                 f"sinks: expected shape (Hq,) = ({Hq},) or (Hq, Tq) = ({Hq}, {Tq}), got {tuple(sinks.shape)}"
             )
