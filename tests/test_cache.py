@@ -406,14 +406,16 @@ def test_module_decoding_under_autograd_gives_one_causal_pass_gradients() -> Non
     assert got.keys() == {n for n, p in m.named_parameters() if p.grad is not None} and got
     for n, p in m.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=0, atol=1e-10, msg=n)
-    with torch.no_grad():
+    with torch.no_grad():  # a copy still (the storage carries the graph of the earlier steps)
         before = cache.k
         out = m(torch.randn(2, 1, 32, dtype=torch.float64), cache=cache)
-    assert cache.k is not before and not cache.k.requires_grad and not out.requires_grad
+    assert cache.k is not before and cache.k.requires_grad and not out.requires_grad
+    cache.reset()  # storage without a graph: in place again
     with torch.no_grad():
         storage = cache.k
+        m(torch.randn(2, 3, 32, dtype=torch.float64), cache=cache)
         m(torch.randn(2, 1, 32, dtype=torch.float64), cache=cache)
-    assert cache.k is storage and len(cache) == 9  # in place again
+    assert cache.k is storage and not storage.requires_grad and len(cache) == 4
 
 
 def test_a_refused_call_under_autograd_leaves_the_earlier_steps_backward_working() -> None:
@@ -496,3 +498,52 @@ def test_inference_mode_after_a_recorded_step_leaves_a_storage_later_steps_can_w
         m(torch.randn(1, 1, 32), cache=cache)
         m(torch.randn(1, 1, 32), cache=cache)
     assert len(cache) == 5
+
+
+def test_a_step_without_gradients_keeps_the_earlier_tokens_gradients() -> None:
+    """Steps under no_grad or inference_mode between recorded ones: the earlier tokens' gradients
+    still arrive (the copy keeps the stored rows' graph), the unrecorded tokens bring none."""
+    torch.manual_seed(4)
+    F64 = torch.float64
+    for mode in (torch.no_grad, torch.inference_mode):
+        k1, v1, k3, v3 = (torch.randn(1, 1, 2, 4, dtype=F64, requires_grad=True) for _ in range(4))
+        k2, v2 = torch.randn(1, 1, 1, 4, dtype=F64), torch.randn(1, 1, 1, 4, dtype=F64)
+        q = torch.randn(1, 1, 1, 4, dtype=F64)
+        cache = az.KVCache(1, 8, 1, 4, dtype=F64)
+        cache.update(k1, v1)
+        with mode():
+            cache.update(k2, v2)
+        got = torch.autograd.grad(az.attention(q, *cache.update(k3, v3)).sum(), (k1, v1, k3, v3))
+        k_all, v_all = torch.cat([k1, k2, k3], dim=2), torch.cat([v1, v2, v3], dim=2)
+        want = torch.autograd.grad(az.attention(q, k_all, v_all).sum(), (k1, v1, k3, v3))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_truncate_keeps_the_values_stored_not_the_tensors_given_now() -> None:
+    """A learned prefix (parameters) appended with a gradient, then changed in place by an optimizer
+    step: the cache holds the values it was given at the time, truncate included."""
+    prefix_k, prefix_v = torch.nn.Parameter(torch.randn(1, 1, 2, 4)), torch.nn.Parameter(torch.randn(1, 1, 2, 4))
+    cache = az.KVCache(1, 8, 1, 4)
+    cache.update(prefix_k, prefix_v)
+    stored = cache.keys().detach().clone()
+    with torch.no_grad():
+        prefix_k.add_(1.0)
+    cache.truncate(2)
+    assert torch.equal(cache.keys().detach(), stored)
+
+
+def test_storage_made_or_rebuilt_under_inference_mode_can_be_written_outside_it() -> None:
+    with torch.inference_mode():
+        made_there = az.KVCache(1, 8, 1, 4)
+    with torch.no_grad():
+        made_there.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4))
+    cache = az.KVCache(1, 8, 1, 4)
+    cache.update(torch.randn(1, 1, 1, 4, requires_grad=True), torch.randn(1, 1, 1, 4))
+    with torch.inference_mode():
+        cache.update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+        cache.reset()
+        cache.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4))
+    with torch.no_grad():
+        cache.update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+    assert len(made_there) == 2 and len(cache) == 3 and not cache.k.is_inference()

@@ -284,3 +284,15 @@ def test_module_rope_cross_attention_uses_bottom_right_positions() -> None:
     # more queries than keys: a common shift keeps positions >= 0; scores see differences only
     out = m(torch.randn(1, 6, 32, dtype=torch.float64), x[:, :4], x[:, :4])
     assert out.shape == (1, 6, 32) and torch.isfinite(out).all()
+
+
+def test_a_table_built_under_inference_mode_serves_a_later_call_with_gradients() -> None:
+    """The cos/sin table outlives the call: built under torch.inference_mode (a first decode step),
+    it was an inference tensor, and the next call recording gradients could not save it."""
+    rope = az.RotaryEmbedding(8)
+    x = torch.randn(1, 2, 5, 8)
+    with torch.inference_mode():
+        rope.rotate_from(x, 0)
+    y = x.clone().requires_grad_(True)
+    rope.rotate_from(y, 3).sum().backward()
+    assert y.grad is not None and not rope.cos_sin(8, y.device, torch.float32)[0].is_inference()

@@ -14,10 +14,11 @@ first n rows, with no reallocation and no concatenation::
 Every argument is checked before anything is written: a call that raises leaves the length and the
 contents exactly as they were. The cache is made for inference (decoding under ``torch.no_grad()``
 or ``torch.inference_mode()``), where each step writes into the same storage. It also works with
-autograd: a step taken while gradients are recorded, and the step after it, write into a new copy of
-the storage instead (O(T) each) — an earlier step's attention may have saved the views it was given
-for its backward, and each step's keys and values stay as that attention saw them. Gradients reach
-every k and v given, as through ``torch.cat`` of them.
+autograd: a step taken while gradients are recorded, the step after it, and any step while the
+storage carries a graph write into a new copy of the storage instead (O(T) each) — an earlier
+step's attention may have saved the views it was given for its backward, and each step's keys and
+values stay as that attention saw them. Gradients reach every k and v appended while gradients were
+recorded, as through ``torch.cat`` of them; ``reset`` starts again from storage without a graph.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, Hkv, T, D)
-        self.k: Tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)
+        with _normal():  # (made under inference_mode too, it can be written in place outside it)
+            self.k: Tensor = torch.zeros(shape, dtype=dtype, device=device)
+            self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype: torch.dtype = dtype
         self.device: torch.device = self.k.device
         self._len = 0
         self._recorded = False  # the storage was handed to a step that recorded gradients
-        self._pieces: list[tuple[int, Tensor, Tensor]] = []  # (start, k, v) of each append with a gradient
+        self._graph_from: int | None = None  # the first row appended with a gradient (None: no row)
 
     def __len__(self) -> int:
         return self._len
@@ -142,57 +144,59 @@ class KVCache:
         self.check(k, v)
         start, end = self._len, self._len + k.shape[2]
         recording = torch.is_grad_enabled()
-        if recording or self._recorded:
+        if recording or self._recorded or self.k.requires_grad or self.v.requires_grad:
             # a step recording gradients (this one, or the one before) may have saved the views it
             # was given: writing into them would change what its backward reads (autograd raises
-            # "modified by an inplace operation"), so the new rows go into a copy of the storage
-            # (made outside inference mode, so that later steps may write into it in place)
-            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            # "modified by an inplace operation"), so the new rows go into a copy of the storage.
+            # The copy keeps the graph of the rows already stored, whatever the mode, and cuts that
+            # of the rows it overwrites (written in place, they would pass their gradient on to the
+            # tokens once appended there); the new rows bring theirs only while gradients are recorded.
+            if not recording:
+                k, v = k.detach(), v.detach()
+            with _normal(), torch.enable_grad():
                 self.k = self.k.slice_scatter(k, dim=2, start=start, end=end)
                 self.v = self.v.slice_scatter(v, dim=2, start=start, end=end)
+            if k.requires_grad or v.requires_grad:
+                self._graph_from = start if self._graph_from is None else self._graph_from
         else:
             self.k[:, :, start:end] = k
             self.v[:, :, start:end] = v
         self._len = end
         self._recorded = recording
-        if recording and (k.requires_grad or v.requires_grad):
-            self._pieces.append((start, k, v))
         return self.keys(), self.values()
 
     def _save(self, start: int, end: int) -> tuple[Any, ...]:
         """What an ``update`` of rows [start, end) may change, for ``_restore``: MultiHeadAttention
         puts it back when attention refuses the call that appended."""
         rows = (self.k[:, :, start:end].detach().clone(), self.v[:, :, start:end].detach().clone())
-        return self.k, self.v, self._len, self._recorded, list(self._pieces), rows
+        return self.k, self.v, self._len, self._recorded, self._graph_from, rows
 
     def _restore(self, saved: tuple[Any, ...]) -> None:
-        k, v, n, recorded, pieces, (k_rows, v_rows) = saved
+        k, v, n, recorded, graph_from, (k_rows, v_rows) = saved
         if self.k is k:  # written in place: the rows put back
             with torch.no_grad():
                 self.k[:, :, n : n + k_rows.shape[2]], self.v[:, :, n : n + v_rows.shape[2]] = k_rows, v_rows
         # (else a copy was made: the storage before it, untouched)
-        self.k, self.v, self._len, self._recorded, self._pieces = k, v, n, recorded, pieces
+        self.k, self.v, self._len, self._recorded, self._graph_from = k, v, n, recorded, graph_from
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` tokens (0 <= length <= len(cache)): drop the rest, e.g. to
-        undo a step or to rewind to a shared prompt. (Where tokens were appended with a gradient, the
-        storage is then new: a backward through the kept tokens reaches only their own graphs.)"""
+        undo a step or to rewind to a shared prompt. (Rewound to before every token appended with a
+        gradient, the storage is then new, without a graph: a later step's backward does not run
+        into the graphs of the dropped tokens, which their own backward may have freed. Rewound into
+        such tokens, it keeps its graph, as a slice of ``torch.cat`` of them would.)"""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"length: expected an int in [0, {self._len}], got {length!r}")
         self._len = length
-        self._pieces = [(s, k[:, :, : length - s], v[:, :, : length - s]) for s, k, v in self._pieces if s < length]
-        if self.k.requires_grad or self.v.requires_grad:
-            # the storage's graph reaches every append made with a gradient, the dropped ones too (a
-            # backward would run into them, and raise where their graph was freed): new storage, of
-            # the kept rows' own tensors
-            self.k, self.v = self._joined(0), self._joined(1)
+        if self._graph_from is not None and self._graph_from >= length:  # no kept row has a gradient
+            self._graph_from = None
+            if self.k.requires_grad or self.v.requires_grad:
+                with _normal():  # the values as stored, in new storage (earlier steps saved views of the old)
+                    self.k, self.v = self.k.detach().clone(), self.v.detach().clone()
+                self._recorded = False
 
-    def _joined(self, which: int) -> Tensor:
-        """The storage (k: 0, v: 1) as one new tensor: the kept appends made with a gradient as they
-        were given, the other rows' values as stored."""
-        stored = (self.k, self.v)[which].detach()
-        parts, at = [], 0
-        for start, *given in self._pieces:
-            parts += [stored[:, :, at:start], given[which]]
-            at = start + given[which].shape[2]
-        return torch.cat([*parts, stored[:, :, at:]], dim=2)  # (B, Hkv, T, D)
+
+def _normal() -> contextlib.AbstractContextManager[Any]:
+    """Outside inference mode (tensors made there could not be written in place outside it), with
+    grad mode as before inference mode was entered; elsewhere nothing changes."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()

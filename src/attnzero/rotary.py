@@ -27,6 +27,7 @@ handful (``rotate_from``, a decoder's, still holds every position up to its last
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -76,15 +77,19 @@ class RotaryEmbedding(nn.Module):
         """cos and sin of ``p · θ_i`` for positions p = 0 .. length-1: two (length, D/2) tensors in
         ``dtype`` (float32 or float64) on ``device``. Built once and grown by doubling."""
         cos64 = self._cos64
-        if cos64 is None or cos64.device != device or cos64.shape[0] < length:
-            size = max(length, 2 * cos64.shape[0] if cos64 is not None and cos64.device == device else 256)
-            p = torch.arange(size, dtype=torch.float64, device=device)
-            angles = torch.outer(p, self.inv_freq(device))  # (size, D/2)
-            self._cos64, self._sin64 = angles.cos(), angles.sin()
-            self._cast = {}
-        assert self._cos64 is not None and self._sin64 is not None
-        if dtype not in self._cast:
-            self._cast[dtype] = (self._cos64.to(dtype), self._sin64.to(dtype))
+        # the table outlives the call: made outside inference mode, where it would be an inference
+        # tensor, which a later call recording gradients cannot save for its backward
+        outside = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+        with outside, torch.no_grad():
+            if cos64 is None or cos64.device != device or cos64.shape[0] < length:
+                size = max(length, 2 * cos64.shape[0] if cos64 is not None and cos64.device == device else 256)
+                p = torch.arange(size, dtype=torch.float64, device=device)
+                angles = torch.outer(p, self.inv_freq(device))  # (size, D/2)
+                self._cos64, self._sin64 = angles.cos(), angles.sin()
+                self._cast = {}
+            assert self._cos64 is not None and self._sin64 is not None
+            if dtype not in self._cast:
+                self._cast[dtype] = (self._cos64.to(dtype), self._sin64.to(dtype))
         cos, sin = self._cast[dtype]
         return cos[:length], sin[:length]
 
