@@ -547,3 +547,18 @@ def test_storage_made_or_rebuilt_under_inference_mode_can_be_written_outside_it(
     with torch.no_grad():
         cache.update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
     assert len(made_there) == 2 and len(cache) == 3 and not cache.k.is_inference()
+
+
+def test_forward_mode_tangents_pass_through_every_kind_of_step() -> None:
+    """no_grad does not stop forward-mode AD: a step under it after a recorded one (a copy of the
+    storage) keeps its keys' tangent, as torch.cat does."""
+    import torch.autograd.forward_ad as fwAD
+
+    zero, one = torch.zeros(1, 1, 1, 2, dtype=torch.float64), torch.ones(1, 1, 1, 2, dtype=torch.float64)
+    cache = az.KVCache(1, 4, 1, 2, dtype=torch.float64)
+    with fwAD.dual_level():
+        cache.update(fwAD.make_dual(zero, one), zero)
+        with torch.no_grad():
+            cache.update(fwAD.make_dual(zero, one), zero)
+        tangent = fwAD.unpack_dual(cache.keys()).tangent
+    assert tangent is not None and torch.equal(tangent, torch.ones(1, 1, 2, 2, dtype=torch.float64))

@@ -442,3 +442,22 @@ def test_a_tensor_joined_to_a_mask_the_readme_way_traces_whole(how: str) -> None
     q, pad = torch.randn(2, 2, 10, 4), torch.arange(10).view(1, 1, 1, 10) < torch.tensor([10, 6]).view(2, 1, 1, 1)
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, pad), fn(q, pad))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_decode_step_with_a_cache_and_rotary_compiles_whole(grad: bool) -> None:
+    """MultiHeadAttention with rotary embeddings and a KVCache, a step compiled with fullgraph=True,
+    under no_grad (in place) and recording gradients (a copy of the storage): nothing in the cache
+    or the rotary table breaks the graph (a check for inference mode did), and the outputs are
+    eager's."""
+    torch.manual_seed(0)
+    m = az.MultiHeadAttention(32, 4, 0.0, num_kv_heads=2, rope=True).eval()
+    x = torch.randn(1, 4, 32)
+    step = torch.compile(lambda x, c: m(x, cache=c), fullgraph=True, backend="eager")
+    outs = {}
+    for name, run in (("eager", lambda x, c: m(x, cache=c)), ("compiled", step)):
+        cache = az.KVCache(1, 8, 2, 8)
+        with torch.set_grad_enabled(grad):
+            outs[name] = torch.cat([run(x[:, :2], cache)] + [run(x[:, i : i + 1], cache) for i in (2, 3)], dim=1)
+    torch.testing.assert_close(outs["compiled"], outs["eager"])
+    assert outs["compiled"].requires_grad == grad

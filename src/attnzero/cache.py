@@ -151,7 +151,7 @@ class KVCache:
             # The copy keeps the graph of the rows already stored, whatever the mode, and cuts that
             # of the rows it overwrites (written in place, they would pass their gradient on to the
             # tokens once appended there); the new rows bring theirs only while gradients are recorded.
-            if not recording:
+            if not recording and (k.requires_grad or v.requires_grad):  # (a forward-mode tangent is kept)
                 k, v = k.detach(), v.detach()
             with _normal(), torch.enable_grad():
                 self.k = self.k.slice_scatter(k, dim=2, start=start, end=end)
@@ -198,5 +198,7 @@ class KVCache:
 
 def _normal() -> contextlib.AbstractContextManager[Any]:
     """Outside inference mode (tensors made there could not be written in place outside it), with
-    grad mode as before inference mode was entered; elsewhere nothing changes."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    grad mode as before inference mode was entered; elsewhere (and under torch.compile, which cannot
+    trace the question) nothing changes."""
+    inside = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+    return torch.inference_mode(False) if inside else contextlib.nullcontext()

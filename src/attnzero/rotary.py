@@ -78,8 +78,10 @@ class RotaryEmbedding(nn.Module):
         ``dtype`` (float32 or float64) on ``device``. Built once and grown by doubling."""
         cos64 = self._cos64
         # the table outlives the call: made outside inference mode, where it would be an inference
-        # tensor, which a later call recording gradients cannot save for its backward
-        outside = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+        # tensor, which a later call recording gradients cannot save for its backward (torch.compile
+        # cannot trace the question: there, as it comes)
+        inside = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+        outside = torch.inference_mode(False) if inside else contextlib.nullcontext()
         with outside, torch.no_grad():
             if cos64 is None or cos64.device != device or cos64.shape[0] < length:
                 size = max(length, 2 * cos64.shape[0] if cos64 is not None and cos64.device == device else 256)
