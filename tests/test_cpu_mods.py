@@ -240,6 +240,18 @@ def test_a_table_cast_twice_is_left_to_flash_py(ran: list[bool]) -> None:
     assert ran and not any(ran)
 
 
+def test_a_16_bit_constant_made_in_the_mod_compares_in_16_bits(ran: list[bool]) -> None:
+    # torch compares kv_idx with a float16 0-d tensor in float16 (2049 rounds to 2048); the generated
+    # comparison took the constant as a Python number and compared in float32. The C++ has no float16
+    # values: flash.py runs it
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return torch.where(torch.tensor(2049.0, dtype=torch.float16) < j, s - 5.0, s)
+
+    q, k, v = qkv(1, 1, 1, 2, 2060, 8)
+    check_against_golden("flash", F32, q, k, v, score_mod=mod)
+    assert ran and not any(ran)
+
+
 @pytest.mark.parametrize(("Lq", "Lk", "D"), [(1, 1, 8), (17, 113, 40), (113, 17, 64), (130, 600, 96)])
 def test_awkward_sizes(Lq: int, Lk: int, D: int, ran: list[bool]) -> None:
     """Rows and key blocks cut anywhere (the kernel's 512-key blocks: 600 keys are two of them)."""

@@ -289,6 +289,17 @@ def test_backend_triton_names_an_op_it_cannot_generate(mod: Any, op: str) -> Non
         az.attention(q, k, v, score_mod=mod, backend="triton")
 
 
+def test_a_16_bit_constant_compared_with_an_index_is_refused() -> None:
+    # torch compares in float16 (kv_idx 2049 rounds to 2048); the constant made in the mod was taken
+    # as a Python number, and the generated comparison was float32's
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return torch.where(torch.tensor(2049.0, dtype=torch.float16) < j, s - 5.0, s)
+
+    q, k, v = (t.to(DEVICE, F32) for t in qkv(1, 1, 1, 2, 2060, 8))
+    with pytest.raises(ValueError, match=r"score_mod: cannot generate Triton code for .*comparison of torch.float16"):
+        az.attention(q, k, v, score_mod=mod, backend="triton")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, BF16], ids=["f16", "bf16"])
 def test_a_16_bit_value_in_a_mod_is_refused_and_a_table_read_as_float32_runs(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch

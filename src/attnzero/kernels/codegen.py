@@ -105,13 +105,16 @@ class Scalar:
     """One value per pair: a Triton expression (a variable name; ``value`` set for a Python number,
     written out in the dtype each use needs), its torch dtype, and whether it can differ between the
     pairs of one block (it depends on q_idx, kv_idx or the score) — b and h are one per block in the
-    backward kernels. ``load``: the captured-tensor read that made it (for its gradient)."""
+    backward kernels. ``load``: the captured-tensor read that made it (for its gradient). ``number``:
+    a Python number (``value``), whose dtype yields to a tensor's in torch's promotion — a constant
+    tensor made inside the mod has ``value`` too, and its dtype counts."""
 
     expr: str
     dtype: torch.dtype
     varies: bool
     value: float | int | bool | None = None
     load: Load | None = None
+    number: bool = False
 
 
 @dataclass
@@ -232,7 +235,7 @@ TRITON = _Lang()
 def _meta(x: Any) -> Any:
     """What ``torch.result_type`` takes for a value: a 0-d tensor of its dtype, or the number."""
     if isinstance(x, Scalar):
-        return x.value if x.value is not None else torch.empty((), dtype=x.dtype)
+        return x.value if x.number else torch.empty((), dtype=x.dtype)
     return x
 
 
@@ -324,7 +327,7 @@ class _Emitter:
             return v
         if isinstance(a, (bool, int, float)):
             kind = torch.bool if isinstance(a, bool) else torch.int64 if isinstance(a, int) else torch.float64
-            return Scalar(self.lang.literal(a, kind), kind, False, value=a)
+            return Scalar(self.lang.literal(a, kind), kind, False, value=a, number=True)
         raise self.refuse(node, f"an argument of type {type(a).__name__}")
 
     def slot(self, t: Tensor) -> int:
