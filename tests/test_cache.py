@@ -562,3 +562,17 @@ def test_forward_mode_tangents_pass_through_every_kind_of_step() -> None:
             cache.update(fwAD.make_dual(zero, one), zero)
         tangent = fwAD.unpack_dual(cache.keys()).tangent
     assert tangent is not None and torch.equal(tangent, torch.ones(1, 1, 2, 2, dtype=torch.float64))
+
+
+def test_a_no_grad_step_after_a_recorded_one_does_not_write_into_what_it_saved() -> None:
+    """Only q needs a gradient (the storage never has one): the recorded step saved the storage's
+    views for dq, so the no_grad step after it still writes into a copy."""
+    q = torch.randn(1, 1, 1, 4, dtype=torch.float64, requires_grad=True)
+    k1, v1 = torch.randn(1, 1, 2, 4, dtype=torch.float64), torch.randn(1, 1, 2, 4, dtype=torch.float64)
+    cache = az.KVCache(1, 8, 1, 4, dtype=torch.float64)
+    out = az.attention(q, *cache.update(k1, v1))
+    with torch.no_grad():
+        cache.update(torch.randn(1, 1, 1, 4, dtype=torch.float64), torch.randn(1, 1, 1, 4, dtype=torch.float64))
+    (got,) = torch.autograd.grad(out.sum(), q)
+    (want,) = torch.autograd.grad(az.attention(q, k1, v1).sum(), q)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -286,6 +286,16 @@ def test_broadcast_bias_gradient_is_bitwise_reproducible_under_use_deterministic
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
+@pytest.mark.parametrize("sign", [-1.0, 0.0])
+def test_a_negative_or_zero_scale(sign: float, calls: dict[str, int]) -> None:
+    """A scale ≤ 0 cannot ride in the row max (max_j scale·x_ij is scale · min_j x_ij then): the
+    kernel scales the scores first. Scores up to ±50, where the wrong row extreme overflows exp."""
+    q, k, v = qkv(1, 2, 1, 64, 70, 32)
+    scale = sign * 50.0 / float((q @ k.transpose(-1, -2)).abs().max())
+    golden(torch.float32, q, k, v, calls, scale=scale)
+    golden(torch.float32, q, k, v, calls, scale=scale, causal=True)
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=KERNEL_IDS)
 def test_softcap(dtype: torch.dtype, calls: dict[str, int]) -> None:
     """softcap · tanh(s / softcap) before the bias, with its gradient through the cap; large scores

@@ -234,6 +234,16 @@ def test_document_rejects_bad_ids() -> None:
 # and_ / or_ / ~, tensors mixed in
 
 
+def test_and_of_bands_is_their_intersection_and_or_their_hull() -> None:
+    """The band a combination carries is what backends skip blocks by: too wide, blocks are computed
+    that could be skipped; too narrow, kept pairs are dropped."""
+    a, b = az.masks.window(64, left=8, right=4), az.masks.window(64, left=20, right=1)
+    assert (a.band, b.band) == ((-8, 4), (-20, 1))
+    assert (a & b).band == (-8, 1) and (b & a).band == (-8, 1)
+    assert (a | b).band == (-20, 4)
+    assert (a & az.masks.window(64, left=None, right=2)).band == (-8, 2)
+
+
 def test_and_or_not() -> None:
     c = az.masks.causal(4)
     w = az.masks.window(4, 4, 1, 1)

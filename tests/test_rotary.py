@@ -167,7 +167,7 @@ def test_a_few_far_positions_take_their_own_angles_not_a_table(interleaved: bool
     # A table up to position 10⁹ would hold every position below it (10⁷ at D = 128 was 10 GB).
     rot = az.RotaryEmbedding(8, interleaved=interleaved)
     x = torch.randn(2, 3, 8, dtype=torch.float64)
-    far = torch.tensor([10**9, 5, 10**7])
+    far = torch.tensor([10**9 + 1, 5, 2**24 + 1])  # (odd: float32 would round them)
     want = half_split_formula(x, far) if not interleaved else None
     got = rot(x, far)
     assert rot._cos64 is None or rot._cos64.shape[0] <= 65536

@@ -101,6 +101,7 @@ GRID_MODS: dict[str, Callable[..., Tensor]] = {
     + (b + h).to(torch.float16).float() + s.detach() * 0.5,
     "documents": lambda s, b, h, i, j: torch.where(doc[i] == doc[j], s, -float("inf")),
     "float64_sqrt": lambda s, b, h, i, j: s + ((j + 1).double().sqrt() * s.double()).float(),  # (sqrt_rn: float32 only)
+    "exp2_log2": lambda s, b, h, i, j: torch.exp2(s * 0.3) * temperature + torch.log2(s * s + 1.0) / temperature,
 }  # fmt: skip
 GRID_MODS.update(torch_semantics_mods(DEVICE))  # where C and torch differ (conftest)
 
