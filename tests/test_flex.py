@@ -256,12 +256,15 @@ def test_errors_are_torchs(case: str) -> None:
 def test_a_block_table_with_fewer_heads_or_batches_wraps_as_torchs_kernels(compiled: bool) -> None:
     """A BlockMask whose H (or B) is neither 1 nor the query's — a GQA mask built with the key
     heads' count — is read as torch's kernels read it (head h at h % H, batch b at b % B); it had
-    crashed with an indexing error."""
-    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    crashed with an indexing error. The mask differs along the table's dim (odd h, or odd b: every
+    key), so a table read at the wrong head or batch skips blocks the mod keeps."""
+    by_head = lambda b, h, q, kv: (q >= kv) | (h % 2 == 1)  # noqa: E731
+    by_batch = lambda b, h, q, kv: (q >= kv) | (b % 2 == 1)  # noqa: E731
     run = torch.compile(flex.flex_attention, fullgraph=True, backend="eager") if compiled else flex.flex_attention
-    for (B, Hq, Hkv), (mB, mH), kw in [((2, 4, 2), (None, 2), {"enable_gqa": True}), ((3, 2, 2), (2, None), {})]:
+    cases = [((2, 4, 2), (None, 2), by_head, {"enable_gqa": True}), ((3, 2, 2), (2, None), by_batch, {})]
+    for (B, Hq, Hkv), (mB, mH), mask_mod, kw in cases:
         q, k, v = torch.randn(B, Hq, 32, 8), torch.randn(B, Hkv, 32, 8), torch.randn(B, Hkv, 32, 8)
-        bm = TF.create_block_mask(causal, mB, mH, 32, 32, device="cpu", BLOCK_SIZE=16)
+        bm = TF.create_block_mask(mask_mod, mB, mH, 32, 32, device="cpu", BLOCK_SIZE=16)
         torch.testing.assert_close(run(q, k, v, block_mask=bm, **kw), TF.flex_attention(q, k, v, block_mask=bm, **kw))
 
 
