@@ -207,6 +207,13 @@ def test_return_types_and_dtypes() -> None:
     assert out16.dtype == torch.bfloat16 and aux.lse.dtype == torch.float32 and aux.max_scores.dtype == torch.float32
     s = (q16.float() @ k16.float().transpose(-2, -1)) / 8**0.5
     torch.testing.assert_close(aux.max_scores, s.amax(-1))
+    # with a block mask and a score_mod: the largest kept score after the mod (−inf where none is kept)
+    bm = TF.create_block_mask(lambda b, h, i, j: (j <= i) & (i != 3), 1, 1, 16, 16, device="cpu", BLOCK_SIZE=8)
+    _, aux = flex.flex_attention(q, k, v, block_mask=bm, score_mod=lambda s, b, h, i, j: s * 2.0,
+                                 return_aux=flex.AuxRequest(max_scores=True))  # fmt: skip
+    i, j = torch.arange(16).view(-1, 1), torch.arange(16)
+    s = (q @ k.transpose(-2, -1) / 8**0.5 * 2.0).masked_fill(~((j <= i) & (i != 3)), float("-inf"))
+    torch.testing.assert_close(aux.max_scores, s.amax(-1))
     plain = flex.flex_attention(q, k, v)
     assert isinstance(plain, Tensor)
     with pytest.raises(ValueError, match="Cannot specify both return_lse and return_aux"):
