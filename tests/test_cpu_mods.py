@@ -240,6 +240,37 @@ def test_a_table_cast_twice_is_left_to_flash_py(ran: list[bool]) -> None:
     assert ran and not any(ran)
 
 
+def test_a_table_rebound_to_another_dtype_is_read_as_that_dtype(ran: list[bool]) -> None:
+    # the mod's key holds each tensor's dtype: without it the code built for a float32 table read an
+    # int32 / int64 one's bits as floats (NaN)
+    box = {"t": torch.randn(37)}
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + box["t"][j]
+
+    q, k, v = qkv(1, 2, 2, 9, 37, 16)
+    for dtype in (torch.float32, torch.int32, torch.int64):
+        box["t"] = (torch.randn(37) * 3).to(dtype)
+        check_against_golden("flash", F32, q, k, v, score_mod=mod)
+    assert ran and all(ran)
+
+
+def test_a_mod_built_without_gradients_is_built_again_for_them(fresh: Any) -> None:
+    # a call under no_grad builds the forward only; the next call wanting the table's gradient must
+    # not take that build (keyed by the fingerprint alone, it did: no gradient reached w)
+    w = torch.randn(37, requires_grad=True)
+
+    def mod(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s * w[j]
+
+    q, k, v = (t.float() for t in qkv(1, 2, 2, 9, 37, 16))
+    with torch.no_grad():
+        az.attention(q, k, v, score_mod=mod)
+    (got,) = torch.autograd.grad(az.attention(q, k, v, score_mod=mod).square().sum(), w)
+    (want,) = torch.autograd.grad(az.attention(q, k, v, score_mod=mod, backend="reference").square().sum(), w)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_16_bit_constant_made_in_the_mod_compares_in_16_bits(ran: list[bool]) -> None:
     # torch compares kv_idx with a float16 0-d tensor in float16 (2049 rounds to 2048); the generated
     # comparison took the constant as a Python number and compared in float32. The C++ has no float16
