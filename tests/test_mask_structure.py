@@ -229,3 +229,14 @@ def test_a_predicate_that_answers_with_one_value_on_flash_py() -> None:
     for m in (M.window(3, 3, None, None), ~M.window(3, 3, None, None), M.Mask(lambda b, h, i, j: True, (1, 1, 3, 3))):
         want = az.attention(q, k, v, mask=m.to_tensor(), backend="reference")
         torch.testing.assert_close(az.attention(q, k, v, mask=m, backend="flash"), want)
+
+
+def test_a_block_tables_answers_per_head_are_not_mixed_up() -> None:
+    """BlockTable caches its answers: one asked for head 0 must not answer for head 1, nor for all heads."""
+    from attnzero.blocks import FULL, SKIP, BlockTable
+
+    kinds = torch.tensor([SKIP, FULL], dtype=torch.int8).view(1, 2, 1, 1)  # (B, H, nQ, nK): head 0 skips, head 1 keeps
+    table = BlockTable(kinds, (4, 4), (4, 4))
+    assert table.classify((0, 1), (0, 4), (0, 4), heads=(0, 1)) is geometry.SKIP
+    assert table.classify((0, 1), (0, 4), (0, 4), heads=(1, 2)) is geometry.FULL
+    assert table.classify((0, 1), (0, 4), (0, 4)) is geometry.PARTIAL  # every head: some skip, some keep
