@@ -454,6 +454,13 @@ def test_a_block_mask_serves_many_calls_with_one_mask_until_what_it_reads_change
     twin = copy.deepcopy(bm)  # the cache stays behind, empty
     assert not vars(twin)["_attnzero_masks"]
     torch.testing.assert_close(flex.flex_attention(q, k, v, block_mask=twin), TF.flex_attention(q, k, v, block_mask=bm))
+    assert bm.full_kv_num_blocks is not None
+    bm.full_kv_num_blocks.zero_()  # the table itself changed in place: its full blocks now unlisted
+    fresh = TF.BlockMask.from_kv_blocks(  # (the same table in a BlockMask attnzero has not seen)
+        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, BLOCK_SIZE=16, mask_mod=same_doc
+    )
+    got = flex.flex_attention(q, k, v, block_mask=bm)
+    torch.testing.assert_close(got, flex.flex_attention(q, k, v, block_mask=fresh))
     bm = flex.create_block_mask(_causal, None, None, L, L, device="cpu", BLOCK_SIZE=16)
     flex.flex_attention(q, k, v, block_mask=bm)
     twin = pickle.loads(pickle.dumps(bm))  # (its Masks' predicates are local functions: not pickled)
