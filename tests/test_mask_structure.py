@@ -240,3 +240,19 @@ def test_a_block_tables_answers_per_head_are_not_mixed_up() -> None:
     assert table.classify((0, 1), (0, 4), (0, 4), heads=(0, 1)) is geometry.SKIP
     assert table.classify((0, 1), (0, 4), (0, 4), heads=(1, 2)) is geometry.FULL
     assert table.classify((0, 1), (0, 4), (0, 4)) is geometry.PARTIAL  # every head: some skip, some keep
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash", "auto"])
+def test_a_banded_mask_with_causal_or_window_arguments_keeps_their_intersection(backend: str) -> None:
+    """A window Mask's band and the call's causal / window are joined into one band: the pairs all of
+    them keep (the join took the wider right edge once: pairs past causal's diagonal were kept)."""
+    Lq, Lk = 20, 26
+    q, k, v = qkv(1, 2, 1, Lq, Lk, 8)
+    mask = M.window(Lq, Lk, left=6, right=4)
+    i, j = torch.arange(Lq).view(-1, 1) + (Lk - Lq), torch.arange(Lk)  # bottom-right positions
+    cases = (({"causal": True}, j <= i), ({"window": (None, 2)}, j <= i + 2), ({"window": (3, 9)}, j >= i - 3))
+    for kw, extra in cases:
+        dense = mask.to_tensor() & extra  # (1, 1, Lq, Lk)
+        got = az.attention(q, k, v, mask=mask, backend=backend, **kw)
+        want = az.attention(q, k, v, mask=dense, backend="reference")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -179,6 +179,8 @@ ATTN_ONLY_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("dropout_not_number", {"dropout_p": "0.1"}, TypeError, r"dropout_p: expected a float in \[0, 1\), got '0\.1'"),
     ("unknown_backend", {"backend": "fast"}, ValueError, r"backend: expected one of 'auto', 'reference', .*got 'fast'"),
     ("return_lse_not_bool", {"return_lse": 1}, TypeError, r"return_lse: expected a bool, got 1"),
+    ("sinks_other_device", {"sinks": torch.zeros(HQ, device="meta")}, ValueError, r"sinks: device meta does not match"),
+    ("sinks_wrong_heads", {"sinks": torch.zeros(HQ + 1)}, ValueError, r"sinks: expected shape \(Hq,\) = \(4,\)"),
 ]
 
 

@@ -141,6 +141,7 @@ def test_varlen_cost_is_that_of_the_sequences() -> None:
         ({"cu_seqlens_q": torch.tensor([0, 5, 3, 9], dtype=torch.int32)}, ValueError, "non-decreasing"),
         ({"cu_seqlens_k": torch.tensor([0, 9], dtype=torch.int32)}, ValueError, "as many sequences"),
         ({"max_seqlen_q": 2}, ValueError, "max_seqlen_q"),
+        ({"max_seqlen_k": 5, "cu_seqlens_k": torch.tensor([0, 2, 9], dtype=torch.int32)}, ValueError, "max_seqlen_k"),
         ({"v": torch.zeros(10, 2, 4)}, ValueError, "10 packed keys"),
         ({"q": torch.zeros(1, 9, 2, 4)}, ValueError, r"\(T, H, D\)"),
         ({"sinks": torch.zeros(2, 3)}, ValueError, "sinks"),
