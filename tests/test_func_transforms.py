@@ -210,6 +210,34 @@ def test_dropout_under_vmap() -> None:
         vmap(f)(q, k, v)
 
 
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_grad_with_dropout_equals_the_backward(backend: str) -> None:
+    """torch.func.grad runs the formula's backward (a graph of the gradients): with dropout, dV takes
+    the kept entries, as the backend's own backward does with the same seed."""
+    q, k, v = rand(2, 3, 5, 8), rand(2, 3, 6, 8), rand(2, 3, 6, 8)
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(7)
+        return attend(backend, dropout_p=0.4, causal=True)(q, k, v).square().sum()
+
+    got = grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for g, w in zip(got, want):
+        close(g, w)
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_vmap_with_a_mask_that_differs_by_batch(backend: str) -> None:
+    """A padding Mask of batch 2 (not vmapped) under vmap over 3 samples: each sample's batch entries
+    keep their own keys — the folded call (3·2 batch entries) must not read the Mask at b = 0..5."""
+    q, k, v = rand(3, 2, 2, 4, 8), rand(3, 2, 2, 6, 8), rand(3, 2, 2, 6, 8)
+    pad = az.masks.padding([3, 6], kv_len=6)
+    got = vmap(lambda q, k, v: attend(backend, mask=pad)(q, k, v))(q, k, v)
+    want = torch.stack([attend("reference", mask=pad)(q[s], k[s], v[s]) for s in range(3)])
+    close(got, want)
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_fuzz_vmapped_calls_against_the_golden(seed: int) -> None:
     """Random vmapped calls (dim position, sizes, GQA, causal/window/softcap/bias/mask, which inputs
