@@ -230,7 +230,7 @@ def _error(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[type, str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["heads", "gqa", "embed", "batch", "ndim", "length", "device", "sliced", "sliced, all full"],
+    ["heads", "gqa", "embed", "batch", "ndim", "length", "shorter mask", "device", "sliced", "sliced, all full"],
 )
 def test_errors_are_torchs(case: str) -> None:
     q, k, v = _qkv(2, 4, 4, 16, 16, 8)
@@ -247,6 +247,8 @@ def test_errors_are_torchs(case: str) -> None:
         q, k, v = q[0], k[0], v[0]
     elif case == "length":
         kw = {"block_mask": TF.create_block_mask(causal, None, None, 32, 32, device="cpu")}
+    elif case == "shorter mask":  # made for 8 rows and keys, used for 16 (its rows past 8 came out 0)
+        kw = {"block_mask": TF.create_block_mask(causal, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)}
     elif case == "device":
         v = v.to("meta")
     elif case == "sliced":  # a mask for 64 query rows cut to the first 16: its mask_mod no longer fits
@@ -470,6 +472,22 @@ def test_a_block_mask_serves_many_calls_with_one_mask_until_what_it_reads_change
 
 def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return q_idx >= kv_idx
+
+
+def test_a_number_the_mask_mod_reads_changes_the_mask() -> None:
+    """The same BlockMask, its mask_mod reading a Python number that changes between calls (causal,
+    then strictly causal: the same blocks partial): the new number's mask, as torch's."""
+    cfg = {"shift": 0}
+
+    def shifted(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx >= kv_idx + cfg["shift"]
+
+    bm = flex.create_block_mask(shifted, None, None, 48, 48, device="cpu", BLOCK_SIZE=16)
+    q, k, v = (torch.randn(1, 2, 48, 8) for _ in range(3))
+    for shift in (0, 1):
+        cfg["shift"] = shift
+        want = TF.flex_attention(q, k, v, block_mask=bm)
+        torch.testing.assert_close(flex.flex_attention(q, k, v, block_mask=bm), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_block_mask_kept_by_a_module_leaves_with_it_and_serves_inference_mode() -> None:

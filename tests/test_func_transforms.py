@@ -236,6 +236,9 @@ def test_vmap_with_a_mask_that_differs_by_batch(backend: str) -> None:
     got = vmap(lambda q, k, v: attend(backend, mask=pad)(q, k, v))(q, k, v)
     want = torch.stack([attend("reference", mask=pad)(q[s], k[s], v[s]) for s in range(3)])
     close(got, want)
+    bias = rand(2, 1, 4, 6)  # unbatched, batch 2: stretched over the samples
+    got = vmap(lambda q: attend(backend, bias=bias)(q, k[0], v[0]))(q)
+    close(got, torch.stack([attend("reference", bias=bias)(q[s], k[0], v[0]) for s in range(3)]))
 
 
 @pytest.mark.parametrize("seed", range(24))

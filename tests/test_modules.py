@@ -295,6 +295,14 @@ def test_from_torch_rejects_what_it_cannot_convert() -> None:
         az.MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_zero_attn=True))
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 7), (1, 7), (2, 6), (7,)], ids=str)
+def test_mha_refuses_a_key_padding_mask_of_another_shape(shape: tuple[int, ...]) -> None:
+    m = az.MultiHeadAttention(16, 2, 0.0)
+    x, mem, kpm = torch.randn(2, 3, 16), torch.randn(2, 7, 16), torch.ones(shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"key_padding_mask: expected shape \(B, Lk\) = \(2, 7\), got"):
+        m(x, mem, mem, key_padding_mask=kpm)
+
+
 def test_mha_mask_builder_with_key_padding_mask() -> None:
     m = az.MultiHeadAttention(32, 4).eval()
     x = torch.randn(2, 6, 32)

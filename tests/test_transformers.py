@@ -107,6 +107,8 @@ def test_no_mask_on_a_causal_module_is_causal_top_left() -> None:
     torch.testing.assert_close(out, expected.transpose(1, 2))
     one, _ = forward(module, q[:, :, :1], k, v, None)  # decoding: one query sees every key
     torch.testing.assert_close(one, torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v).transpose(1, 2))
+    bare, _ = forward(torch.nn.Module(), q, k, v, None)  # no is_causal attribute: causal, as transformers' sdpa
+    torch.testing.assert_close(bare, expected.transpose(1, 2))
 
 
 # --------------------------------------------------------------------------- MiniLM, pretrained

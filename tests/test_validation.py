@@ -181,6 +181,8 @@ ATTN_ONLY_CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("return_lse_not_bool", {"return_lse": 1}, TypeError, r"return_lse: expected a bool, got 1"),
     ("sinks_other_device", {"sinks": torch.zeros(HQ, device="meta")}, ValueError, r"sinks: device meta does not match"),
     ("sinks_wrong_heads", {"sinks": torch.zeros(HQ + 1)}, ValueError, r"sinks: expected shape \(Hq,\) = \(4,\)"),
+    ("sinks_batch_of_one", {"sinks": torch.zeros(1, HQ, LQ)}, ValueError, r"sinks: expected shape .*\(1, 4, 5\)"),
+    ("bias_other_device", {"bias": torch.zeros(LQ, LK, device="meta")}, ValueError, r"bias: device meta does not"),
 ]
 
 

@@ -159,6 +159,14 @@ def test_varlen_refuses_bad_input(change: dict[str, object], error: type[Excepti
         az.attention_varlen(**args)  # type: ignore[arg-type]
 
 
+def test_max_seqlen_equal_to_the_longest_sequence_is_taken() -> None:
+    """FlashAttention's usual max_seqlen_q / _k: exactly the longest sequence (a bound, not a length)."""
+    q, k, v = torch.randn(9, 2, 4), torch.randn(11, 2, 4), torch.randn(11, 2, 4)
+    cu_q, cu_k = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 7, 11], dtype=torch.int32)
+    got = az.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=5, max_seqlen_k=7)
+    torch.testing.assert_close(got, az.attention_varlen(q, k, v, cu_q, cu_k))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_varlen_with_no_sequences(backend: str) -> None:
     """N = 0 (cu_seqlens [0], zero-size inputs: valid, DESIGN.md): out (0, Hq, Dv), lse (Hq, 0), and
