@@ -549,6 +549,7 @@ def test_storage_made_or_rebuilt_under_inference_mode_can_be_written_outside_it(
     assert len(made_there) == 2 and len(cache) == 3 and not cache.k.is_inference()
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # (torch's forward_ad import)
 def test_forward_mode_tangents_pass_through_every_kind_of_step() -> None:
     """no_grad does not stop forward-mode AD: a step under it after a recorded one (a copy of the
     storage) keeps its keys' tangent, as torch.cat does."""
