@@ -108,6 +108,18 @@ def test_floor_scales_with_the_size_of_the_result() -> None:
     assert floor(F32, 1e6) == FLOOR[F32] * 1e6
 
 
+@pytest.mark.parametrize("dtype", [F32, F16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+def test_the_floor_is_about_one_rounding_of_the_result(dtype: torch.dtype) -> None:
+    """The rule's slack from first principles, not from FLOOR: with a reference that is exact, a
+    result one ulp (of its largest entry) off passes and one four ulps off fails — a floor loosened
+    to several roundings would let a backend that rounds carelessly pass."""
+    eps = torch.finfo(dtype).eps
+    golden = torch.tensor([1.0, -0.5, 0.25], dtype=F64)
+    ref = golden.clone()
+    assert verdict(golden + torch.tensor([eps, 0, 0], dtype=F64), ref, golden, floor_dtype=dtype).ok
+    assert not verdict(golden + torch.tensor([4 * eps, 0, 0], dtype=F64), ref, golden, floor_dtype=dtype).ok
+
+
 def test_score_term_for_tiled_backends() -> None:
     """``scores`` adds 2·eps(accumulator)·|s| per unit of the summed terms (out, gradients) or
     absolutely (lse, weights)."""
