@@ -23,13 +23,13 @@ recorded, as through ``torch.cat`` of them; ``reset`` starts again from storage 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import checks
+from .persistent import outside_inference_mode
 
 
 class KVCache:
@@ -71,7 +71,7 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (batch_size, num_kv_heads, max_len, head_dim)  # (B, Hkv, T, D)
-        with _normal():  # (made under inference_mode too, it can be written in place outside it)
+        with outside_inference_mode():  # (so that steps outside it may write in place)
             self.k: Tensor = torch.zeros(shape, dtype=dtype, device=device)
             self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype: torch.dtype = dtype
@@ -153,7 +153,7 @@ class KVCache:
             # tokens once appended there); the new rows bring theirs only while gradients are recorded.
             if not recording and (k.requires_grad or v.requires_grad):  # (a forward-mode tangent is kept)
                 k, v = k.detach(), v.detach()
-            with _normal(), torch.enable_grad():
+            with outside_inference_mode(), torch.enable_grad():
                 self.k = self.k.slice_scatter(k, dim=2, start=start, end=end)
                 self.v = self.v.slice_scatter(v, dim=2, start=start, end=end)
             if k.requires_grad or v.requires_grad:
@@ -191,14 +191,8 @@ class KVCache:
         if self._graph_from is not None and self._graph_from >= length:  # no kept row has a gradient
             self._graph_from = None
             if self.k.requires_grad or self.v.requires_grad:
-                with _normal():  # the values as stored, in new storage (earlier steps saved views of the old)
+                # the values as stored, in new storage (earlier steps saved views of the old)
+                with outside_inference_mode():
                     self.k, self.v = self.k.detach().clone(), self.v.detach().clone()
                 self._recorded = False
 
-
-def _normal() -> contextlib.AbstractContextManager[Any]:
-    """Outside inference mode (tensors made there could not be written in place outside it), with
-    grad mode as before inference mode was entered; elsewhere (and under torch.compile, which cannot
-    trace the question) nothing changes."""
-    inside = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
-    return torch.inference_mode(False) if inside else contextlib.nullcontext()

@@ -27,7 +27,6 @@ handful (``rotate_from``, a decoder's, still holds every position up to its last
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
+from .persistent import outside_inference_mode
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,13 +77,8 @@ class RotaryEmbedding(nn.Module):
         """cos and sin of ``p · θ_i`` for positions p = 0 .. length-1: two (length, D/2) tensors in
         ``dtype`` (float32 or float64) on ``device``. Built once and grown by doubling."""
         cos64 = self._cos64
-        # the table outlives the call: made outside inference mode, where it would be an inference
-        # tensor, which a later call recording gradients cannot save for its backward (torch.compile
-        # cannot trace the question: there, as it comes)
-        inside = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
-        outside = torch.inference_mode(False) if inside else contextlib.nullcontext()
-        with outside, torch.no_grad():
-            if cos64 is None or cos64.device != device or cos64.shape[0] < length:
+        with outside_inference_mode(), torch.no_grad():  # (the table outlives the call)
+            if not self._covers(length, device):
                 size = max(length, 2 * cos64.shape[0] if cos64 is not None and cos64.device == device else 256)
                 p = torch.arange(size, dtype=torch.float64, device=device)
                 angles = torch.outer(p, self.inv_freq(device))  # (size, D/2)
@@ -94,6 +89,10 @@ class RotaryEmbedding(nn.Module):
                 self._cast[dtype] = (self._cos64.to(dtype), self._sin64.to(dtype))
         cos, sin = self._cast[dtype]
         return cos[:length], sin[:length]
+
+    def _covers(self, length: int, device: torch.device) -> bool:
+        """Whether the table holds positions 0 .. length-1 on ``device``."""
+        return self._cos64 is not None and self._cos64.device == device and self._cos64.shape[0] >= length
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x (..., L, head_dim)`` by integer ``positions (L,)`` (>= 0, on x's device).
@@ -107,9 +106,7 @@ class RotaryEmbedding(nn.Module):
         lo, hi = (int(t) for t in torch.aminmax(positions))
         if lo < 0:
             raise ValueError(f"positions: expected integers >= 0, got a minimum of {lo}")
-        table = self._cos64
-        covered = table is not None and table.device == x.device and table.shape[0] > hi
-        if not covered and hi >= max(65536, 16 * positions.numel()):
+        if not self._covers(hi + 1, x.device) and hi >= max(65536, 16 * positions.numel()):
             # few positions far out: their own angles (the same float64 products and cos / sin as
             # the table's), not a table of every position below them (10⁷ at D = 128: 10 GB)
             angles = positions.to(torch.float64)[:, None] * self.inv_freq(x.device)  # (L, D/2)
