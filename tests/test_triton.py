@@ -361,9 +361,10 @@ def test_custom_ops_pass_opcheck() -> None:
     torch.library.opcheck(tb.triton_fwd, (q, k, v, None, None, ids[:, :17], ids, False, free, free, 0.25, 3.0, 0.0, 0,
                                           False))
     with torch.no_grad():
-        dargs = (q.detach()[:, :, :2], k.detach(), v.detach(), None, None, None, None, False, free, free, 0.25, 0.0,
-                 0.0, 0)
-        torch.library.opcheck(tb.triton_decode, dargs, test_utils=("test_schema", "test_faketensor"))
+        for dtype, out_f32 in ((torch.float32, False), (torch.float16, False), (torch.float16, True)):
+            qd, kd, vd = (t.detach().to(dtype) for t in (q[:, :, :2], k, v))
+            dargs = (qd, kd, vd, None, None, None, None, False, free, free, 0.25, 0.0, 0.0, 0, out_f32)
+            torch.library.opcheck(tb.triton_decode, dargs, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_fullgraph() -> None:

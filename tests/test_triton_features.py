@@ -26,7 +26,7 @@ from torch import Tensor
 
 import attnzero as az
 from attnzero import dropout as az_dropout
-from attnzero import masks
+from attnzero import masks, sinks
 from attnzero.testing import assert_close_to_golden, assert_reference_sane, magnitude
 
 if os.environ.get("CI") == "true":
@@ -447,6 +447,40 @@ def test_head_dim_256_still_runs() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Sinks: the backward from sink-folded (out, lse)
+
+
+@pytest.mark.parametrize("path", ["decode", "forward", "forward_grad", "score_mod", "score_mod_grad", "score_mod_decode"])
+def test_sinks_are_folded_into_the_float32_output_then_rounded_once(path: str) -> None:
+    """A 16-bit call with sinks rounds its output once: the kernels' float32 O, the sinks folded in
+    (sinks.fold), then q's dtype — as the CPU kernel and flash.py do. (Before: the split-KV decode,
+    the forward and the score_mod paths folded the already rounded 16-bit O and rounded it again,
+    up to one more ulp.) Compared bit for bit with the fold of the same kernel's float32 output."""
+    B, Hq, Hkv, D = 2, 4, 2, 32
+    Lq, Lk = (3, 1100) if "decode" in path else (21, 37)
+    torch.manual_seed(0)
+    q, k, v = (t.to(F16).to(DEVICE) for t in qkv(B, Hq, Hkv, Lq, Lk, D))
+    sink = (torch.randn(Hq, dtype=F64) * 2).to(DEVICE)
+    rel = torch.randn(2 * Lk, dtype=F32, device=DEVICE)
+    score_mod = (lambda s, b, h, i, j: s + rel[i - j + Lk]) if "score_mod" in path else None
+    opts = {"scale": 0.3, "score_mod": score_mod, "backend": "triton", "return_lse": True}
+    if path.endswith("_grad"):
+        got, lse = az.attention(q.requires_grad_(), k, v, sinks=sink, **opts)
+    else:
+        with torch.no_grad():
+            got, lse = az.attention(q, k, v, sinks=sink, **opts)
+    # the same kernels' float32 output, without sinks: (B, Hq, Lq, D)
+    gen = tb.generate(score_mod, q.device, grads=False) if score_mod is not None else None
+    args = tb._args(q, k, v, mask=None, bias=None, causal=False, window=None, scale=0.3, softcap=None,
+                    dropout_p=0.0, dropout_seed=0)  # fmt: skip
+    with torch.no_grad():
+        if "decode" in path:
+            out32, lse32 = tb._decode(q, k, v, *args, True, score_gen=gen)
+        else:
+            _, lse32, out32 = tb._forward(q, k, v, *args, True, score_gen=gen)
+    want, want_lse = sinks.fold(out32, lse32, sink)
+    assert got.dtype == F16 and out32.dtype == F32
+    torch.testing.assert_close(got, want.to(F16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)

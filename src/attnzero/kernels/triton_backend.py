@@ -506,7 +506,7 @@ def _trace_rows(record: Tensor) -> list[tuple[int, int, list[int], list[bool]]]:
 def _decode(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
     k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
-    seed: int, score_gen: Generated | None = None, mask_gen: Generated | None = None,
+    seed: int, out_f32: bool = False, score_gen: Generated | None = None, mask_gen: Generated | None = None,
 ) -> tuple[Tensor, Tensor]:
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     B, Hq, Lq, D = q.shape
@@ -539,7 +539,8 @@ def _decode(
     # recording (attnzero.trace): the same kernel, writing down the key blocks it visits
     record = _trace_buffer(grid[0], Lk, cfg["BLOCK_N"], q.device) if tracing else lpart  # (lpart: not read)
     dec_k.split_kernel[grid](*args, Trace=record, **opts, **flags, TRACE=tracing)
-    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)  # (B, Hq, Lq, Dv)
+    # (B, Hq, Lq, Dv), in float32 with ``out_f32``: rounded to q's dtype after the sinks are folded in
+    out = torch.empty((B, Hq, Lq, Dv), dtype=torch.float32 if out_f32 else q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)  # (B, Hq, Lq)
     dec_k.merge_kernel[(B * Hq * Lq,)](
         opart, lpart, out, lse, out.stride(0), out.stride(1), out.stride(2), Hq, Lq, Dv, S,
@@ -672,16 +673,17 @@ def _(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dr
 def triton_decode(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, q_ids: Tensor | None,
     k_ids: Tensor | None, causal: bool, left: int, right: int, scale: float, softcap: float, dropout_p: float,
-    seed: int,
+    seed: int, out_f32: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Split-KV decode (no backward): same results as ``triton_fwd``."""
-    return _decode(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed)
+    """Split-KV decode (no backward): same results as ``triton_fwd``; ``out_f32``: out in float32."""
+    return _decode(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed, out_f32)
 
 
 @triton_decode.register_fake
-def _(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed):  # type: ignore[no-untyped-def]
+def _(q, k, v, mask, bias, q_ids, k_ids, causal, left, right, scale, softcap, dropout_p, seed, out_f32):  # type: ignore[no-untyped-def]
     B, Hq, Lq, _ = q.shape
-    return q.new_empty((B, Hq, Lq, v.shape[3])), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+    out = q.new_empty((B, Hq, Lq, v.shape[3]), dtype=torch.float32 if out_f32 else q.dtype)
+    return out, q.new_empty((B, Hq, Lq), dtype=torch.float32)
 
 
 @torch.library.custom_op("attnzero::triton_bwd", mutates_args=())
@@ -894,26 +896,30 @@ def attention(
     return out, lse
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+def forward(q: Tensor, k: Tensor, v: Tensor, *, out_f32: bool = False, **kw: Any) -> tuple[Tensor, Tensor]:
     """``attention`` as a plain function (the backend interface's forward): the forward kernel, no
-    autograd."""
+    autograd. ``out_f32``: a 16-bit call's out in float32, before its rounding (for sinks folded in
+    and rounded once, and for a backward's Δ)."""
+    wide = out_f32 and q.dtype != torch.float32
     with torch.no_grad():
         mask_gen = generate_mask(kw.get("mask"), q.device)
-        out, lse, _ = _fwd(q, k, v, _args(q, k, v, mask_gen=mask_gen, **kw), False, mask_gen)
-    return out, lse
+        out, lse, out32 = _fwd(q, k, v, _args(q, k, v, mask_gen=mask_gen, **kw), wide, mask_gen)
+    return (out32 if wide else out), lse
 
 
-def decode(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+def decode(q: Tensor, k: Tensor, v: Tensor, *, out_f32: bool = False, **kw: Any) -> tuple[Tensor, Tensor]:
     """The split-KV decode kernel (``attnzero::triton_decode``), the same ``(out, lse)`` as
-    ``forward``; no backward (``functional.choose`` takes it only when no input requires grad, for
-    the shapes it serves: ``DECODE_MAX_LQ``, ``DECODE_MIN_LK``, ``DECODE_MAX_ROWS``)."""
+    ``forward`` (``out_f32`` too); no backward (``functional.choose`` takes it only when no input
+    requires grad, for the shapes it serves: ``DECODE_MAX_LQ``, ``DECODE_MIN_LK``,
+    ``DECODE_MAX_ROWS``)."""
     mask_gen = generate_mask(kw.get("mask"), q.device)
     args = _args(q, k, v, mask_gen=mask_gen, **kw)
+    wide = out_f32 and q.dtype != torch.float32
     if mask_gen is None:
-        out, lse = triton_decode(q, k, v, *args)
+        out, lse = triton_decode(q, k, v, *args, wide)
     else:
         run: Any = _decode
-        out, lse = run(q, k, v, *args, mask_gen=mask_gen)
+        out, lse = run(q, k, v, *args, wide, mask_gen=mask_gen)
     return out, lse
 
 
@@ -1042,8 +1048,11 @@ class _ModAttention(torch.autograd.Function):
         mask_gen = options["mask_gen"]
         out, lse, out32 = run(q, k, v, args[0], bias, *args[2:], keep_f32, score_gen=gen, mask_gen=mask_gen)
         if sink is not None:  # the sink joins each row's softmax (sinks.py); the backward takes (O₂, lse₂)
-            out32 = sinks_.fold(out32, lse, sink)[0] if keep_f32 else out32
-            out, lse = sinks_.fold(out, lse, sink)
+            if keep_f32:  # folded in float32, then rounded once to q's dtype
+                out32, lse = sinks_.fold(out32, lse, sink)
+                out = out32.to(q.dtype)
+            else:
+                out, lse = sinks_.fold(out, lse, sink)
         # the captured tensors: inputs so that they get gradients, saved so that one changed in place
         # before the backward is refused by autograd (the generated code reads gen.tensors)
         ctx.save_for_backward(q, k, v, bias, sink, out32 if keep_f32 else out, lse, *captured)
@@ -1126,11 +1135,14 @@ def attention_with_mod(
         dropout_p=dropout_p, dropout_seed=dropout_seed, mask_gen=mask_gen,
     )  # fmt: skip
     if decode or not needs_grad:
+        wide = sink is not None and q.dtype != torch.float32  # (sinks folded in float32, then rounded once)
         with torch.no_grad():
-            run: Any = _decode if decode else _forward
-            out, lse = run(q, k, v, args[0], bias, *args[2:], score_gen=gen, mask_gen=mask_gen)[:2]
+            run: Any = _decode if decode else _forward  # (args: the op arguments of ``_args``)
+            got = run(q, k, v, args[0], bias, *args[2:], wide, score_gen=gen, mask_gen=mask_gen)
+            out, lse = (got[2] if wide and not decode else got[0]), got[1]
         if sink is not None:
             out, lse = sinks_.fold(out, lse, sink)
+            out = out.to(q.dtype)
     else:
         ref = {
             "mask": mask, "causal": causal, "window": window, "scale": scale, "softcap": softcap,
