@@ -324,6 +324,71 @@ def test_export_masks_built_from_the_inputs_sizes(strict: bool) -> None:
     torch.testing.assert_close(ep.module()(q2, kv2, kv2), Masked()(q2, kv2, kv2))
 
 
+class FromData(torch.nn.Module):
+    """Attention with ``az.masks.padding`` / ``document`` made from the module's input ``x`` (lengths
+    or ids), or from Python ints when ``x`` is not read."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        L = q.shape[2]
+        mask = {
+            "padding": lambda: az.masks.padding(x, kv_len=L),
+            "padding_ints": lambda: az.masks.padding([L, 5]),
+            "document_causal": lambda: az.masks.document(x) & az.masks.causal(L),
+            "document_batched": lambda: az.masks.document(x),
+            "cu_seqlens_ints": lambda: az.masks.document(cu_seqlens=[0, 7, L]),
+        }[self.how]()
+        out = az.attention(q, q, q, mask=mask)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+@pytest.mark.parametrize("how", ["padding", "padding_ints", "document_causal", "document_batched", "cu_seqlens_ints"])
+def test_export_masks_made_from_lengths_and_ids(how: str, strict: bool) -> None:
+    """``az.masks.padding`` and ``document`` read their lengths / ids (checks, blocks to skip), which
+    export cannot: both failed to export, from tensors and from Python ints alike (a data-dependent
+    guard; strict: "Skip calling torch.compiler.disable()d function"). Under export they are the
+    comparison itself, computed in the program: run again with other lengths / ids, the program
+    gives what eager attnzero gives for them."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 16, 8)
+    xs = {
+        "padding": (torch.tensor([16, 9]), torch.tensor([3, 12])),
+        "document_causal": (torch.tensor([0] * 5 + [1] * 11), torch.tensor([0] * 9 + [1] * 2 + [2] * 5)),
+        "document_batched": (torch.tensor([[0] * 5 + [1] * 11, [0] * 16]), torch.tensor([[0] * 9 + [4] * 7, [2] * 16])),
+    }.get(how, (torch.zeros(1), torch.ones(1)))
+    module = FromData(how)
+    program = torch.export.export(module, (q, xs[0]), strict=strict)
+    for x in xs:
+        torch.testing.assert_close(program.module()(q, x), module(q, x), rtol=0, atol=0)
+
+
+def test_export_refuses_what_it_cannot_read() -> None:
+    """Under export a tensor of lengths needs ``kv_len`` (the mask's length is max(lengths) otherwise,
+    a value), and ``cu_seqlens`` must be Python ints (the packed length is a value): each refused by
+    name, where export's own error spoke of a guard on a symbol."""
+    q = torch.randn(1, 2, 16, 8)
+
+    class Bad(torch.nn.Module):
+        def __init__(self, make: Any) -> None:
+            super().__init__()
+            self.make = make
+
+        def forward(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return az.attention(q, q, q, mask=self.make(x))  # type: ignore[return-value]
+
+    with pytest.raises(ValueError, match="kv_len: expected an int under torch.export"):
+        torch.export.export(Bad(lambda x: az.masks.padding(x)), (q, torch.tensor([16])), strict=False)
+    with pytest.raises(ValueError, match="cu_seqlens: expected Python ints under torch.export"):
+        torch.export.export(Bad(lambda x: az.masks.document(cu_seqlens=x)), (q, torch.tensor([0, 16])), strict=False)
+    with pytest.raises(ValueError, match="lengths: expected a 1-D sequence of ints"):
+        torch.export.export(Bad(lambda x: az.masks.padding(x, 16)), (q, torch.ones(1, 2)), strict=False)
+
+
 def test_a_softcap_passed_in_compiles_as_a_symbolic_float() -> None:
     """A softcap given as an argument (Gemma 2's, a module's field) is a symbolic float under
     dynamic=True, and on its second value by default: the finiteness check could not trace it."""

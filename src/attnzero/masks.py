@@ -533,13 +533,22 @@ def window(q_len: int, kv_len: int | None = None, left: int | None = None, right
     return _made(made, window, Lq, Lk, left, right)
 
 
-@torch.compiler.disable  # (see the docstring)
 def padding(lengths: Tensor | Sequence[int], kv_len: int | None = None) -> Mask:
     """Key padding from the true lengths of each sequence: key ``j`` of batch ``b`` is kept iff
     ``j < lengths[b]``. Shape (B, 1, 1, kv_len), kv_len defaulting to ``max(lengths)``.
 
     The lengths are read (checked, and turned into the blocks a backend skips), so under
-    ``torch.compile`` the call runs eagerly: one graph break, and new lengths do not recompile."""
+    ``torch.compile`` the call runs eagerly: one graph break, and new lengths do not recompile.
+    Under ``torch.export`` nothing can be read: the mask is the comparison itself, computed in the
+    exported program (``_exported_padding``: dense, no blocks skipped), and a tensor of lengths
+    needs ``kv_len``."""
+    if torch.compiler.is_exporting():
+        return _exported_padding(lengths, kv_len)
+    return _padding(lengths, kv_len)
+
+
+@torch.compiler.disable  # (see padding's docstring)
+def _padding(lengths: Tensor | Sequence[int], kv_len: int | None) -> Mask:
     lens = _ints("lengths", lengths, "a 1-D sequence of ints").clone()  # the mask as made (its blocks are)
     if lens.ndim != 1:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got {tuple(lens.shape)} {lens.dtype}")
@@ -575,7 +584,6 @@ def _ids_from_cu(name: str, cu: Tensor | Sequence[int]) -> Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (T,)
 
 
-@torch.compiler.disable  # (as padding: the ids are read)
 def document(
     ids: Tensor | Sequence[int] | None = None,
     kv_ids: Tensor | Sequence[int] | None = None,
@@ -597,8 +605,21 @@ def document(
         · · ■ ■ ■
 
     Sorted ids (documents back to back) let backends skip every block between two documents.
-    Under ``torch.compile`` the call runs eagerly, as :func:`padding` does.
+    Under ``torch.compile`` the call runs eagerly, and under ``torch.export`` it is the comparison of
+    ids computed in the program, as :func:`padding` (there ``cu_seqlens`` must be Python ints).
     """
+    if torch.compiler.is_exporting():
+        return _exported_document(ids, kv_ids, cu_seqlens, cu_seqlens_kv)
+    return _document(ids, kv_ids, cu_seqlens, cu_seqlens_kv)
+
+
+@torch.compiler.disable  # (as padding: the ids are read)
+def _document(
+    ids: Tensor | Sequence[int] | None,
+    kv_ids: Tensor | Sequence[int] | None,
+    cu_seqlens: Tensor | Sequence[int] | None,
+    cu_seqlens_kv: Tensor | Sequence[int] | None,
+) -> Mask:
     if cu_seqlens is not None or cu_seqlens_kv is not None:
         if ids is not None or kv_ids is not None:
             raise ValueError("cu_seqlens: expected either ids or cu_seqlens, got both")
@@ -628,6 +649,87 @@ def document(
     made = Mask(keep, shape, "document", segments=Segments(q2, k2, shape), exact=True)
     made.tensors = (q2, k2)
     return _made(made, document, q2, k2)
+
+
+# Under torch.export: a tensor's values cannot be read while the program is traced (there is no
+# data, or reading one would fix it into the program), so padding and document become the dense
+# comparison their predicate makes, computed in the program from the lengths or ids given; Python
+# ints are still checked as in eager.
+
+
+def _exported_ints(name: str, values: Tensor | Sequence[Any], dims: tuple[int, ...], expected: str) -> Tensor:
+    """``values`` as an integer tensor of one of ``dims`` dims, checked without reading a tensor's data."""
+    if isinstance(values, Tensor):
+        t = values
+    else:
+        try:
+            t = torch.tensor(values, dtype=torch.int64)  # Python ints: a constant of the program
+        except (OverflowError, RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"{name}: expected {expected}, got {values!r}") from e
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.ndim not in dims:
+        raise ValueError(f"{name}: expected {expected}, got {tuple(t.shape)} {t.dtype}")
+    return t
+
+
+def _exported_padding(lengths: Tensor | Sequence[int], kv_len: int | None) -> Mask:
+    lens = _exported_ints("lengths", lengths, (1,), "a 1-D sequence of ints")  # (B,)
+    if isinstance(lengths, Tensor):
+        if kv_len is None:
+            raise ValueError(
+                "kv_len: expected an int under torch.export (a tensor of lengths is not read while exporting), got None"
+            )
+        Lk = _check_len("kv_len", kv_len)
+    else:
+        vals = [int(x) for x in lengths]
+        if not vals or min(vals) < 0:
+            raise ValueError(f"lengths: expected non-negative lengths for at least one sequence, got {vals}")
+        Lk = _check_len("kv_len", kv_len) if kv_len is not None else _check_len("lengths' largest", max(vals))
+        if max(vals) > Lk:
+            raise ValueError(f"lengths: expected every length <= kv_len {Lk}, got {vals}")
+    keep = torch.arange(Lk, device=lens.device).view(1, Lk) < lens.view(-1, 1)  # (B, Lk)
+    return from_tensor(keep.view(-1, 1, 1, Lk), "padding")  # (B, 1, 1, Lk)
+
+
+def _exported_cu_ids(name: str, cu: Tensor | Sequence[int]) -> Tensor:
+    """(T,) document index of each token from Python cumulative lengths (a tensor's are refused)."""
+    if isinstance(cu, Tensor):
+        raise ValueError(
+            f"{name}: expected Python ints under torch.export (the packed length a tensor holds is not read "
+            "while exporting); give ids (L,) instead"
+        )
+    c = [int(x) for x in cu]
+    if len(c) < 2 or c[0] != 0 or any(b < a for a, b in itertools.pairwise(c)) or c[-1] < 1:
+        raise ValueError(
+            f"{name}: expected (N + 1,) non-decreasing ints starting at 0 and ending at the packed length > 0, got {c}"
+        )
+    return torch.tensor([d for d in range(len(c) - 1) for _ in range(c[d + 1] - c[d])], dtype=torch.int64)
+
+
+def _exported_document(
+    ids: Tensor | Sequence[int] | None,
+    kv_ids: Tensor | Sequence[int] | None,
+    cu_seqlens: Tensor | Sequence[int] | None,
+    cu_seqlens_kv: Tensor | Sequence[int] | None,
+) -> Mask:
+    if cu_seqlens is not None or cu_seqlens_kv is not None:
+        if ids is not None or kv_ids is not None:
+            raise ValueError("cu_seqlens: expected either ids or cu_seqlens, got both")
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens: expected the queries' cumulative lengths too when cu_seqlens_kv is given")
+        ids = _exported_cu_ids("cu_seqlens", cu_seqlens)
+        kv_ids = None if cu_seqlens_kv is None else _exported_cu_ids("cu_seqlens_kv", cu_seqlens_kv)
+    if ids is None:
+        raise ValueError("ids: expected (L,) or (B, L) integer ids (or cu_seqlens), got None")
+    q_ids = _exported_ints("ids", ids, (1, 2), "(L,) or (B, L) integer ids")
+    k_ids = q_ids if kv_ids is None else _exported_ints("kv_ids", kv_ids, (1, 2), "(L,) or (B, L) integer ids")
+    for name, t in (("ids", q_ids), ("kv_ids", k_ids)):
+        if t.numel() == 0:
+            raise ValueError(f"{name}: expected (L,) or (B, L) integer ids, got {tuple(t.shape)} {t.dtype}")
+    q2, k2 = q_ids.reshape(-1, q_ids.shape[-1]), k_ids.reshape(-1, k_ids.shape[-1])  # (B, L)
+    if q2.shape[0] != k2.shape[0] and 1 not in (q2.shape[0], k2.shape[0]):
+        raise ValueError(f"kv_ids: batch {k2.shape[0]} does not match ids' {q2.shape[0]}")
+    keep = q2.unsqueeze(2) == k2.to(q2.device).unsqueeze(1)  # (B, Lq, Lk), a batch of 1 broadcast
+    return from_tensor(keep.unsqueeze(1), "document")  # (B, 1, Lq, Lk)
 
 
 def from_tensor(mask: Tensor, name: str = "tensor") -> Mask:
