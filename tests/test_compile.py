@@ -381,9 +381,9 @@ def test_export_refuses_what_it_cannot_read() -> None:
         def forward(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return az.attention(q, q, q, mask=self.make(x))  # type: ignore[return-value]
 
-    with pytest.raises(ValueError, match="kv_len: expected an int under torch.export"):
+    with pytest.raises(ValueError, match=r"kv_len: expected an int under torch\.export"):
         torch.export.export(Bad(lambda x: az.masks.padding(x)), (q, torch.tensor([16])), strict=False)
-    with pytest.raises(ValueError, match="cu_seqlens: expected Python ints under torch.export"):
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected Python ints under torch\.export"):
         torch.export.export(Bad(lambda x: az.masks.document(cu_seqlens=x)), (q, torch.tensor([0, 16])), strict=False)
     with pytest.raises(ValueError, match="lengths: expected a 1-D sequence of ints"):
         torch.export.export(Bad(lambda x: az.masks.padding(x, 16)), (q, torch.ones(1, 2)), strict=False)

@@ -449,7 +449,9 @@ def test_head_dim_256_still_runs() -> None:
 # Sinks: the backward from sink-folded (out, lse)
 
 
-@pytest.mark.parametrize("path", ["decode", "forward", "forward_grad", "score_mod", "score_mod_grad", "score_mod_decode"])
+@pytest.mark.parametrize(
+    "path", ["decode", "forward", "forward_grad", "score_mod", "score_mod_grad", "score_mod_decode"]
+)
 def test_sinks_are_folded_into_the_float32_output_then_rounded_once(path: str) -> None:
     """A 16-bit call with sinks rounds its output once: the kernels' float32 O, the sinks folded in
     (sinks.fold), then q's dtype — as the CPU kernel and flash.py do. (Before: the split-KV decode,
