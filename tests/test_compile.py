@@ -389,6 +389,39 @@ def test_export_refuses_what_it_cannot_read() -> None:
         torch.export.export(Bad(lambda x: az.masks.padding(x, 16)), (q, torch.ones(1, 2)), strict=False)
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+@pytest.mark.parametrize("how", ["alike_causal", "alike_window_lse", "unalike_causal", "unalike_score_mod_sinks"])
+def test_export_attention_varlen(how: str, strict: bool) -> None:
+    """attention_varlen reads cu_seqlens (its sequences as Python ints), which export cannot: it
+    failed to export (a data-dependent guard; strict: a disabled function). Under export it is one
+    call over the packed row with the mask computed in the program from cu_seqlens; the program,
+    run with other packings (an empty sequence, a sequence with queries and no keys), gives what
+    eager attention_varlen gives."""
+    torch.manual_seed(0)
+    alike = how.startswith("alike")
+    Tk = 16 if alike else 20
+    q, k, v = torch.randn(16, 4, 8), torch.randn(Tk, 2, 8), torch.randn(Tk, 2, 8)
+    cu_q = [[0, 5, 16], [0, 9, 16], [0, 0, 16], [0, 16, 16]]
+    cu_k = cu_q if alike else [[0, 12, 20], [0, 3, 20], [0, 20, 20], [0, 0, 20]]
+    options: dict[str, Any] = {
+        "alike_causal": {"causal": True},
+        "alike_window_lse": {"window": (3, 1), "return_lse": True},
+        "unalike_causal": {"causal": True},
+        "unalike_score_mod_sinks": {"score_mod": lambda s, b, h, i, j: s + 0.1 * (i - j) + b, "sinks": torch.ones(4)},
+    }[how]
+
+    class Varlen(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Any:
+            return az.attention_varlen(q, k, v, a, b, **options)
+
+    ints = torch.int32
+    program = torch.export.export(Varlen(), (q, k, v, torch.tensor(cu_q[0], dtype=ints), torch.tensor(cu_k[0])),
+                                  strict=strict)  # fmt: skip
+    for a, b in zip(cu_q, cu_k):
+        args = (q, k, v, torch.tensor(a, dtype=ints), torch.tensor(b))
+        torch.testing.assert_close(program.module()(*args), Varlen()(*args))
+
+
 def test_a_softcap_passed_in_compiles_as_a_symbolic_float() -> None:
     """A softcap given as an argument (Gemma 2's, a module's field) is a symbolic float under
     dynamic=True, and on its second value by default: the finiteness check could not trace it."""

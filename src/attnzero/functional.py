@@ -568,11 +568,6 @@ def _empty(shape: tuple[int, ...], *inputs: Tensor | None) -> Tensor:
     return first.new_zeros(shape) + 0.0 * tie  # an empty tensor: the scalar's value never shows
 
 
-# torch.compile runs a varlen call as one eager call (a single graph break): its sequences are
-# read back as Python ints (the blocks between sequences are chosen from them), and traced they
-# became constants of the graph — a recompile for every new cu_seqlens and a graph break at every
-# read-back (twenty graphs for one call). The model around it still compiles.
-@torch.compiler.disable
 def attention_varlen(
     q: Tensor,
     k: Tensor,
@@ -618,14 +613,64 @@ def attention_varlen(
         it is one call over the packed row with the documents as a mask, so a NaN or infinity in one
         sequence's q, k, v or output gradient can reach another's result through a block both share
         (0 · NaN, as in a dense masked softmax); with finite values each sequence is on its own.
+        Under ``torch.export`` nothing is read: one call over the packed row with a dense mask
+        computed in the program (``_exported_varlen``; O(Tq · Tk) memory).
     """
+    if torch.compiler.is_exporting():
+        return _exported_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, window=window, scale=scale, softcap=softcap,
+            sinks=sinks, dropout_p=dropout_p, backend=backend, return_lse=return_lse, score_mod=score_mod,
+        )  # fmt: skip
+    return _attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+        window=window, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, backend=backend,
+        return_lse=return_lse, score_mod=score_mod,
+    )  # fmt: skip
+
+
+def _packed(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> None:
+    """attention_varlen's checks of the packed tensors (shapes only)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.tensor(name, x, empty_ok=True)
         if x.ndim != 3:
             raise ArgumentError(f"{name}: expected 3 dims (T, H, D), got {tuple(x.shape)}")
-    Tq, Hq, Tk = q.shape[0], q.shape[1], k.shape[0]
-    if v.shape[0] != Tk:
-        raise ArgumentError(f"v: {v.shape[0]} packed keys do not match k's {Tk}")
+    if v.shape[0] != k.shape[0]:
+        raise ArgumentError(f"v: {v.shape[0]} packed keys do not match k's {k.shape[0]}")
+    Hq, Tq = q.shape[1], q.shape[0]
+    if sinks is not None:
+        checks.tensor("sinks", sinks, empty_ok=True)
+        if tuple(sinks.shape) not in ((Hq,), (Hq, Tq)):
+            raise ArgumentError(
+                f"sinks: expected shape (Hq,) = ({Hq},) or (Hq, Tq) = ({Hq}, {Tq}), got {tuple(sinks.shape)}"
+            )
+
+
+# torch.compile runs a varlen call as one eager call (a single graph break): its sequences are
+# read back as Python ints (the blocks between sequences are chosen from them), and traced they
+# became constants of the graph — a recompile for every new cu_seqlens and a graph break at every
+# read-back (twenty graphs for one call). The model around it still compiles.
+@torch.compiler.disable
+def _attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    causal: bool,
+    window: int | tuple[int | None, int | None] | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+    dropout_p: float,
+    backend: BackendName,
+    return_lse: bool,
+    score_mod: mods.ScoreMod | None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    _packed(q, k, v, sinks)
+    Tq, Tk = q.shape[0], k.shape[0]
     cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, q.device)
     cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk, q.device)
     if len(cu_q) != len(cu_k):
@@ -641,12 +686,6 @@ def attention_varlen(
             raise ArgumentTypeError(f"{name}: expected None or an int, got {given!r}")
         if given < max(lens, default=0):
             raise ArgumentError(f"{name}: expected at least the longest sequence, {max(lens)}, got {given}")
-    if sinks is not None:
-        checks.tensor("sinks", sinks, empty_ok=True)
-        if tuple(sinks.shape) not in ((Hq,), (Hq, Tq)):
-            raise ArgumentError(
-                f"sinks: expected shape (Hq,) = ({Hq},) or (Hq, Tq) = ({Hq}, {Tq}), got {tuple(sinks.shape)}"
-            )
     fn = mods.check_callable("score_mod", score_mod)
     fn = None if fn is None else mods.pin(fn)  # its closure as now, under the per-sequence wrapper
     options: dict[str, Any] = {
@@ -689,6 +728,61 @@ def attention_varlen(
             outs.append(res[0][0].transpose(0, 1))  # (Lq_n, Hq, Dv)
             lses.append(res[1][0])  # (Hq, Lq_n)
         out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    return (out, lse) if checks.flag("return_lse", return_lse) else out
+
+
+def _exported_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool,
+    window: int | tuple[int | None, int | None] | None, scale: float | None, softcap: float | None,
+    sinks: Tensor | None, dropout_p: float, backend: BackendName, return_lse: bool, score_mod: mods.ScoreMod | None,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """attention_varlen under torch.export, where cu_seqlens cannot be read: one call over the
+    packed row, its mask computed in the program — token ``t``'s sequence ``n`` (by
+    ``searchsorted``), its position within it and the sequence's lengths; pairs of one sequence
+    kept by causal / window around that sequence's bottom-right position. The values of cu_seqlens
+    are not checked (max_seqlen neither): cu_seqlens must hold what attention_varlen says."""
+    _packed(q, k, v, sinks)
+    Tq, Tk = q.shape[0], k.shape[0]
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise ArgumentTypeError(f"{name}: expected a torch.Tensor of any integer dtype, got {x!r}")
+        if x.ndim != 1 or len(x) < 2:
+            raise ArgumentError(f"{name}: expected shape (N + 1,) with N >= 1 under torch.export, got {tuple(x.shape)}")
+    if len(cu_seqlens_q) != len(cu_seqlens_k):
+        raise ArgumentError(
+            f"cu_seqlens_k: expected as many sequences as cu_seqlens_q ({len(cu_seqlens_q) - 1}), "
+            f"got {len(cu_seqlens_k) - 1}"
+        )
+    N = len(cu_seqlens_q) - 1
+
+    def tokens(cu: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
+        cu = cu.to(q.device, mods.INDEX_DTYPE)  # (N + 1,)
+        t = torch.arange(T, dtype=mods.INDEX_DTYPE, device=q.device)  # (T,)
+        n = torch.searchsorted(cu[1:], t, right=True).clamp(max=N - 1)  # (T,) each token's sequence
+        return n, t - cu[n], cu[1:] - cu[:-1]  # its sequence, position within it; (N,) lengths
+
+    n_q, pos_q, len_q = tokens(cu_seqlens_q, Tq)
+    n_k, pos_k, len_k = tokens(cu_seqlens_k, Tk)
+    i, j, n = pos_q.view(Tq, 1), pos_k.view(1, Tk), n_q.view(Tq, 1)  # (Tq, 1), (1, Tk), (Tq, 1)
+    keep = n == n_k.view(1, Tk)  # (Tq, Tk): one sequence
+    by_position = geometry.kept(i, j, len_q[n], len_k[n], causal, checks.window(window))  # its bottom-right band
+    if isinstance(by_position, Tensor):
+        keep = keep & by_position
+    fn = mods.check_callable("score_mod", score_mod)
+    if fn is not None:
+        seq_q, local_q, local_k = n_q, pos_q, pos_k
+
+        def within(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return fn(score, seq_q[q_idx], h, local_q[q_idx], local_k[kv_idx])  # b is 0: the one packed row
+
+    res = attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),  # (1, H, T, E)
+        mask=keep.view(1, 1, Tq, Tk), scale=scale, softcap=softcap,
+        sinks=sinks if sinks is None or sinks.ndim == 1 else sinks.unsqueeze(0),  # (Hq,) or (1, Hq, Tq)
+        dropout_p=dropout_p, backend=backend, return_lse=True, score_mod=None if fn is None else within,
+    )  # fmt: skip
+    assert isinstance(res, tuple)
+    out, lse = res[0][0].transpose(0, 1), res[1][0]  # (Tq, Hq, Dv), (Hq, Tq)
     return (out, lse) if checks.flag("return_lse", return_lse) else out
 
 

@@ -54,9 +54,10 @@ def band(causal: bool, window: Window) -> Band:
     return left, right
 
 
-def kept(i: Any, j: Any, q_len: int, kv_len: int, causal: bool, window: Window) -> Any:
+def kept(i: Any, j: Any, q_len: Any, kv_len: Any, causal: bool, window: Window) -> Any:
     """Whether query ``i`` may see key ``j`` by position (ints → bool; integer tensors that
-    broadcast against each other → a bool tensor). Lengths only place the query (``offset``)."""
+    broadcast against each other → a bool tensor). Lengths only place the query (``offset``): ints,
+    or tensors that broadcast with ``i`` (a varlen row's per-sequence lengths)."""
     left, right = band(causal, window)
     p = i + offset(q_len, kv_len)
     ok: Any = True
