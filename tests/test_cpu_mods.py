@@ -47,7 +47,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[Any]:
     yield tmp_path
 
 
-FWD = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+FWD = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_void_p)  # fmt: skip
 BWD = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)  # fmt: skip
@@ -73,7 +73,7 @@ def run_on_rows(mod: mods.ScoreMod, b: int = 1, h: int = 2, R: int = 13, C: int 
     tmp = torch.zeros(max(src.tmp * C, 1))
     fwd, bwd = FWD(built.fwd), BWD(built.bwd)
     for i in range(R):
-        fwd(y[i].data_ptr(), C, b, h, i, j0, bound.caps.data_ptr())
+        assert fwd(y[i].data_ptr(), C, b, h, i, j0, bound.caps.data_ptr()) == 0  # (no index out of range)
         bwd(s[i].data_ptr(), dx[i].data_ptr(), C, b, h, i, j0, bound.caps.data_ptr(), grad.data_ptr(), tmp.data_ptr())
     x = s.clone().requires_grad_()
     want = mods.score_block(mod, x.view(1, 1, R, C), batches=(b, b + 1), heads=(h, h + 1), rows=(0, R),
@@ -225,6 +225,40 @@ def test_the_kernel_runs_a_score_mod_against_the_golden(case: str, ran: list[boo
     mod, kw = CASES[case]
     q, k, v = qkv(2, 4, 2, 23, 37, 16)
     check_against_golden("flash", F32, q, k, v, score_mod=mod, seed=3, **kw)
+    assert ran and all(ran)
+
+
+def test_an_index_past_a_tables_end_raises_as_torch_indexing_does(ran: list[bool]) -> None:
+    """A mod reading a captured tensor out of range: torch's indexing raises IndexError, and so do
+    flash.py and the reference; the generated code read 0 there and went on — a different result
+    where the kernel is built than where it is not (IndexError). The row function now reports it
+    and the kernel raises IndexError, with and without gradients; indices within range (negative
+    ones wrap) raise nothing."""
+    t = torch.randn(20)
+    q, k, v = qkv(1, 2, 2, 16, 24, 8)
+
+    def over(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + t[j]  # keys 20..23: past t's end
+
+    def inside(s: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return s + t[j - 20] * t[i]  # keys 0..19: −20..−1, wrapped
+
+    for grad in (False, True):
+        qq = q.float().requires_grad_(grad)
+        k32, v32 = k.float(), v.float()
+        for backend in ("auto", "flash"):
+            with pytest.raises(IndexError, match="score_mod: an index into a tensor it reads is out of bounds"):
+                az.attention(qq, k32, v32, score_mod=over, backend=backend)
+        with pytest.raises(IndexError, match="out of bounds"):
+            az.attention(qq, k32, v32, score_mod=over, backend="reference")
+    built, reached = cpu_mods._get(over, False)
+    assert built is not None
+    bound = cpu_mods._bind(built, reached)  # (holds the pointers' tensors)
+    fwd = FWD(built.fwd)
+    row = torch.zeros(24)
+    assert fwd(row.data_ptr(), 20, 0, 0, 0, 0, bound.caps.data_ptr()) == 0  # keys 0..19
+    assert fwd(row.data_ptr(), 4, 0, 0, 0, 18, bound.caps.data_ptr()) == 1  # keys 18..21
+    check_against_golden("flash", F32, q, k, v, score_mod=inside)
     assert ran and all(ran)
 
 

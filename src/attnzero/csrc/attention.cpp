@@ -259,8 +259,10 @@ enum Kind : int { SKIP = 0, FULL = 1, PARTIAL = 2 };
 // query i in batch b, query head h. ModFwd: s_j = score_mod(s_j, b, h, i, j0 + j) in place. ModBwd:
 // g_j = g_j · ∂score_mod/∂score at the input x_j, and each captured tensor's share g_j · ∂score_mod/∂θ
 // added into `grad` (this thread's copy, float64: it sums over every pair); `tmp` is scratch.
-// `cap`: the captured tensors' data.
-using ModFwd = void (*)(float* s, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0, const void* const* cap);
+// `cap`: the captured tensors' data. ModFwd returns non-zero where an index into one was out of
+// range (it read 0 there; the call then raises IndexError, as torch's indexing would).
+using ModFwd = int32_t (*)(float* s, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0,
+                           const void* const* cap);
 using ModBwd = void (*)(const float* x, float* g, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0,
                         const void* const* cap, double* grad, float* tmp);
 
@@ -293,6 +295,7 @@ struct Problem {
   int64_t tiles_b = 1, tiles_h = 1;
   ModFwd mod_fwd = nullptr;  // a generated score_mod (nullptr: none)
   ModBwd mod_bwd = nullptr;
+  std::atomic<int32_t>* mod_oob = nullptr;  // set when the forward's mod read out of range
   const void* const* caps = nullptr;  // what the mod reads
   double* mod_grad = nullptr;         // its captured tensors' gradients, one flat copy per thread
   int64_t mod_grad_stride = 0, mod_tmp = 0;  // doubles per copy; scratch floats per key for ModBwd
@@ -381,7 +384,7 @@ struct Problem {
       for (; j + step <= n; j += step) (Vec::loadu(s + j) * f).store(s + j);
       for (; j < n; ++j) s[j] *= scale;
       if (x != nullptr) std::copy(s, s + n, x);
-      mod_fwd(s, n, b, h, i, j0, caps);
+      if (mod_fwd(s, n, b, h, i, j0, caps) != 0 && mod_oob != nullptr) mod_oob->store(1, std::memory_order_relaxed);
       scl = 1.f;
       j = 0;
     }
@@ -1000,6 +1003,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   Problem P = make_problem(q, k, v, mask, bias, table, tiles, left, right, scale, softcap, dropout_p, seed, block_q,
                            block_k);
   set_mod(P, mod_fwd, 0, caps, std::nullopt, 0);
+  std::atomic<int32_t> oob{0};
+  P.mod_oob = &oob;
   at::Tensor out = empty_output(q_in, k_in, v_in, out_f32 ? at::kFloat : q.scalar_type(), P.dropout);
   at::Tensor lse = at::empty({P.B, P.Hq, P.Lq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnzero_cpu_forward", [&] {
@@ -1009,6 +1014,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
       forward_impl<scalar_t>(P, q, k, v, out, lse);
     }
   });
+  TORCH_CHECK_INDEX(oob.load() == 0, "score_mod: an index into a tensor it reads is out of bounds");
   return {out, lse};
 }
 

@@ -13,8 +13,9 @@ identity of ``forward.py`` behind ``HAS_MOD=False`` and compile as before.
   kernels as one tuple of pointers (``CAP``: Triton takes tuples of tensors, so any number of them
   and no fixed maximum); ``table[h, q_idx - kv_idx + L - 1]`` becomes ``tl.load(CAP[i] + offset)``
   with the offset from the tensor's (contiguous) strides, a negative index wrapped as torch wraps
-  it, and a masked load (other 0) where an index is out of range — torch raises there; a kernel
-  cannot, and the pairs of a block past Lq / Lk, whose scores are thrown away, do index out of range.
+  it, and a masked load (other 0) where an index is out of range — torch raises there; a Triton
+  kernel cannot, and the pairs of a block past Lq / Lk, whose scores are thrown away, do index out
+  of range (the CPU kernel's C++, which runs only real pairs, reports it and raises IndexError).
   Shapes and strides are written into the source: a new table shape is a new function.
 * The backward (``SCORE_MOD_BWD``) is the graph differentiated here, node by node, in reverse
   (``_Backward``; the derivative rules are torch's, ``derivatives.yaml``): it returns
