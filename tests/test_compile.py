@@ -422,6 +422,36 @@ def test_export_attention_varlen(how: str, strict: bool) -> None:
         torch.testing.assert_close(program.module()(*args), Varlen()(*args))
 
 
+def test_exported_attention_varlen_takes_any_number_of_sequences_and_any_window() -> None:
+    """Review findings: the exported program read the number of sequences with len() (fixed at the
+    example's N: a dynamic N failed to export), and added window sides to int32 positions (a side
+    of 2³¹ − 1 or more wrapped around: results off by 1.6–3.3)."""
+    torch.manual_seed(0)
+    from torch.export import Dim
+
+    class Varlen(nn.Module):
+        def __init__(self, window: Any) -> None:
+            super().__init__()
+            self.window = window
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Any:
+            return az.attention_varlen(q, k, v, a, b, causal=True, window=self.window, return_lse=True)
+
+    q, k, v = torch.randn(17, 4, 8), torch.randn(21, 2, 8), torch.randn(21, 2, 8)
+    a, b = torch.tensor([0, 5, 9, 17]), torch.tensor([0, 7, 7, 21])
+    Tq, Tk, N1 = Dim("Tq", min=2, max=4096), Dim("Tk", min=2, max=4096), Dim("N1", min=3, max=64)
+    shapes = {"q": {0: Tq}, "k": {0: Tk}, "v": {0: Tk}, "a": {0: N1}, "b": {0: N1}}
+    program = torch.export.export(Varlen(None), (q, k, v, a, b), dynamic_shapes=shapes).module()
+    q2, k2 = torch.randn(30, 4, 8), torch.randn(11, 2, 8)
+    for cq, ck in (([0, 10, 20, 30], [0, 3, 3, 11]), ([0, 10, 30], [0, 3, 11]), ([0, 1, 2, 3, 30], [0, 3, 4, 5, 11])):
+        args = (q2, k2, k2, torch.tensor(cq), torch.tensor(ck))
+        torch.testing.assert_close(program(*args), Varlen(None)(*args))
+    for window in ((None, 2**31 - 1), (2**40, 0), (3, 2**33)):
+        module = Varlen(window)
+        program = torch.export.export(module, (q, k, v, a, b)).module()
+        torch.testing.assert_close(program(q, k, v, a, b), module(q, k, v, a, b))
+
+
 def test_a_softcap_passed_in_compiles_as_a_symbolic_float() -> None:
     """A softcap given as an argument (Gemma 2's, a module's field) is a symbolic float under
     dynamic=True, and on its second value by default: the finiteness check could not trace it."""

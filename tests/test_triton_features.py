@@ -450,7 +450,7 @@ def test_head_dim_256_still_runs() -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["decode", "forward", "forward_grad", "score_mod", "score_mod_grad", "score_mod_decode"]
+    "path", ["decode", "decode_compiled", "forward", "forward_grad", "score_mod", "score_mod_grad", "score_mod_decode"]
 )
 def test_sinks_are_folded_into_the_float32_output_then_rounded_once(path: str) -> None:
     """A 16-bit call with sinks rounds its output once: the kernels' float32 O, the sinks folded in
@@ -467,6 +467,11 @@ def test_sinks_are_folded_into_the_float32_output_then_rounded_once(path: str) -
     opts = {"scale": 0.3, "score_mod": score_mod, "backend": "triton", "return_lse": True}
     if path.endswith("_grad"):
         got, lse = az.attention(q.requires_grad_(), k, v, sinks=sink, **opts)
+    elif path.endswith("_compiled"):  # the op path (ops._forward_kept; torch.export and vmap take it too)
+        with torch.no_grad():
+            got, lse = torch.compile(lambda *a: az.attention(*a, sinks=sink, **opts), backend="eager", fullgraph=True)(
+                q, k, v
+            )
     else:
         with torch.no_grad():
             got, lse = az.attention(q, k, v, sinks=sink, **opts)

@@ -746,18 +746,19 @@ def _exported_varlen(
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise ArgumentTypeError(f"{name}: expected a torch.Tensor of any integer dtype, got {x!r}")
-        if x.ndim != 1 or len(x) < 2:
+        if x.ndim != 1 or not checks.surely(x.shape[0] >= 2):  # (shape[0], not len: N may be dynamic)
             raise ArgumentError(f"{name}: expected shape (N + 1,) with N >= 1 under torch.export, got {tuple(x.shape)}")
-    if len(cu_seqlens_q) != len(cu_seqlens_k):
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ArgumentError(
-            f"cu_seqlens_k: expected as many sequences as cu_seqlens_q ({len(cu_seqlens_q) - 1}), "
-            f"got {len(cu_seqlens_k) - 1}"
+            f"cu_seqlens_k: expected as many sequences as cu_seqlens_q ({cu_seqlens_q.shape[0] - 1}), "
+            f"got {cu_seqlens_k.shape[0] - 1}"
         )
-    N = len(cu_seqlens_q) - 1
+    N = cu_seqlens_q.shape[0] - 1
 
     def tokens(cu: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
-        cu = cu.to(q.device, mods.INDEX_DTYPE)  # (N + 1,)
-        t = torch.arange(T, dtype=mods.INDEX_DTYPE, device=q.device)  # (T,)
+        # int64: a window side up to 2⁶² is added to these positions (geometry.kept)
+        cu = cu.to(q.device, torch.int64)  # (N + 1,)
+        t = torch.arange(T, dtype=torch.int64, device=q.device)  # (T,)
         n = torch.searchsorted(cu[1:], t, right=True).clamp(max=N - 1)  # (T,) each token's sequence
         return n, t - cu[n], cu[1:] - cu[:-1]  # its sequence, position within it; (N,) lengths
 
@@ -765,12 +766,13 @@ def _exported_varlen(
     n_k, pos_k, len_k = tokens(cu_seqlens_k, Tk)
     i, j, n = pos_q.view(Tq, 1), pos_k.view(1, Tk), n_q.view(Tq, 1)  # (Tq, 1), (1, Tk), (Tq, 1)
     keep = n == n_k.view(1, Tk)  # (Tq, Tk): one sequence
-    by_position = geometry.kept(i, j, len_q[n], len_k[n], causal, checks.window(window))  # its bottom-right band
+    sides = checks.window(window, Tq, Tk)  # (a side past every key of the row: unbounded)
+    by_position = geometry.kept(i, j, len_q[n], len_k[n], causal, sides)  # its bottom-right band
     if isinstance(by_position, Tensor):
         keep = keep & by_position
     fn = mods.check_callable("score_mod", score_mod)
     if fn is not None:
-        seq_q, local_q, local_k = n_q, pos_q, pos_k
+        seq_q, local_q, local_k = (x.to(mods.INDEX_DTYPE) for x in (n_q, pos_q, pos_k))
 
         def within(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return fn(score, seq_q[q_idx], h, local_q[q_idx], local_k[kv_idx])  # b is 0: the one packed row

@@ -294,13 +294,14 @@ def _triton_forward(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor,
 
 
 def _triton_decode(
-    q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, sinks: Tensor | None = None, **kw: Any
+    q: Tensor, k: Tensor, v: Tensor, *, need_lse: bool = True, sinks: Tensor | None = None, out_f32: bool = False,
+    **kw: Any,
 ) -> tuple[Tensor, Tensor]:
     if sinks is None:
-        return _triton().decode(q, k, v, **kw)  # type: ignore[no-any-return]
+        return _triton().decode(q, k, v, out_f32=out_f32, **kw)  # type: ignore[no-any-return]
     out32, lse = _triton().decode(q, k, v, out_f32=True, **kw)
     out, lse = _sinks.fold(out32, lse, sinks)  # folded in float32, then rounded once
-    return out.to(q.dtype), lse
+    return (out if out_f32 else out.to(q.dtype)), lse
 
 
 def _triton_backward(*args: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -367,7 +368,7 @@ def backend(name: str) -> Backend:
 
 
 # The backends whose forward gives a 16-bit call's O in float32 (``out_f32``), for a backward's D
-_UNROUNDED = ("cpu_kernel", "flash", "triton")
+_UNROUNDED = ("cpu_kernel", "flash", "triton", "triton_decode")
 
 
 def _keeps_out(name: str, q: Tensor, v: Tensor, keep_out: bool) -> bool:
