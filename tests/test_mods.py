@@ -972,3 +972,38 @@ def test_a_call_with_a_score_mod_leaves_no_cycle_holding_what_it_read() -> None:
             assert call(grad, dtype)() is None, f"grad={grad}, {dtype}: the mod's table outlived the call"
     finally:
         gc.enable()
+
+
+_T = torch.randn(8, 9)
+IGNORING: dict[str, Any] = {  # mods whose result does not read the score, or some index
+    "keys_only": lambda s, b, h, i, j: (j * 0.1).to(s.dtype),
+    "batch_only_on_flash": lambda s, b, h, i, j: (b.float().to(torch.bfloat16).float() * 0.1).to(s.dtype),
+    "constant_on_flash": lambda s, b, h, i, j: torch.zeros_like(s).to(torch.bfloat16).to(s.dtype),
+    "a_table_not_the_score": lambda s, b, h, i, j: _T[i, j].to(s.dtype),
+    "a_table_not_the_score_on_flash": lambda s, b, h, i, j: _T[i, j].half().float().to(s.dtype),
+}  # ("on_flash": a 16-bit round trip, which the CPU kernel's C++ leaves to flash.py)
+
+
+@pytest.mark.parametrize("backend", ["flash", "auto"])
+@pytest.mark.parametrize("name", list(IGNORING))
+def test_a_mod_that_ignores_the_score_or_an_index(name: str, backend: str) -> None:
+    """The random-mod fuzzer's findings: vmap hands back a mod's result expanded (stride 0) along
+    what it does not read, and flash.py wrote into it ("more than one element of the written-to
+    tensor refers to a single memory location"; a batch-only mod: "view size is not compatible"),
+    in the forward and in the backward of the lse; and a mod that reads no score (nor a tensor with
+    a gradient) has no graph, which the backward asked autograd to differentiate ("element 0 of
+    tensors does not require grad"). Out, lse and the gradients of a loss on both, against the
+    float64 reference."""
+    torch.manual_seed(0)
+    fn = IGNORING[name]
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)
+    dout, dlse = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5)
+    results = []
+    for dtype, be in ((torch.float32, backend), (torch.float64, "reference")):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = az.attention(*x, score_mod=fn, backend=be, return_lse=True)
+        loss = (out * dout.to(dtype)).sum() + (lse * dlse.to(dtype)).sum()
+        grads = torch.autograd.grad(loss, x, allow_unused=True)
+        results.append([out, lse, *(torch.zeros_like(t) if g is None else g for t, g in zip(x, grads))])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)

@@ -197,7 +197,9 @@ def score_block(score_mod: ScoreMod, s: Tensor, *, batches: Range, heads: Range,
         return s
     with ModOps():
         out = _nest(score_mod, True)(s, *idx)  # (nb, nh, r, c)
-    return _checked("score_mod", out, want, s.dtype, "score")
+    # a mod that ignores the score or an index comes back from vmap expanded along it (stride 0):
+    # its own memory, so that a backend may write into it
+    return _checked("score_mod", out, want, s.dtype, "score").contiguous()
 
 
 def mask_block(
@@ -240,6 +242,8 @@ def score_block_backward(
         x = s.detach().requires_grad_(True)
         y = score_block(score_mod, x, batches=batches, heads=heads, rows=rows, cols=cols)
         wrt = [x, *[t for t in captured if t.requires_grad]]
+        if not y.requires_grad:  # a mod that reads neither the score nor a tensor with a gradient
+            return torch.zeros_like(s), [None] * len(captured)
         got = torch.autograd.grad(y, wrt, ds_mod, allow_unused=True)
     ds = torch.zeros_like(s) if got[0] is None else got[0]
     rest = iter(got[1:])
