@@ -209,7 +209,7 @@ class _Lang:
         """``expr`` rounded to float16 / bfloat16, as float32: through float32 first (a float64 is
         rounded twice, as torch does on CPU); bfloat16 by ``_bf16`` — the interpreter's own conversion
         truncates."""
-        x = f"{expr}.to(tl.float32)"
+        x = f"({expr}).to(tl.float32)"
         return f"{x}.to(tl.float16).to(tl.float32)" if dtype == torch.float16 else f"_bf16({x})"
 
     def to(self, expr: str, dtype: torch.dtype) -> str:
@@ -651,11 +651,16 @@ class _Backward:
             return
         v = self.em.vals[node]
         assert isinstance(v, Scalar)
-        held = v.dtype if self.em.lang.computes(v.dtype) else F32  # (a 16-bit value's adjoint: float32)
+        lang = self.em.lang
+        wide = not lang.computes(v.dtype)  # a 16-bit value: its adjoint held as float32 ...
+        held = F32 if wide else v.dtype
         if held != dtype:
-            expr = self.em.lang.to(f"({expr})", held)
+            expr = lang.to(f"({expr})", held)
+        if wide:  # ... rounded to the value's dtype, as torch's autograd holds it: each share and their sum
+            expr = lang.round16(expr, v.dtype)
         before = self.adj.get(node)
-        self.adj[node] = self.var(expr if before is None else f"{before} + {expr}", held)
+        total = expr if before is None else f"{before} + {expr}"
+        self.adj[node] = self.var(lang.round16(total, v.dtype) if wide and before is not None else total, held)
 
     def mark(self) -> None:
         """Which nodes need a gradient: the score, reads that want one, and float nodes computed
