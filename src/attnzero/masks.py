@@ -608,35 +608,39 @@ def document(
     Under ``torch.compile`` the call runs eagerly, and under ``torch.export`` it is the comparison of
     ids computed in the program, as :func:`padding` (there ``cu_seqlens`` must be Python ints).
     """
-    if torch.compiler.is_exporting():
-        return _exported_document(ids, kv_ids, cu_seqlens, cu_seqlens_kv)
-    return _document(ids, kv_ids, cu_seqlens, cu_seqlens_kv)
-
-
-@torch.compiler.disable  # (as padding: the ids are read)
-def _document(
-    ids: Tensor | Sequence[int] | None,
-    kv_ids: Tensor | Sequence[int] | None,
-    cu_seqlens: Tensor | Sequence[int] | None,
-    cu_seqlens_kv: Tensor | Sequence[int] | None,
-) -> Mask:
     if cu_seqlens is not None or cu_seqlens_kv is not None:
         if ids is not None or kv_ids is not None:
             raise ValueError("cu_seqlens: expected either ids or cu_seqlens, got both")
         if cu_seqlens is None:
             raise ValueError("cu_seqlens: expected the queries' cumulative lengths too when cu_seqlens_kv is given")
-        ids = _ids_from_cu("cu_seqlens", cu_seqlens)
-        kv_ids = None if cu_seqlens_kv is None else _ids_from_cu("cu_seqlens_kv", cu_seqlens_kv)
-    if ids is None:
+    elif ids is None:
         raise ValueError("ids: expected (L,) or (B, L) integer ids (or cu_seqlens), got None")
-    q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids").clone()  # the mask as made: its segments are
-    k_ids = q_ids if kv_ids is None else _ints("kv_ids", kv_ids, "(L,) or (B, L) integer ids").clone()
+    build = _exported_document if torch.compiler.is_exporting() else _document
+    return build(ids, kv_ids, cu_seqlens, cu_seqlens_kv)
+
+
+def _id_rows(q_ids: Tensor, k_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The queries' and keys' ids as (B, L) rows, checked: (L,) or (B, L), not empty, batches equal
+    or one of them 1."""
     for name, t in (("ids", q_ids), ("kv_ids", k_ids)):
         if t.ndim not in (1, 2) or t.numel() == 0:
             raise ValueError(f"{name}: expected (L,) or (B, L) integer ids, got {tuple(t.shape)} {t.dtype}")
     q2, k2 = q_ids.reshape(-1, q_ids.shape[-1]), k_ids.reshape(-1, k_ids.shape[-1])  # (B, L)
     if q2.shape[0] != k2.shape[0] and 1 not in (q2.shape[0], k2.shape[0]):
         raise ValueError(f"kv_ids: batch {k2.shape[0]} does not match ids' {q2.shape[0]}")
+    return q2, k2
+
+
+@torch.compiler.disable  # (as padding: the ids are read)
+def _document(
+    ids: Any, kv_ids: Any, cu_seqlens: Tensor | Sequence[int] | None, cu_seqlens_kv: Tensor | Sequence[int] | None
+) -> Mask:
+    if cu_seqlens is not None:
+        ids = _ids_from_cu("cu_seqlens", cu_seqlens)
+        kv_ids = None if cu_seqlens_kv is None else _ids_from_cu("cu_seqlens_kv", cu_seqlens_kv)
+    q_ids = _ints("ids", ids, "(L,) or (B, L) integer ids").clone()  # the mask as made: its segments are
+    k_ids = q_ids if kv_ids is None else _ints("kv_ids", kv_ids, "(L,) or (B, L) integer ids").clone()
+    q2, k2 = _id_rows(q_ids, k_ids)
     B = max(q2.shape[0], k2.shape[0])
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -706,28 +710,14 @@ def _exported_cu_ids(name: str, cu: Tensor | Sequence[int]) -> Tensor:
 
 
 def _exported_document(
-    ids: Tensor | Sequence[int] | None,
-    kv_ids: Tensor | Sequence[int] | None,
-    cu_seqlens: Tensor | Sequence[int] | None,
-    cu_seqlens_kv: Tensor | Sequence[int] | None,
+    ids: Any, kv_ids: Any, cu_seqlens: Tensor | Sequence[int] | None, cu_seqlens_kv: Tensor | Sequence[int] | None
 ) -> Mask:
-    if cu_seqlens is not None or cu_seqlens_kv is not None:
-        if ids is not None or kv_ids is not None:
-            raise ValueError("cu_seqlens: expected either ids or cu_seqlens, got both")
-        if cu_seqlens is None:
-            raise ValueError("cu_seqlens: expected the queries' cumulative lengths too when cu_seqlens_kv is given")
+    if cu_seqlens is not None:
         ids = _exported_cu_ids("cu_seqlens", cu_seqlens)
         kv_ids = None if cu_seqlens_kv is None else _exported_cu_ids("cu_seqlens_kv", cu_seqlens_kv)
-    if ids is None:
-        raise ValueError("ids: expected (L,) or (B, L) integer ids (or cu_seqlens), got None")
     q_ids = _exported_ints("ids", ids, (1, 2), "(L,) or (B, L) integer ids")
     k_ids = q_ids if kv_ids is None else _exported_ints("kv_ids", kv_ids, (1, 2), "(L,) or (B, L) integer ids")
-    for name, t in (("ids", q_ids), ("kv_ids", k_ids)):
-        if t.numel() == 0:
-            raise ValueError(f"{name}: expected (L,) or (B, L) integer ids, got {tuple(t.shape)} {t.dtype}")
-    q2, k2 = q_ids.reshape(-1, q_ids.shape[-1]), k_ids.reshape(-1, k_ids.shape[-1])  # (B, L)
-    if q2.shape[0] != k2.shape[0] and 1 not in (q2.shape[0], k2.shape[0]):
-        raise ValueError(f"kv_ids: batch {k2.shape[0]} does not match ids' {q2.shape[0]}")
+    q2, k2 = _id_rows(q_ids, k_ids)
     keep = q2.unsqueeze(2) == k2.to(q2.device).unsqueeze(1)  # (B, Lq, Lk), a batch of 1 broadcast
     return from_tensor(keep.unsqueeze(1), "document")  # (B, 1, Lq, Lk)
 
