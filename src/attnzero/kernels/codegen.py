@@ -652,11 +652,14 @@ class _Backward:
         v = self.em.vals[node]
         assert isinstance(v, Scalar)
         lang = self.em.lang
-        wide = not lang.computes(v.dtype)  # a 16-bit value: its adjoint held as float32 ...
-        held = F32 if wide else v.dtype
+        held = v.dtype if lang.computes(v.dtype) else F32  # (a 16-bit value's adjoint: float32 ...)
+        # ... rounded to the value's dtype, as torch's autograd holds it: each share and their sum; not
+        # a read of a captured tensor, whose shares go to the tensor's float32 gradient (``atomic``), as
+        # torch sums a broadcast read's gradient before its one cast
+        wide = held != v.dtype and v.load is None
         if held != dtype:
             expr = lang.to(f"({expr})", held)
-        if wide:  # ... rounded to the value's dtype, as torch's autograd holds it: each share and their sum
+        if wide:
             expr = lang.round16(expr, v.dtype)
         before = self.adj.get(node)
         total = expr if before is None else f"{before} + {expr}"
