@@ -744,10 +744,7 @@ def _exported_varlen(
     _packed(q, k, v, sinks)
     Tq, Tk = q.shape[0], k.shape[0]
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-            raise ArgumentTypeError(f"{name}: expected a torch.Tensor of any integer dtype, got {x!r}")
-        if x.ndim != 1 or not checks.surely(x.shape[0] >= 2):  # (shape[0], not len: N may be dynamic)
-            raise ArgumentError(f"{name}: expected shape (N + 1,) with N >= 1 under torch.export, got {tuple(x.shape)}")
+        _cu_tensor(name, x, q.device, 2)  # (N = 0 has no sequence to place a token in)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ArgumentError(
             f"cu_seqlens_k: expected as many sequences as cu_seqlens_q ({cu_seqlens_q.shape[0] - 1}), "
@@ -757,7 +754,7 @@ def _exported_varlen(
 
     def tokens(cu: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
         # int64: a window side up to 2⁶² is added to these positions (geometry.kept)
-        cu = cu.to(q.device, torch.int64)  # (N + 1,)
+        cu = cu.to(torch.int64)  # (N + 1,)
         t = torch.arange(T, dtype=torch.int64, device=q.device)  # (T,)
         n = torch.searchsorted(cu[1:], t, right=True).clamp(max=N - 1)  # (T,) each token's sequence
         return n, t - cu[n], cu[1:] - cu[:-1]  # its sequence, position within it; (N,) lengths
@@ -812,18 +809,25 @@ def _within_sequences(fn: mods.ScoreMod, cu: list[int], device: torch.device) ->
     return score_mod
 
 
-def _cu_seqlens(name: str, x: Any, total: int, device: torch.device) -> list[int]:
-    """The cumulative lengths as a list of ints, checked: a 1-D integer tensor (N + 1,), N >= 0,
-    starting at 0, non-decreasing, ending at ``total``, on q's device."""
+def _cu_tensor(name: str, x: Any, device: torch.device, least: int) -> Tensor:
+    """The cumulative lengths' type, dtype, shape and device, checked without reading them: a 1-D
+    integer tensor of at least ``least`` entries (N + 1,) on q's device."""
     if not isinstance(x, Tensor):
         raise ArgumentTypeError(f"{name}: expected a torch.Tensor of any integer dtype, got {type(x).__name__}")
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
         raise ArgumentTypeError(f"{name}: expected any integer dtype (int32, int64, …), got {x.dtype}")
-    if x.ndim != 1 or len(x) < 1:
-        raise ArgumentError(f"{name}: expected shape (N + 1,), got {tuple(x.shape)}")
+    if x.ndim != 1 or not checks.surely(x.shape[0] >= least):  # (shape[0], not len: N may be dynamic)
+        at_least = f" with N >= {least - 1}" if least > 1 else ""
+        raise ArgumentError(f"{name}: expected shape (N + 1,){at_least}, got {tuple(x.shape)}")
     if x.device != device:
         raise ArgumentError(f"{name}: device {x.device} does not match q's {device}")
-    cu = [int(c) for c in x.tolist()]
+    return x
+
+
+def _cu_seqlens(name: str, x: Any, total: int, device: torch.device) -> list[int]:
+    """The cumulative lengths as a list of ints, checked: a 1-D integer tensor (N + 1,), N >= 0,
+    starting at 0, non-decreasing, ending at ``total``, on q's device."""
+    cu = [int(c) for c in _cu_tensor(name, x, device, 1).tolist()]
     if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
         raise ArgumentError(f"{name}: expected non-decreasing values from 0 to {total}, got {cu}")
     return cu

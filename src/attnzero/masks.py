@@ -552,13 +552,7 @@ def _padding(lengths: Tensor | Sequence[int], kv_len: int | None) -> Mask:
     lens = _ints("lengths", lengths, "a 1-D sequence of ints").clone()  # the mask as made (its blocks are)
     if lens.ndim != 1:
         raise ValueError(f"lengths: expected a 1-D sequence of ints, got {tuple(lens.shape)} {lens.dtype}")
-    if len(lens) == 0 or bool((lens < 0).any()):
-        raise ValueError(f"lengths: expected non-negative lengths for at least one sequence, got {lens.tolist()}")
-    if kv_len is None and int(lens.max()) == 0:
-        raise ValueError(f"lengths: expected a length > 0 somewhere (or kv_len given), got {lens.tolist()}")
-    Lk = int(lens.max()) if kv_len is None else _check_len("kv_len", kv_len)
-    if int(lens.max()) > Lk:
-        raise ValueError(f"lengths: expected every length <= kv_len {Lk}, got {lens.tolist()}")
+    Lk = _key_length(lens.tolist(), kv_len)
 
     def keep(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return kv < lens.to(kv.device)[b]
@@ -572,15 +566,32 @@ def _padding(lengths: Tensor | Sequence[int], kv_len: int | None) -> Mask:
     return _made(made, padding, lens, Lk)
 
 
+def _key_length(lengths: list[int], kv_len: int | None) -> int:
+    """padding's key length (``kv_len``, else the longest of ``lengths``), the lengths checked."""
+    if not lengths or min(lengths) < 0:
+        raise ValueError(f"lengths: expected non-negative lengths for at least one sequence, got {lengths}")
+    if kv_len is None and max(lengths) == 0:
+        raise ValueError(f"lengths: expected a length > 0 somewhere (or kv_len given), got {lengths}")
+    Lk = max(lengths) if kv_len is None else _check_len("kv_len", kv_len)
+    if max(lengths) > Lk:
+        raise ValueError(f"lengths: expected every length <= kv_len {Lk}, got {lengths}")
+    return Lk
+
+
+def _cu_lengths(name: str, cu: list[int]) -> list[int]:
+    """The N sequence lengths of cumulative lengths ``cu`` (N + 1,): 0, ..., T, checked."""
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] < 1:
+        raise ValueError(
+            f"{name}: expected (N + 1,) non-decreasing ints starting at 0 and ending at the packed length > 0, got {cu}"
+        )
+    return [b - a for a, b in itertools.pairwise(cu)]
+
+
 def _ids_from_cu(name: str, cu: Tensor | Sequence[int]) -> Tensor:
     """(T,) document index of each token from cumulative lengths ``cu`` (N + 1,): 0, ..., T."""
     c = _ints(name, cu, "(N + 1,) cumulative sequence lengths")
-    if c.ndim != 1 or len(c) < 2 or int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()) or int(c[-1]) < 1:
-        raise ValueError(
-            f"{name}: expected (N + 1,) non-decreasing ints starting at 0 and ending at the packed length > 0, "
-            f"got {c.tolist()}"
-        )
-    lengths = (c[1:] - c[:-1]).to("cpu", torch.int64)  # (N,)
+    values = c.tolist()  # (a list of lists for 2 dims, refused as it is; a 0-d one is one value)
+    lengths = torch.tensor(_cu_lengths(name, values if isinstance(values, list) else [values]), dtype=torch.int64)
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (T,)
 
 
@@ -684,12 +695,7 @@ def _exported_padding(lengths: Tensor | Sequence[int], kv_len: int | None) -> Ma
             )
         Lk = _check_len("kv_len", kv_len)
     else:
-        vals = [int(x) for x in lengths]
-        if not vals or min(vals) < 0:
-            raise ValueError(f"lengths: expected non-negative lengths for at least one sequence, got {vals}")
-        Lk = _check_len("kv_len", kv_len) if kv_len is not None else _check_len("lengths' largest", max(vals))
-        if max(vals) > Lk:
-            raise ValueError(f"lengths: expected every length <= kv_len {Lk}, got {vals}")
+        Lk = _key_length([int(x) for x in lengths], kv_len)
     keep = torch.arange(Lk, device=lens.device).view(1, Lk) < lens.view(-1, 1)  # (B, Lk)
     return from_tensor(keep.view(-1, 1, 1, Lk), "padding")  # (B, 1, 1, Lk)
 
@@ -701,12 +707,8 @@ def _exported_cu_ids(name: str, cu: Tensor | Sequence[int]) -> Tensor:
             f"{name}: expected Python ints under torch.export (the packed length a tensor holds is not read "
             "while exporting); give ids (L,) instead"
         )
-    c = [int(x) for x in cu]
-    if len(c) < 2 or c[0] != 0 or any(b < a for a, b in itertools.pairwise(c)) or c[-1] < 1:
-        raise ValueError(
-            f"{name}: expected (N + 1,) non-decreasing ints starting at 0 and ending at the packed length > 0, got {c}"
-        )
-    return torch.tensor([d for d in range(len(c) - 1) for _ in range(c[d + 1] - c[d])], dtype=torch.int64)
+    lengths = _cu_lengths(name, [int(x) for x in cu])
+    return torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)], dtype=torch.int64)
 
 
 def _exported_document(
