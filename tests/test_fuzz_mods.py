@@ -137,13 +137,17 @@ class Gen:
             idx.append(f"({s}).long()" if narrow else s)
         return f"{name}[{', '.join(idx)}]"
 
-    def it(self, depth: int, small: bool = False) -> str:
-        """An int expression that is a tensor."""
-        for _ in range(6):
-            e = self.iexpr(depth, small)
+    def tensor(self, make: Callable[[], str], tries: int, fallback: Callable[[], str]) -> str:
+        """An expression from ``make`` that is a tensor, not a bare Python number (else ``fallback``)."""
+        for _ in range(tries):
+            e = make()
             if not is_const(e):
                 return e
-        return self.r.choice(["q_idx", "kv_idx", "h"])
+        return fallback()
+
+    def it(self, depth: int, small: bool = False) -> str:
+        """An int expression that is a tensor."""
+        return self.tensor(lambda: self.iexpr(depth, small), 6, lambda: self.r.choice(["q_idx", "kv_idx", "h"]))
 
     def iexpr(self, depth: int, small: bool = False) -> str:
         """An int expression (``small``: without table reads, for an index)."""
@@ -188,11 +192,7 @@ class Gen:
 
     def bt(self, depth: int, ints_only: bool = False) -> str:
         """A bool expression that is a tensor."""
-        for _ in range(6):
-            e = self.bexpr(depth, ints_only)
-            if not is_const(e):
-                return e
-        return "(q_idx >= kv_idx)"
+        return self.tensor(lambda: self.bexpr(depth, ints_only), 6, lambda: "(q_idx >= kv_idx)")
 
     def bexpr(self, depth: int, ints_only: bool = False) -> str:
         """A bool expression (``ints_only``: not reading float values)."""
@@ -223,11 +223,7 @@ class Gen:
 
     def ft(self, depth: int) -> str:
         """A float expression that is a tensor."""
-        for _ in range(5):
-            e = self.fexpr(depth)
-            if not is_const(e):
-                return e
-        return "score" if self.score_ok else "(q_idx).float()"
+        return self.tensor(lambda: self.fexpr(depth), 5, lambda: "score" if self.score_ok else "(q_idx).float()")
 
     FUNCTIONS = (
         "torch.exp(torch.clamp({x}, -20.0, 8.0))", "torch.exp2(torch.clamp({x}, -20.0, 8.0))",
