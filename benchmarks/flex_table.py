@@ -136,7 +136,8 @@ def section(quick: bool, repeats: int, lengths: tuple[int, ...] | None = None) -
                     try:
                         row.flex()
                     except Exception as e:  # torch's compiled Flex fails on some of them on CPU: say so, go on
-                        yield [row.name, shape, "", f"fails: {type(e).__name__}", ""]
+                        alone = time_interleaved({"attnzero": row.attnzero}, repeats)["attnzero"]
+                        yield [row.name, shape, ms(alone), f"fails: {type(e).__name__}", ""]
                         continue
                     _checked(row)
                     t = time_interleaved({"attnzero": row.attnzero, "flex": row.flex}, repeats)
