@@ -122,7 +122,10 @@ def section(quick: bool, repeats: int, lengths: tuple[int, ...] | None = None) -
     torch._dynamo.config.accumulated_cache_size_limit = 1024
     if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
         torch._dynamo.config.fail_on_recompile_limit_hit = True
-    compiled = torch.compile(flex_attention)
+    # dynamic=False: one static compile per shape. With torch's default, the second shape of a row
+    # recompiles with dynamic sizes (automatic dynamic), and at L = 8192 the document row's dynamic
+    # kernel failed to build (InductorError: the static one builds).
+    compiled = torch.compile(flex_attention, dynamic=False)
     lengths = lengths or (QUICK_LENGTHS if quick else LENGTHS)
     yield "vs torch.compile(flex_attention): forward, inference, float32, attnzero's time ÷ Flex's (below 1: faster)"
     yield ""
