@@ -147,8 +147,8 @@ void tile(const Product& x, int64_t i, int64_t j, int64_t last) {
     }
     a += ak, bk += ldb;
   };
-  for (int64_t k = masked; k < x.K; ++k) step(false);
-  for (int64_t k = 0; k < masked; ++k) step(true);
+  for (int64_t n = x.K - masked; n > 0; --n) step(false);  // B's rows read whole, then
+  for (int64_t n = masked; n > 0; --n) step(true);          // its last `masked` rows, read masked
   if (x.alpha != 1.f) {
     const Vec alpha(x.alpha);
 #pragma GCC unroll 8
